@@ -1,0 +1,139 @@
+"""The aiohttp application: routes, and the lifecycle of the store and upstream pools."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from typing import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from .config import Settings
+from .forward import make_session
+from .handler import Proxy
+from .heartbeats import Heartbeats
+from .identity import TenantResolver
+from .metrics import Metrics
+from .problems import Problem
+from .store import Store, StoreUnavailable, make_store
+
+log = logging.getLogger("idemproxy.proxy")
+
+SETTINGS = web.AppKey("settings", Settings)
+STORE = web.AppKey("store", Store)
+PROXY = web.AppKey("proxy", Proxy)
+METRICS = web.AppKey("metrics", Metrics)
+OPEN_ATTEMPTS = 8
+
+
+def create_app(settings: Settings, *, extra_routes: Callable[[web.Application], None] | None = None
+               ) -> web.Application:
+    # We read bodies ourselves to answer 413 as problem+json; aiohttp's own cap sits above ours.
+    app = web.Application(client_max_size=settings.server.max_request_bytes + 1024)
+    app[SETTINGS] = settings
+    app[METRICS] = Metrics()
+    app.cleanup_ctx.append(_lifecycle)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    if extra_routes is not None:
+        extra_routes(app)
+    app.router.add_route("*", "/{tail:.*}", _proxy)
+    return app
+
+
+async def open_store(settings: Settings) -> Store:
+    """Open the configured store, retrying with backoff while it is not reachable yet."""
+    store = make_store(settings.store)
+    for attempt in range(1, OPEN_ATTEMPTS + 1):
+        try:
+            await store.open()
+            log.info("store %r open; durability: %s", store, store.durability)
+            return store
+        except StoreUnavailable as exc:
+            if attempt == OPEN_ATTEMPTS:
+                raise
+            delay = min(0.25 * 2 ** attempt, 10.0)
+            log.warning("store not reachable (attempt %d/%d, next in %.1fs): %s",
+                        attempt, OPEN_ATTEMPTS, delay, exc)
+            await asyncio.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+async def tenant_secret(settings: Settings, store: Store) -> bytes:
+    if settings.tenants.secret:
+        return str(settings.tenants.secret).encode()
+    # Generated once and kept in the store, so tenant ids survive restarts and are the
+    # same on every replica.
+    return await store.secret("tenant-hmac", os.urandom(32))
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    store = app[STORE] = await open_store(settings)
+    t = settings.tenants
+    proxy = app[PROXY] = Proxy(
+        settings, store,
+        TenantResolver(await tenant_secret(settings, store), t.credential_headers, t.header,
+                       t.trusted_sources),
+        Heartbeats(store), app[METRICS],
+        sessions={name: make_session(up) for name, up in settings.upstreams.items()})
+    tasks = [asyncio.create_task(loop, name=name) for name, loop in (
+        ("heartbeats", proxy.heartbeats.run()),
+        ("leases", proxy.renew_leases()),
+        ("replay-counts", _every(1.0, proxy.flush_replay_counts)),
+        ("purge", _every(settings.store.purge_interval, lambda: _purge(store))),
+    )]
+    try:
+        yield
+    finally:
+        await proxy.drain(settings.server.shutdown_timeout)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(StoreUnavailable):
+            await proxy.heartbeats.flush()
+            await proxy.flush_replay_counts()
+        for session in proxy.sessions.values():
+            await session.close()
+        await store.aclose()
+
+
+async def _every(interval: float, work: Callable[[], Awaitable[object]]) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await work()
+        except StoreUnavailable as exc:
+            log.warning("background work skipped: %s", exc)
+
+
+async def _purge(store: Store) -> None:
+    n = await store.purge(time.time())
+    if n:
+        log.info("purged %d expired journal entries", n)
+
+
+async def _proxy(request: web.Request) -> web.StreamResponse:
+    return await request.app[PROXY].handle(request)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    try:
+        await asyncio.wait_for(store.ping(), request.app[SETTINGS].store.timeout)
+    except (StoreUnavailable, asyncio.TimeoutError) as exc:
+        return Problem("store-unavailable", f"store not reachable: {exc}").response(request.path)
+    return web.json_response({"status": "ready", "store": repr(store), "durability": store.durability})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS].exposition(),
+                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})

@@ -1,0 +1,195 @@
+"""One recorded upstream call in flight in this process, and everyone listening to it.
+
+The call runs as its own task, apart from the request that started it: if the agent
+goes away mid-stream, the call still reads the upstream to the end and records it
+(those tokens are paid for). The request that started it, and any duplicate that
+arrives meanwhile, are just listeners: they get the bytes so far, then the rest live.
+
+The last bytes are published only after the record is durable, so no agent sees the
+end of an answer that a crash could lose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import orjson
+
+from .config import UpstreamSettings, ambiguous_policy
+from .forward import is_stream, is_timeout, never_sent, response_headers, storable_headers
+from .policy import outcome
+from .store import Store, StoreUnavailable
+from .store.base import Recorded
+
+log = logging.getLogger("idemproxy.proxy")
+
+PARTIAL_FLUSH_S = 0.1  # how often stream bytes are shared with other proxies
+
+
+@dataclass(slots=True)
+class CallResult:
+    """How the call ended, for listeners."""
+    fate: str  # recorded | released | ambiguous | quarantined | unrecordable | unsaved | failed
+    problem: tuple[str, str] | None = None  # (slug, detail) when listeners get an error instead
+
+
+@dataclass(eq=False)
+class Call:
+    kid: str
+    owner: str
+    fingerprint: str
+    upstream: UpstreamSettings
+    max_record_bytes: int
+    status: int = 0
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    streamed: bool = False
+    chunks: list[bytes] = field(default_factory=list)  # published so far
+    result: CallResult | None = None
+    upstream_s: float = 0.0  # time until the upstream's headers
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _held: list[bytes] = field(default_factory=list)
+
+    # -- listeners ------------------------------------------------------------------------
+
+    async def headers_ready(self) -> None:
+        while not self.status and self.result is None:
+            await self._wait()
+
+    async def finished(self) -> CallResult:
+        while self.result is None:
+            await self._wait()
+        return self.result
+
+    async def chunks_from(self, index: int) -> tuple[list[bytes], bool]:
+        """Chunks after ``index`` (waiting for at least one), and whether that was all."""
+        while index >= len(self.chunks) and self.result is None:
+            await self._wait()
+        return self.chunks[index:], self.result is not None
+
+    async def _wait(self) -> None:
+        event = self._changed
+        await event.wait()
+
+    def _publish(self) -> None:
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+
+    # -- the call -------------------------------------------------------------------------
+
+    async def run(self, session: aiohttp.ClientSession, store: Store, method: str, url: str,
+                  headers, body: bytes, heartbeat) -> None:
+        try:
+            self.result = await self._run(session, store, method, url, headers, body, heartbeat)
+        except asyncio.CancelledError:
+            self.result = CallResult("failed", ("upstream-unavailable", "the proxy is shutting down"))
+            raise
+        except Exception as exc:  # noqa: BLE001 - listeners must never hang
+            log.exception("call %s failed", self.kid[:12])
+            self.result = CallResult("failed", ("upstream-unavailable", f"proxy error: {exc!r}"))
+        finally:
+            self._publish()
+
+    async def _run(self, session, store: Store, method, url, headers, body, heartbeat) -> CallResult:
+        started = time.perf_counter()
+        recorded = bytearray()
+        too_large = False
+        timing: list[tuple[int, float]] = []
+        try:
+            async with session.request(method, url, headers=headers, data=body,
+                                       allow_redirects=False) as resp:
+                self.upstream_s = time.perf_counter() - started
+                self.status = resp.status
+                self.headers = response_headers(resp.headers)
+                self.streamed = is_stream(resp.headers)
+                self._publish()
+                first_byte = None
+                flusher = (asyncio.create_task(self._share(store)) if self.streamed else None)
+                try:
+                    while True:
+                        chunk = await resp.content.readany()
+                        if not chunk:
+                            break
+                        heartbeat()
+                        now = time.perf_counter()
+                        first_byte = first_byte or now
+                        if not too_large:
+                            if len(recorded) + len(chunk) > self.max_record_bytes:
+                                too_large = True
+                                recorded.clear()
+                            else:
+                                timing.append((len(recorded), round(now - first_byte, 4)))
+                                recorded += chunk
+                        if self.streamed and not resp.content.is_eof():
+                            self.chunks.append(chunk)
+                            self._publish()
+                        else:  # the last bytes wait for the commit
+                            self._held.append(chunk)
+                finally:
+                    if flusher is not None:
+                        flusher.cancel()
+        except Exception as exc:
+            if never_sent(exc):
+                await store.release(self.kid, self.owner)
+                return CallResult("released", ("upstream-unavailable", f"cannot connect to {self.upstream.name}"))
+            slug = "upstream-timeout" if is_timeout(exc) else "upstream-unavailable"
+            return await self._ambiguous(store, slug, f"{type(exc).__name__} talking to {self.upstream.name}")
+
+        fate = outcome(self.status)
+        if fate == "release":
+            await store.release(self.kid, self.owner)
+            return self._release_held("released")
+        if fate == "ambiguous":
+            result = await self._ambiguous(store, None, f"upstream answered {self.status}")
+            self._release_held(result.fate)
+            return result
+        if too_large:
+            await store.mark_unrecordable(self.kid, self.owner, f"response over {self.max_record_bytes} bytes")
+            return self._release_held("unrecordable")
+        record = Recorded(self.status, storable_headers(self.headers, self.upstream), bytes(recorded),
+                          self.streamed, timing if self.streamed else [])
+        try:
+            kept = await store.complete(self.kid, self.owner, record)
+        except StoreUnavailable as exc:
+            # Rule 1: the agent never sees an answer the journal does not hold.
+            log.error("could not record %s: %s", self.kid[:12], exc)
+            return CallResult("unsaved", ("store-unavailable", "the upstream answered but the journal "
+                                          "could not record it; the key stays claimed until its lease ends"))
+        if not kept:
+            log.warning("lease on %s was lost before its record; the answer is passed on unrecorded",
+                        self.kid[:12])
+        return self._release_held("recorded")
+
+    def _release_held(self, fate: str) -> CallResult:
+        self.chunks.extend(self._held)
+        self._held.clear()
+        return CallResult(fate)
+
+    async def _ambiguous(self, store: Store, slug: str | None, detail: str) -> CallResult:
+        """The upstream may have acted: retry releases the key, quarantine keeps it unknown."""
+        if ambiguous_policy(self.upstream) == "quarantine":
+            await store.quarantine(self.kid, self.owner, detail)
+            fate = "quarantined"
+        else:
+            await store.release(self.kid, self.owner)
+            fate = "ambiguous"
+        return CallResult(fate, (slug, detail) if slug else None)
+
+    async def _share(self, store: Store) -> None:
+        """Copy the stream to the store as it passes, so another proxy can join it."""
+        seq, sent = 0, 0
+        try:
+            await store.append_partial(self.kid, self.owner, 0, orjson.dumps(
+                {"status": self.status, "headers": storable_headers(self.headers, self.upstream)}))
+            while True:
+                await asyncio.sleep(PARTIAL_FLUSH_S)
+                if len(self.chunks) > sent:
+                    seq += 1
+                    data = b"".join(self.chunks[sent:])
+                    sent = len(self.chunks)
+                    await store.append_partial(self.kid, self.owner, seq, data)
+        except StoreUnavailable as exc:
+            log.warning("stream %s not shared with other proxies: %s", self.kid[:12], exc)

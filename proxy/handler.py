@@ -1,0 +1,243 @@
+"""The request path: route, identify, decide, then pass through, record or replay."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from . import policy
+from .calls import Call
+from .config import Settings, UpstreamSettings, ambiguous_policy
+from .fingerprint import fingerprint
+from .forward import forwarded_key, is_stream, request_headers, response_headers
+from .heartbeats import Heartbeats
+from .identity import Identity, TenantResolver, parse_epoch, parse_key, parse_policy, parse_run
+from .metrics import Metrics
+from .problems import Problem
+from .replay import join_remote, listen, send_record, server_timing
+from .routing import Route, parse_route, upstream_url
+from .store import Store, StoreUnavailable
+from .store.base import COMPLETE, IN_FLIGHT, UNKNOWN, UNRECORDABLE, Claim, Entry, Run, Scope
+
+log = logging.getLogger("idemproxy.proxy")
+
+
+@dataclass
+class Proxy:
+    settings: Settings
+    store: Store
+    tenants: TenantResolver
+    heartbeats: Heartbeats
+    metrics: Metrics
+    sessions: dict[str, aiohttp.ClientSession] = field(default_factory=dict)
+    calls: dict[str, Call] = field(default_factory=dict)  # recorded calls in flight here
+    tasks: set[asyncio.Task] = field(default_factory=set)
+    replays: dict[str, int] = field(default_factory=dict)  # replay counts not yet stored
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        request["outcome"] = "rejected"
+        try:
+            route = parse_route(request.raw_path, self.settings.upstreams)
+            ident = self._identify(request, route)
+            body = await self._read_body(request)
+            upstream = route.upstream
+            chosen = policy.decide(upstream, request.method, route.path, override=ident.policy,
+                                   has_key=ident.key is not None, has_run=ident.run is not None)
+            if ident.run:
+                await self._fence(ident)
+            if chosen == policy.PASSTHROUGH:
+                request["outcome"] = "passthrough"
+                return await self._passthrough(request, route, body, started)
+            return await self._record(request, route, ident, body, started)
+        except Problem as problem:
+            if problem.slug == "stale-epoch":
+                request["outcome"] = "fenced"
+            elif problem.slug in ("key-reused", "in-flight", "outcome-unknown", "not-replayable"):
+                request["outcome"] = "conflict"
+            return problem.response(request.path)
+        except StoreUnavailable as exc:
+            log.error("store unavailable: %s", exc)
+            return Problem("store-unavailable", "the journal store did not answer; nothing was "
+                           "forwarded").response(request.path)
+        finally:
+            self.metrics.observe(request.get("outcome", "rejected"), time.perf_counter() - started,
+                                 request.get("upstream_s"))
+
+    # -- identity -------------------------------------------------------------------------
+
+    def _identify(self, request: web.Request, route: Route) -> Identity:
+        headers = request.headers
+        run = route.run or parse_run(headers.get("Idem-Run"))
+        epoch = route.epoch if route.epoch is not None else parse_epoch(headers.get("Idem-Epoch"))
+        if epoch is not None and run is None:
+            raise Problem("invalid-header", "Idem-Epoch needs a run (Idem-Run or /runs/{run_id}/...)")
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        return Identity(key=parse_key(headers.getall("Idempotency-Key", [])), run=run, epoch=epoch,
+                        policy=parse_policy(headers.get("Idem-Policy")),
+                        tenant=self.tenants.resolve(headers, peer[0] if peer else None))
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.settings.server.max_request_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise Problem("too-large", f"request body over {limit} bytes", max_request_bytes=limit)
+        if not request.body_exists:
+            return b""
+        body = bytearray()
+        async for chunk in request.content.iter_any():
+            body += chunk
+            if len(body) > limit:
+                raise Problem("too-large", f"request body over {limit} bytes", max_request_bytes=limit)
+        return bytes(body)
+
+    async def _fence(self, ident: Identity) -> None:
+        """Refuse a superseded attempt (a zombie) before anything is forwarded."""
+        runs = self.settings.runs
+        defaults = Run(ident.tenant, ident.run, timeout_s=runs.timeout_s, grace_s=runs.grace_s,
+                       max_restarts=runs.max_restarts, hook=runs.hook)
+        current = await self.store.observe_epoch(ident.tenant, ident.run, ident.epoch, defaults, time.time())
+        self.heartbeats.beat(ident.tenant, ident.run)
+        if ident.epoch is not None and ident.epoch < current:
+            raise Problem("stale-epoch", f"run {ident.run} is at epoch {current}; this attempt "
+                          f"(epoch {ident.epoch}) has been superseded", epoch=current)
+
+    # -- passthrough ----------------------------------------------------------------------
+
+    async def _passthrough(self, request: web.Request, route: Route, body: bytes,
+                           started: float) -> web.StreamResponse:
+        upstream = route.upstream
+        headers = request_headers(request.headers, upstream, self.settings.tenants.header, None)
+        session = self.sessions[upstream.name]
+        sent = time.perf_counter()
+        try:
+            async with session.request(request.method, upstream_url(upstream, route), headers=headers,
+                                       data=body, allow_redirects=False) as resp:
+                upstream_s = request["upstream_s"] = time.perf_counter() - sent
+                out = response_headers(resp.headers)
+                out.append(("Server-Timing", server_timing(time.perf_counter() - started - upstream_s,
+                                                           upstream_s)))
+                if not is_stream(resp.headers):
+                    return web.Response(status=resp.status, body=await resp.read(), headers=out)
+                stream = web.StreamResponse(status=resp.status, headers=out)
+                await stream.prepare(request)
+                async for chunk in resp.content.iter_any():
+                    await stream.write(chunk)
+                await stream.write_eof()
+                return stream
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            slug = "upstream-timeout" if isinstance(exc, asyncio.TimeoutError) else "upstream-unavailable"
+            raise Problem(slug, f"{type(exc).__name__} talking to {upstream.name}") from None
+
+    # -- record and replay ----------------------------------------------------------------
+
+    async def _record(self, request: web.Request, route: Route, ident: Identity, body: bytes,
+                      started: float) -> web.StreamResponse:
+        upstream = route.upstream
+        fp = fingerprint(request.method, upstream.name, route.path_qs, body,
+                         request.headers.get("Content-Type", ""),
+                         policy.ignored_fields(upstream, request.method, route.path))
+        if ident.key is not None:
+            key = ident.key
+        elif ident.run is not None:
+            n = await self.store.next_occurrence(ident.tenant, ident.run, ident.epoch, fp,
+                                                 self.settings.store.retention)
+            key = f"derived:{fp}:{n}"
+        else:  # `Idem-Policy: record` with neither key nor run: the request is its own key
+            key = f"fingerprint:{fp}"
+        scope = Scope(ident.tenant, ident.run, upstream.name, key)
+        kid = scope.kid
+        deadline = time.monotonic() + self.settings.server.in_flight_wait
+        paced = request.headers.get("Idem-Replay", "").lower() == "paced"
+        while True:
+            call = self.calls.get(kid)
+            if call is not None:  # in flight here: join it
+                if call.fingerprint != fp:
+                    raise Problem("key-reused", "this Idempotency-Key is in use with a different "
+                                  "request (method, path or body)")
+                request["outcome"] = "joined"
+                return await listen(request, call, started, replayed=True)
+            entry = await self.store.get(kid)
+            if entry is None or (entry.state == IN_FLIGHT and entry.lease_until < time.time()):
+                result = await self.store.claim(Claim(
+                    scope, fp, uuid.uuid4().hex, self.settings.store.lease, self.settings.store.retention,
+                    request.method, route.path, ident.epoch, ambiguous_policy(upstream)))
+                if result.stale_epoch is not None:
+                    raise Problem("stale-epoch", f"run {ident.run} is at epoch {result.stale_epoch}",
+                                  epoch=result.stale_epoch)
+                if result.won:
+                    request["outcome"] = "recorded"
+                    call = self._start(request, route, result.entry, body)
+                    return await listen(request, call, started, replayed=False)
+                entry = result.entry
+            if entry.fingerprint != fp:
+                raise Problem("key-reused", "this Idempotency-Key was first used with a different "
+                              "request (method, path or body)")
+            if entry.state == COMPLETE:
+                request["outcome"] = "replayed"
+                self.replays[kid] = self.replays.get(kid, 0) + 1
+                self.metrics.saved(upstream.name, entry.response)
+                return await send_record(request, entry.response, started, paced)
+            if entry.state == UNKNOWN:
+                raise Problem("outcome-unknown", "the first call's outcome is unknown (" +
+                              (entry.detail or "ambiguous") + "); an operator must resolve the key")
+            if entry.state == UNRECORDABLE:
+                raise Problem("not-replayable", entry.detail or "the response was too large to record")
+            joined = await join_remote(request, self.store, kid, started)
+            if joined is not None:
+                request["outcome"] = "joined"
+                return joined
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise Problem("in-flight", "the first request with this key has not finished",
+                              headers={"Retry-After": "1"})
+            await self.store.wait(kid, remaining)
+
+    def _start(self, request: web.Request, route: Route, entry: Entry, body: bytes) -> Call:
+        upstream: UpstreamSettings = route.upstream
+        call = Call(entry.kid, entry.owner, entry.fingerprint, upstream,
+                    self.settings.server.max_record_bytes)
+        headers = request_headers(request.headers, upstream, self.settings.tenants.header,
+                                  forwarded_key(entry.kid))
+        beat = (lambda: self.heartbeats.beat(entry.tenant, entry.run)) if entry.run else (lambda: None)
+        task = asyncio.create_task(call.run(self.sessions[upstream.name], self.store, request.method,
+                                            upstream_url(upstream, route), headers, body, beat))
+        self.calls[entry.kid] = call
+        self.tasks.add(task)
+
+        def done(_):
+            self.tasks.discard(task)
+            self.calls.pop(entry.kid, None)
+        task.add_done_callback(done)
+        request["upstream_s"] = None
+        return call
+
+    # -- background work ------------------------------------------------------------------
+
+    async def renew_leases(self) -> None:
+        """Keep this proxy's claims alive while their calls are in flight."""
+        interval = self.settings.store.lease / 3
+        while True:
+            await asyncio.sleep(interval)
+            for call in list(self.calls.values()):
+                try:
+                    if not await self.store.renew(call.kid, call.owner, self.settings.store.lease):
+                        log.warning("lost the lease on %s", call.kid[:12])
+                except StoreUnavailable as exc:
+                    log.warning("lease renewal failed: %s", exc)
+
+    async def flush_replay_counts(self) -> None:
+        if self.replays:
+            counts, self.replays = self.replays, {}
+            await self.store.count_replays(counts)
+
+    async def drain(self, timeout: float) -> None:
+        """On shutdown: let recorded calls in flight finish and record."""
+        if self.tasks:
+            log.info("waiting up to %.0fs for %d call(s) in flight", timeout, len(self.tasks))
+            await asyncio.wait(list(self.tasks), timeout=timeout)

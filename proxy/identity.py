@@ -1,0 +1,141 @@
+"""Who a request is: its idempotency key, run, epoch, policy override and tenant.
+
+Header syntax follows draft-ietf-httpapi-idempotency-key-header: the key is a
+Structured Field String (RFC 8941 §3.3.3); we also accept a bare token, as most
+clients send one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import re
+from dataclasses import dataclass
+
+from multidict import CIMultiDictProxy
+
+from .problems import Problem
+
+MAX_KEY_LENGTH = 255
+RUN_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+EPOCH = re.compile(r"[0-9]{1,18}")
+TENANT_NAME = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")
+BARE_KEY = re.compile(r"[\x21-\x7e]+")  # visible ASCII; a comma means a list, refused below
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    key: str | None
+    run: str | None
+    epoch: int | None
+    policy: str | None
+    tenant: str
+
+
+def parse_key(values: list[str]) -> str | None:
+    """The key from all ``Idempotency-Key`` field lines, or None. Raises ``invalid-key``."""
+    if not values:
+        return None
+    if len(values) > 1:
+        raise Problem("invalid-key", "Idempotency-Key must have exactly one value")
+    raw = values[0].strip(" \t")
+    key = _parse_sf_string(raw) if raw.startswith('"') else _parse_bare(raw)
+    if not 1 <= len(key) <= MAX_KEY_LENGTH:
+        raise Problem("invalid-key", f"Idempotency-Key must be 1-{MAX_KEY_LENGTH} characters")
+    return key
+
+
+def _parse_bare(raw: str) -> str:
+    if "," in raw:
+        raise Problem("invalid-key", "Idempotency-Key must have exactly one value")
+    if not BARE_KEY.fullmatch(raw):
+        raise Problem("invalid-key", "Idempotency-Key must be printable ASCII")
+    return raw
+
+
+def _parse_sf_string(raw: str) -> str:
+    out = []
+    i, end = 1, len(raw)
+    while i < end:
+        ch = raw[i]
+        if ch == "\\":
+            if i + 1 >= end or raw[i + 1] not in '"\\':
+                raise Problem("invalid-key", "Idempotency-Key: bad escape in string")
+            out.append(raw[i + 1])
+            i += 2
+            continue
+        if ch == '"':
+            if i != end - 1:
+                raise Problem("invalid-key", "Idempotency-Key must have exactly one value")
+            return "".join(out)
+        if not " " <= ch <= "~":
+            raise Problem("invalid-key", "Idempotency-Key must be printable ASCII")
+        out.append(ch)
+        i += 1
+    raise Problem("invalid-key", "Idempotency-Key: unterminated string")
+
+
+def parse_run(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if not RUN_ID.fullmatch(value):
+        raise Problem("invalid-header", "Idem-Run must be 1-128 characters of [A-Za-z0-9._:-]")
+    return value
+
+
+def parse_epoch(value: str | None) -> int | None:
+    if value is None:
+        return None
+    if not EPOCH.fullmatch(value.strip()):
+        raise Problem("invalid-header", "Idem-Epoch must be a non-negative integer")
+    return int(value)
+
+
+def parse_policy(value: str | None) -> str | None:
+    if value is None:
+        return None
+    value = value.strip().lower()
+    if value not in ("record", "passthrough"):
+        raise Problem("invalid-header", "Idem-Policy must be 'record' or 'passthrough'")
+    return value
+
+
+class TenantResolver:
+    """Tenant = HMAC(secret, credential), or a trusted header from a trusted source.
+
+    Hashing the credential means two API keys never share journal entries, and that
+    the store never holds the credential itself.
+    """
+
+    def __init__(self, secret: bytes, credential_headers: tuple[str, ...], header: str,
+                 trusted_sources: tuple[str, ...]):
+        self._secret = secret
+        self._credential_headers = credential_headers
+        self._header = header
+        self._trusted = tuple(ipaddress.ip_network(s, strict=False) for s in trusted_sources)
+
+    def resolve(self, headers: CIMultiDictProxy[str], peer: str | None) -> str:
+        named = headers.get(self._header)
+        if named is not None:
+            if not self._is_trusted(peer):
+                raise Problem("untrusted-tenant", f"{self._header} is accepted only from trusted sources")
+            if not TENANT_NAME.fullmatch(named):
+                raise Problem("invalid-header", f"{self._header} must be 1-128 of [A-Za-z0-9._:@/-]")
+            return "t:" + named
+        return self.of_credential(headers)
+
+    def of_credential(self, headers: CIMultiDictProxy[str]) -> str:
+        material = "\n".join(f"{h}={headers[h]}" for h in self._credential_headers if h in headers)
+        if not material:
+            return "anonymous"
+        return "k:" + hmac.new(self._secret, material.encode(), hashlib.sha256).hexdigest()[:32]
+
+    def _is_trusted(self, peer: str | None) -> bool:
+        if not peer or not self._trusted:
+            return False
+        try:
+            addr = ipaddress.ip_address(peer)
+        except ValueError:
+            return False
+        return any(addr in net for net in self._trusted)

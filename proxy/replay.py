@@ -1,0 +1,108 @@
+"""Answers from the journal: replays of records, and listeners of calls in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+from aiohttp import web
+
+from .calls import Call
+from .problems import Problem
+from .store import Store
+from .store.base import COMPLETE, IN_FLIGHT, Entry, Recorded
+
+REPLAYED = "Idempotent-Replayed"
+
+
+def server_timing(own_s: float, upstream_s: float | None = None) -> str:
+    value = f"idemproxy;dur={own_s * 1000:.2f}"
+    if upstream_s is not None:
+        value += f", upstream;dur={upstream_s * 1000:.2f}"
+    return value
+
+
+def _headers(headers, replayed: bool, timing: str) -> list[tuple[str, str]]:
+    return [*headers, (REPLAYED, "true" if replayed else "false"), ("Server-Timing", timing)]
+
+
+async def send_record(request: web.Request, recorded: Recorded, started: float,
+                      paced: bool = False) -> web.StreamResponse:
+    """A replay: the recorded status, headers and body; a stream is replayed as a stream."""
+    headers = _headers(recorded.headers, True, server_timing(time.perf_counter() - started))
+    if not recorded.streamed:
+        return web.Response(status=recorded.status, body=recorded.body, headers=headers)
+    resp = web.StreamResponse(status=recorded.status, headers=headers)
+    await resp.prepare(request)
+    if paced and recorded.timing:
+        clock = time.perf_counter()
+        bounds = [offset for offset, _ in recorded.timing[1:]] + [len(recorded.body)]
+        for (offset, at), end in zip(recorded.timing, bounds):
+            await asyncio.sleep(max(0.0, at - (time.perf_counter() - clock)))
+            await resp.write(recorded.body[offset:end])
+    else:
+        await resp.write(recorded.body)
+    await resp.write_eof()
+    return resp
+
+
+async def listen(request: web.Request, call: Call, started: float, replayed: bool) -> web.StreamResponse:
+    """Answer from a call in flight in this process: bytes so far, then the rest live."""
+    await call.headers_ready()
+    if not call.status:  # failed before the upstream answered
+        result = await call.finished()
+        raise Problem(*result.problem)
+    timing = server_timing(time.perf_counter() - started - call.upstream_s, call.upstream_s)
+    headers = _headers(call.headers, replayed, timing)
+    if not call.streamed:
+        result = await call.finished()
+        if result.problem:
+            raise Problem(*result.problem)
+        return web.Response(status=call.status, body=b"".join(call.chunks), headers=headers)
+    resp = web.StreamResponse(status=call.status, headers=headers)
+    await resp.prepare(request)
+    index, done = 0, False
+    while not done:
+        chunks, done = await call.chunks_from(index)
+        index += len(chunks)
+        for chunk in chunks:
+            await resp.write(chunk)
+    if call.result.problem:  # the stream broke: the agent must not take it for complete
+        request.transport and request.transport.close()
+        return resp
+    await resp.write_eof()
+    return resp
+
+
+async def join_remote(request: web.Request, store: Store, kid: str,
+                      started: float) -> web.StreamResponse | None:
+    """Join a stream that another proxy is recording, through its partials in the store.
+
+    Returns None when the entry is no longer in flight before the stream began (the
+    caller then looks at it afresh).
+    """
+    head = await store.read_partial(kid, -1)
+    if not head or head[0][0] != 0:
+        return None
+    meta = orjson.loads(head[0][1])
+    resp = web.StreamResponse(status=meta["status"], headers=_headers(
+        meta["headers"], True, server_timing(time.perf_counter() - started)))
+    await resp.prepare(request)
+    seq, sent = 0, 0
+    for s, data in head[1:]:
+        await resp.write(data)
+        seq, sent = s, sent + len(data)
+    while True:
+        entry: Entry | None = await store.get(kid)
+        if entry is not None and entry.state == COMPLETE and entry.response is not None:
+            await resp.write(entry.response.body[sent:])
+            await resp.write_eof()
+            return resp
+        if entry is None or entry.state != IN_FLIGHT:
+            request.transport and request.transport.close()  # the stream broke upstream
+            return resp
+        for s, data in await store.read_partial(kid, seq):
+            await resp.write(data)
+            seq, sent = s, sent + len(data)
+        await store.wait(kid, 1.0)

@@ -1,0 +1,83 @@
+"""Which upstream a request goes to, and with which run and epoch (SPEC §1).
+
+Only configured upstreams are reachable. The raw request target is parsed without
+decoding, then checked for escapes in every decoded form, so neither
+``/openai/../admin`` nor ``/openai/%2e%2e/x`` nor ``%252e%252e`` leave the upstream's
+base path on an upstream that decodes more than we do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+from urllib.parse import unquote
+
+from .config import UpstreamSettings
+from .identity import parse_epoch, parse_run
+from .problems import Problem
+
+# Path words with a meaning of their own; an upstream may not take these names.
+RESERVED = frozenset({"runs", "admin", "healthz", "readyz", "metrics", "epochs",
+                      "heartbeat", "complete", "fail", "attempts"})
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    upstream: UpstreamSettings
+    run: str | None
+    epoch: int | None
+    path: str      # path below the upstream, starting with "/", still percent-encoded
+    query: str     # raw query string, without "?"
+
+    @property
+    def path_qs(self) -> str:
+        return f"{self.path}?{self.query}" if self.query else self.path
+
+
+def parse_route(raw_target: str, upstreams: Mapping[str, UpstreamSettings]) -> Route:
+    if not raw_target.startswith("/") or raw_target.startswith("//"):
+        raise Problem("invalid-request", "only origin-form request targets are accepted; this is not an open proxy")
+    path, _, query = raw_target.partition("?")
+    path = path.partition("#")[0]
+    _refuse_escapes(path)
+    parts = path[1:].split("/", 5)
+    run = epoch = None
+    if parts[0] == "runs":
+        if len(parts) < 3:
+            raise Problem("not-found", "expected /runs/{run_id}/{upstream}/...")
+        run = parse_run(parts[1])
+        if parts[2] == "epochs":
+            if len(parts) < 5:
+                raise Problem("not-found", "expected /runs/{run_id}/epochs/{epoch}/{upstream}/...")
+            epoch = parse_epoch(parts[3])
+            parts = parts[4:]
+        else:
+            parts = parts[2:]
+        parts = "/".join(parts).split("/", 1)
+    else:
+        parts = path[1:].split("/", 1)
+    name = parts[0]
+    upstream = upstreams.get(name)
+    if upstream is None:
+        raise Problem("unknown-upstream", f"no upstream named {name!r} is configured", upstream=name)
+    rest = "/" + parts[1] if len(parts) > 1 else "/"
+    return Route(upstream, run, epoch, rest, query)
+
+
+def _refuse_escapes(path: str) -> None:
+    seen = path
+    for _ in range(4):  # decode until stable: double encoding is a classic escape
+        for segment in seen.replace("\\", "/").split("/"):
+            if segment in ("..", "."):
+                raise Problem("invalid-request", "path segments '.' and '..' are refused")
+        decoded = unquote(seen)
+        if decoded == seen:
+            return
+        seen = decoded
+    raise Problem("invalid-request", "path is encoded too many times")
+
+
+def upstream_url(upstream: UpstreamSettings, route: Route) -> str:
+    """The upstream URL's base path, then the route's path, then the query."""
+    base = upstream.url.rstrip("/")
+    return base + route.path_qs

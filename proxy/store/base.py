@@ -1,0 +1,173 @@
+"""The store contract: the journal, the runs, and the server's secrets.
+
+Every backend (sqlite, postgres, redis) implements :class:`Store` and passes the one
+contract suite in ``tests/test_store_contract.py``. Errors a driver raises are
+translated inside the backend::
+
+    StoreError
+    ├── StoreUnavailable   the store cannot be reached or did not answer in time
+    └── (programming errors are not translated)
+
+Times are UNIX seconds (float). A journal entry is addressed by its ``kid``, a hash of
+its :class:`Scope`, so tenants and runs can never collide.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+IN_FLIGHT, COMPLETE, UNKNOWN, UNRECORDABLE = "in_flight", "complete", "unknown", "unrecordable"
+RUNNING, RESTARTING, COMPLETED, FAILED, DEAD = "running", "restarting", "completed", "failed", "dead"
+ENDED = frozenset({COMPLETED, FAILED, DEAD})
+
+
+class StoreError(Exception):
+    """Base of the store's errors."""
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be reached, or did not answer within its timeout."""
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """Where a journal entry lives: (tenant, run or none, upstream, key)."""
+    tenant: str
+    run: str | None
+    upstream: str
+    key: str
+
+    @property
+    def kid(self) -> str:
+        raw = "\0".join((self.tenant, self.run or "", self.upstream, self.key))
+        return hashlib.sha256(raw.encode()).hexdigest()
+
+
+@dataclass(slots=True)
+class Recorded:
+    """An upstream answer as kept in the journal (headers already stripped of secrets)."""
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+    streamed: bool = False
+    # (byte offset, seconds since the first byte) per chunk, for replays paced as recorded
+    timing: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Entry:
+    kid: str
+    tenant: str
+    run: str | None
+    epoch: int | None
+    upstream: str
+    key: str
+    fingerprint: str
+    state: str
+    owner: str | None = None
+    lease_until: float = 0.0
+    created_at: float = 0.0
+    completed_at: float | None = None
+    expires_at: float = 0.0
+    replays: int = 0
+    detail: str | None = None
+    method: str = ""
+    path: str = ""
+    response: Recorded | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """Ask to own a key. ``derived`` keys get their occurrence number from the store."""
+    scope: Scope
+    fingerprint: str
+    owner: str
+    lease_s: float
+    retention_s: float
+    method: str = ""
+    path: str = ""
+    epoch: int | None = None
+    # what to do with a claim whose lease expired (its proxy died): "retry" or "quarantine"
+    on_expired: str = "retry"
+
+
+@dataclass(slots=True)
+class ClaimResult:
+    won: bool
+    entry: Entry | None      # ours when won; the existing one otherwise
+    stale_epoch: int | None = None  # set when the run has moved past the claim's epoch
+
+
+@dataclass(slots=True)
+class Run:
+    tenant: str
+    run_id: str
+    state: str = RUNNING
+    epoch: int = 0
+    restarts: int = 0
+    last_seen: float = 0.0
+    started_at: float = 0.0  # start of the current attempt; grace counts from here
+    timeout_s: float = 60.0
+    grace_s: float = 30.0
+    max_restarts: int = 5
+    hook: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    created_at: float = 0.0
+    ended_at: float | None = None
+    next_restart_at: float = 0.0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+@runtime_checkable
+class Store(Protocol):
+    """What the proxy and the supervisor need from a durable store."""
+
+    durability: str  # one sentence: how durable an acknowledged record is
+
+    async def open(self) -> None: """Connect and migrate; retries with backoff."""
+    async def aclose(self) -> None: """Flush pending work and close."""
+    async def ping(self) -> None: """Raise StoreUnavailable unless the store answers."""
+    async def secret(self, name: str, generate: bytes) -> bytes: """Get, or set once, a named secret."""
+
+    # -- journal -----------------------------------------------------------------------
+    async def get(self, kid: str) -> Entry | None: """The live entry, with its response."""
+    async def claim(self, claim: Claim) -> ClaimResult: """Own ``claim.scope`` unless taken."""
+    async def next_occurrence(self, tenant: str, run: str, epoch: int | None, fingerprint: str,
+                              retention_s: float) -> int: """Count of earlier calls alike."""
+    async def renew(self, kid: str, owner: str, lease_s: float) -> bool: """Extend a lease."""
+    async def complete(self, kid: str, owner: str, recorded: Recorded) -> bool:
+        """Durably record the outcome; False if the claim was lost."""
+    async def release(self, kid: str, owner: str) -> None: """Give the key back: nothing happened."""
+    async def quarantine(self, kid: str, owner: str | None, detail: str) -> None:
+        """Keep the key as outcome-unknown."""
+    async def mark_unrecordable(self, kid: str, owner: str, detail: str) -> None:
+        """The response was too large to keep."""
+    async def resolve(self, kid: str, recorded: Recorded | None) -> bool:
+        """Operator decision on an unknown key: None = retry, else the answer to replay."""
+    async def append_partial(self, kid: str, owner: str, seq: int, data: bytes) -> None:
+        """Bytes of a stream still in flight, so other proxies can join it."""
+    async def read_partial(self, kid: str, after_seq: int) -> list[tuple[int, bytes]]: ...
+    async def wait(self, kid: str, timeout: float) -> None:
+        """Return when ``kid`` may have changed (or after ``timeout``)."""
+    async def count_replays(self, counts: dict[str, int]) -> None: """Add replay counts."""
+    async def purge(self, now: float, batch: int = 1000) -> int: """Delete expired entries."""
+    async def journal(self, tenant: str, run: str) -> list[Entry]: """A run's entries, no bodies."""
+    async def delete_journal(self, tenant: str, run: str) -> int: ...
+
+    # -- runs --------------------------------------------------------------------------
+    async def upsert_run(self, run: Run) -> Run: """Create, or update timeouts/hook/metadata."""
+    async def get_run(self, tenant: str | None, run_id: str) -> list[Run]: ...
+    async def list_runs(self, state: str | None = None, limit: int = 1000) -> list[Run]: ...
+    async def observe_epoch(self, tenant: str, run_id: str, epoch: int | None, defaults: Run,
+                            now: float) -> int:
+        """Create the run if new; raise its epoch to ``epoch``; return the current epoch."""
+    async def touch(self, beats: dict[tuple[str, str], float]) -> None: """Coalesced heartbeats."""
+    async def end_run(self, tenant: str, run_id: str, state: str, now: float) -> Run | None: ...
+    async def new_attempt(self, tenant: str, run_id: str, expected_epoch: int | None, now: float,
+                          reason: str, restart: bool) -> Run | None:
+        """Compare-and-set the epoch to epoch+1; None when another caller won."""
+    async def silent_runs(self, now: float) -> list[Run]: """Running runs past timeout and grace."""
+    async def set_run_state(self, tenant: str, run_id: str, state: str, now: float,
+                            event: dict[str, Any] | None = None, **fields: Any) -> None: ...

@@ -1,0 +1,514 @@
+"""SQLite store: the embedded default (``sqlite:///path/to/file.db``).
+
+Durability: WAL with ``synchronous=FULL``, so a commit is fsynced before it returns.
+All writes go through one writer thread that commits whatever has queued up in one
+transaction (group commit): 32 concurrent records cost one fsync, not 32. Reads run
+on the event loop's thread on their own connection: a WAL reader never waits for the
+writer, and a primary-key lookup in the page cache is cheaper than a thread hop.
+Several processes (``--workers``) share the file; SQLite's lock orders their writers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import sqlite3
+import threading
+import time
+from typing import Any, Callable
+
+import orjson
+
+from .base import (COMPLETE, ENDED, IN_FLIGHT, RESTARTING, RUNNING, UNKNOWN,
+                   UNRECORDABLE, Claim, ClaimResult, Entry, Recorded, Run, StoreUnavailable)
+
+log = logging.getLogger("idemproxy.store")
+
+SCHEMA_VERSION = 1
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS journal (
+    kid TEXT PRIMARY KEY, tenant TEXT NOT NULL, run TEXT, epoch INTEGER,
+    upstream TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL,
+    method TEXT NOT NULL DEFAULT '', path TEXT NOT NULL DEFAULT '',
+    state TEXT NOT NULL, owner TEXT, lease_until REAL NOT NULL DEFAULT 0,
+    status INTEGER, headers BLOB, body BLOB, streamed INTEGER NOT NULL DEFAULT 0, timing BLOB,
+    detail TEXT, created_at REAL NOT NULL, completed_at REAL, expires_at REAL NOT NULL,
+    replays INTEGER NOT NULL DEFAULT 0);
+CREATE INDEX IF NOT EXISTS journal_by_run ON journal (tenant, run, created_at);
+CREATE INDEX IF NOT EXISTS journal_by_expiry ON journal (expires_at);
+CREATE TABLE IF NOT EXISTS partials (
+    kid TEXT NOT NULL, seq INTEGER NOT NULL, data BLOB NOT NULL, PRIMARY KEY (kid, seq));
+CREATE TABLE IF NOT EXISTS occurrences (
+    tenant TEXT NOT NULL, run TEXT NOT NULL, epoch INTEGER NOT NULL, fingerprint TEXT NOT NULL,
+    n INTEGER NOT NULL, expires_at REAL NOT NULL, PRIMARY KEY (tenant, run, epoch, fingerprint));
+CREATE TABLE IF NOT EXISTS runs (
+    tenant TEXT NOT NULL, run_id TEXT NOT NULL, state TEXT NOT NULL, epoch INTEGER NOT NULL,
+    restarts INTEGER NOT NULL DEFAULT 0, last_seen REAL NOT NULL, started_at REAL NOT NULL,
+    timeout_s REAL NOT NULL, grace_s REAL NOT NULL, max_restarts INTEGER NOT NULL, hook TEXT,
+    metadata BLOB, created_at REAL NOT NULL, ended_at REAL, next_restart_at REAL NOT NULL DEFAULT 0,
+    history BLOB, PRIMARY KEY (tenant, run_id));
+CREATE INDEX IF NOT EXISTS runs_by_state ON runs (state, last_seen);
+CREATE TABLE IF NOT EXISTS secrets (name TEXT PRIMARY KEY, value BLOB NOT NULL);
+"""
+ENTRY_COLUMNS = ("kid, tenant, run, epoch, upstream, key, fingerprint, state, owner, lease_until, "
+                 "created_at, completed_at, expires_at, replays, detail, method, path")
+RUN_COLUMNS = ("tenant, run_id, state, epoch, restarts, last_seen, started_at, timeout_s, grace_s, "
+               "max_restarts, hook, metadata, created_at, ended_at, next_restart_at, history")
+HISTORY_LIMIT = 50
+POLL_S = 0.05  # how often a waiter looks for another process's writes
+
+
+def _entry(row: sqlite3.Row, response: Recorded | None = None) -> Entry:
+    return Entry(*row[:17], response=response)
+
+
+def _recorded(row: sqlite3.Row) -> Recorded | None:
+    if row["status"] is None:
+        return None
+    return Recorded(row["status"], [tuple(h) for h in orjson.loads(row["headers"] or b"[]")],
+                    row["body"] or b"", bool(row["streamed"]),
+                    [tuple(t) for t in orjson.loads(row["timing"] or b"[]")])
+
+
+def _run(row: sqlite3.Row) -> Run:
+    values = list(row)
+    values[11] = orjson.loads(values[11] or b"{}")
+    values[15] = orjson.loads(values[15] or b"[]")
+    return Run(*values)
+
+
+class SQLiteStore:
+    def __init__(self, path: str, timeout: float = 5.0):
+        self.path = path
+        self.timeout = timeout
+        self.durability = "SQLite WAL with synchronous=FULL: every answer is fsynced first"
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
+        self._reader: sqlite3.Connection | None = None
+        self._waiters: dict[str, asyncio.Event] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def __repr__(self) -> str:
+        return f"SQLiteStore({self.path!r})"
+
+    # -- connections ----------------------------------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
+                               timeout=self.timeout)
+        conn.row_factory = sqlite3.Row
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute(f"PRAGMA busy_timeout={int(self.timeout * 1000)}")
+        return conn
+
+    async def open(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        try:
+            writer = self._connect()
+            with writer:
+                if writer.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+                    writer.executescript(SCHEMA + f"PRAGMA user_version={SCHEMA_VERSION};")
+            self._reader = self._connect()
+        except sqlite3.Error as exc:
+            raise StoreUnavailable(f"cannot open {self.path}: {exc}") from exc
+        self._writer = threading.Thread(target=self._write_loop, args=(writer,),
+                                        name="idemproxy-sqlite-writer", daemon=True)
+        self._writer.start()
+
+    async def aclose(self) -> None:
+        if self._writer is not None:
+            self._queue.put(None)
+            await asyncio.to_thread(self._writer.join)
+            self._writer = None
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+
+    def _write_loop(self, conn: sqlite3.Connection) -> None:
+        """Group commit: run every queued write in one transaction, one fsync for all."""
+        closing = False
+        while not closing:
+            batch = [self._queue.get()]
+            while True:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            if None in batch:
+                closing = True
+                batch = [item for item in batch if item is not None]
+            if batch:
+                self._commit(conn, batch)
+        conn.close()
+
+    def _commit(self, conn: sqlite3.Connection, batch: list) -> None:
+        results: list[tuple[Any, BaseException | None]] = []
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for fn, _ in batch:
+                conn.execute("SAVEPOINT op")
+                try:
+                    results.append((fn(conn), None))
+                    conn.execute("RELEASE op")
+                except sqlite3.Error:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - handed back to the caller
+                    conn.execute("ROLLBACK TO op")
+                    conn.execute("RELEASE op")
+                    results.append((None, exc))
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            failure = StoreUnavailable(f"sqlite write failed: {exc}")
+            results = [(None, failure)] * len(batch)
+        for (_, future), (value, exc) in zip(batch, results):
+            self._loop.call_soon_threadsafe(_settle, future, value, exc)
+
+    async def _write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        if self._writer is None:
+            raise StoreUnavailable("store is closed")
+        future = self._loop.create_future()
+        self._queue.put((fn, future))
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), self.timeout)
+        except asyncio.TimeoutError:
+            raise StoreUnavailable(f"sqlite write took longer than {self.timeout}s") from None
+
+    def _read(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+        if self._reader is None:
+            raise StoreUnavailable("store is closed")
+        try:
+            return self._reader.execute(sql, args).fetchall()
+        except sqlite3.Error as exc:
+            raise StoreUnavailable(f"sqlite read failed: {exc}") from exc
+
+    def _notify(self, kid: str) -> None:
+        event = self._waiters.pop(kid, None)
+        if event is not None:
+            event.set()
+
+    async def ping(self) -> None:
+        self._read("SELECT 1")
+        await self._write(lambda c: c.execute("SELECT 1").fetchone())
+
+    async def secret(self, name: str, generate: bytes) -> bytes:
+        def op(c):
+            c.execute("INSERT OR IGNORE INTO secrets (name, value) VALUES (?, ?)", (name, generate))
+            return c.execute("SELECT value FROM secrets WHERE name = ?", (name,)).fetchone()[0]
+        return await self._write(op)
+
+    # -- journal --------------------------------------------------------------------------
+
+    async def get(self, kid: str) -> Entry | None:
+        rows = self._read(f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing "
+                          "FROM journal WHERE kid = ? AND expires_at > ?", (kid, time.time()))
+        return _entry(rows[0], _recorded(rows[0])) if rows else None
+
+    async def claim(self, claim: Claim) -> ClaimResult:
+        scope = claim.scope
+        kid = scope.kid
+
+        def op(c: sqlite3.Connection) -> ClaimResult:
+            now = time.time()
+            if scope.run and claim.epoch is not None:
+                run = c.execute("SELECT epoch FROM runs WHERE tenant = ? AND run_id = ?",
+                                (scope.tenant, scope.run)).fetchone()
+                if run and run[0] > claim.epoch:
+                    return ClaimResult(False, None, stale_epoch=run[0])
+            row = c.execute(f"SELECT {ENTRY_COLUMNS} FROM journal WHERE kid = ?", (kid,)).fetchone()
+            if row is not None and row["expires_at"] > now:
+                existing = _entry(row)
+                if (existing.state != IN_FLIGHT or existing.lease_until > now
+                        or existing.fingerprint != claim.fingerprint):
+                    return ClaimResult(False, existing)
+                if claim.on_expired == "quarantine":  # its proxy died mid-call: outcome unknown
+                    c.execute("UPDATE journal SET state = ?, owner = NULL, detail = ? WHERE kid = ?",
+                              (UNKNOWN, "the proxy holding the claim stopped mid-call", kid))
+                    existing.state, existing.owner = UNKNOWN, None
+                    return ClaimResult(False, existing)
+            c.execute(
+                "INSERT OR REPLACE INTO journal (kid, tenant, run, epoch, upstream, key, fingerprint, "
+                "method, path, state, owner, lease_until, created_at, expires_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (kid, scope.tenant, scope.run, claim.epoch, scope.upstream, scope.key,
+                 claim.fingerprint, claim.method, claim.path, IN_FLIGHT, claim.owner,
+                 now + claim.lease_s, now, now + claim.retention_s))
+            return ClaimResult(True, Entry(kid, scope.tenant, scope.run, claim.epoch, scope.upstream,
+                                           scope.key, claim.fingerprint, IN_FLIGHT, claim.owner,
+                                           now + claim.lease_s, now, None, now + claim.retention_s,
+                                           method=claim.method, path=claim.path))
+        return await self._write(op)
+
+    async def next_occurrence(self, tenant: str, run: str, epoch: int | None, fingerprint: str,
+                              retention_s: float) -> int:
+        def op(c):
+            row = c.execute(
+                "INSERT INTO occurrences (tenant, run, epoch, fingerprint, n, expires_at) "
+                "VALUES (?, ?, ?, ?, 1, ?) ON CONFLICT DO UPDATE SET n = n + 1 RETURNING n",
+                (tenant, run, -1 if epoch is None else epoch, fingerprint,
+                 time.time() + retention_s)).fetchone()
+            return row[0] - 1
+        return await self._write(op)
+
+    async def renew(self, kid: str, owner: str, lease_s: float) -> bool:
+        def op(c):
+            return c.execute("UPDATE journal SET lease_until = ? WHERE kid = ? AND owner = ? "
+                             "AND state = ?", (time.time() + lease_s, kid, owner, IN_FLIGHT)).rowcount == 1
+        return await self._write(op)
+
+    async def complete(self, kid: str, owner: str, recorded: Recorded) -> bool:
+        headers, timing = orjson.dumps(recorded.headers), orjson.dumps(recorded.timing)
+
+        def op(c):
+            done = c.execute(
+                "UPDATE journal SET state = ?, owner = NULL, status = ?, headers = ?, body = ?, "
+                "streamed = ?, timing = ?, completed_at = ? WHERE kid = ? AND owner = ? AND state = ?",
+                (COMPLETE, recorded.status, headers, recorded.body, int(recorded.streamed), timing,
+                 time.time(), kid, owner, IN_FLIGHT)).rowcount == 1
+            c.execute("DELETE FROM partials WHERE kid = ?", (kid,))
+            return done
+        try:
+            return await self._write(op)
+        finally:
+            self._notify(kid)
+
+    async def release(self, kid: str, owner: str) -> None:
+        def op(c):
+            row = c.execute("DELETE FROM journal WHERE kid = ? AND owner = ? RETURNING tenant, run, "
+                            "epoch, fingerprint, key", (kid, owner)).fetchone()
+            c.execute("DELETE FROM partials WHERE kid = ?", (kid,))
+            if row is not None and row["key"].startswith("derived:"):
+                # give the occurrence number back, so the caller's retry maps onto this slot
+                n = int(row["key"].rsplit(":", 1)[1])
+                c.execute("UPDATE occurrences SET n = n - 1 WHERE tenant = ? AND run = ? AND epoch = ? "
+                          "AND fingerprint = ? AND n = ?",
+                          (row["tenant"], row["run"], -1 if row["epoch"] is None else row["epoch"],
+                           row["fingerprint"], n + 1))
+        try:
+            await self._write(op)
+        finally:
+            self._notify(kid)
+
+    async def _set_state(self, kid: str, owner: str | None, state: str, detail: str) -> None:
+        def op(c):
+            c.execute("UPDATE journal SET state = ?, owner = NULL, detail = ? WHERE kid = ? "
+                      "AND (? IS NULL OR owner = ?)", (state, detail, kid, owner, owner))
+            c.execute("DELETE FROM partials WHERE kid = ?", (kid,))
+        try:
+            await self._write(op)
+        finally:
+            self._notify(kid)
+
+    async def quarantine(self, kid: str, owner: str | None, detail: str) -> None:
+        await self._set_state(kid, owner, UNKNOWN, detail)
+
+    async def mark_unrecordable(self, kid: str, owner: str, detail: str) -> None:
+        await self._set_state(kid, owner, UNRECORDABLE, detail)
+
+    async def resolve(self, kid: str, recorded: Recorded | None) -> bool:
+        def op(c):
+            if recorded is None:
+                return c.execute("DELETE FROM journal WHERE kid = ? AND state = ?",
+                                 (kid, UNKNOWN)).rowcount == 1
+            return c.execute(
+                "UPDATE journal SET state = ?, status = ?, headers = ?, body = ?, streamed = 0, "
+                "completed_at = ?, detail = 'resolved by operator' WHERE kid = ? AND state = ?",
+                (COMPLETE, recorded.status, orjson.dumps(recorded.headers), recorded.body,
+                 time.time(), kid, UNKNOWN)).rowcount == 1
+        try:
+            return await self._write(op)
+        finally:
+            self._notify(kid)
+
+    async def append_partial(self, kid: str, owner: str, seq: int, data: bytes) -> None:
+        await self._write(lambda c: c.execute(
+            "INSERT OR IGNORE INTO partials (kid, seq, data) VALUES (?, ?, ?)", (kid, seq, data)))
+        self._notify(kid)
+
+    async def read_partial(self, kid: str, after_seq: int) -> list[tuple[int, bytes]]:
+        rows = self._read("SELECT seq, data FROM partials WHERE kid = ? AND seq > ? ORDER BY seq",
+                          (kid, after_seq))
+        return [(r[0], r[1]) for r in rows]
+
+    async def wait(self, kid: str, timeout: float) -> None:
+        event = self._waiters.get(kid)
+        if event is None:
+            event = self._waiters[kid] = asyncio.Event()
+        try:
+            await asyncio.wait_for(event.wait(), min(timeout, POLL_S))
+        except asyncio.TimeoutError:
+            pass
+
+    async def count_replays(self, counts: dict[str, int]) -> None:
+        await self._write(lambda c: c.executemany(
+            "UPDATE journal SET replays = replays + ? WHERE kid = ?",
+            [(n, kid) for kid, n in counts.items()]))
+
+    async def purge(self, now: float, batch: int = 1000) -> int:
+        def op(c):
+            kids = [r[0] for r in c.execute(
+                "SELECT kid FROM journal WHERE expires_at <= ? LIMIT ?", (now, batch))]
+            c.executemany("DELETE FROM journal WHERE kid = ?", [(k,) for k in kids])
+            c.executemany("DELETE FROM partials WHERE kid = ?", [(k,) for k in kids])
+            c.execute("DELETE FROM occurrences WHERE expires_at <= ?", (now,))
+            return len(kids)
+        total = 0
+        while True:  # short transactions: never hold the write lock for a whole purge
+            n = await self._write(op)
+            total += n
+            if n < batch:
+                return total
+
+    async def journal(self, tenant: str, run: str) -> list[Entry]:
+        rows = self._read(f"SELECT {ENTRY_COLUMNS}, status FROM journal WHERE tenant = ? AND run = ? "
+                          "ORDER BY created_at", (tenant, run))
+        out = []
+        for row in rows:
+            entry = _entry(row)
+            if row["status"] is not None:
+                entry.response = Recorded(row["status"], [], b"")
+            out.append(entry)
+        return out
+
+    async def delete_journal(self, tenant: str, run: str) -> int:
+        def op(c):
+            c.execute("DELETE FROM partials WHERE kid IN (SELECT kid FROM journal WHERE tenant = ? "
+                      "AND run = ?)", (tenant, run))
+            c.execute("DELETE FROM occurrences WHERE tenant = ? AND run = ?", (tenant, run))
+            return c.execute("DELETE FROM journal WHERE tenant = ? AND run = ?", (tenant, run)).rowcount
+        return await self._write(op)
+
+    # -- runs -----------------------------------------------------------------------------
+
+    async def upsert_run(self, run: Run) -> Run:
+        def op(c):
+            c.execute(
+                f"INSERT INTO runs ({RUN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT DO UPDATE SET timeout_s = excluded.timeout_s, grace_s = excluded.grace_s, "
+                "max_restarts = excluded.max_restarts, hook = excluded.hook, metadata = excluded.metadata",
+                (run.tenant, run.run_id, run.state, run.epoch, run.restarts, run.last_seen,
+                 run.started_at, run.timeout_s, run.grace_s, run.max_restarts, run.hook,
+                 orjson.dumps(run.metadata), run.created_at, run.ended_at, run.next_restart_at,
+                 orjson.dumps(run.history)))
+            return _run(c.execute(f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = ? AND run_id = ?",
+                                  (run.tenant, run.run_id)).fetchone())
+        return await self._write(op)
+
+    async def get_run(self, tenant: str | None, run_id: str) -> list[Run]:
+        if tenant is None:
+            rows = self._read(f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = ?", (run_id,))
+        else:
+            rows = self._read(f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = ? AND run_id = ?",
+                              (tenant, run_id))
+        return [_run(r) for r in rows]
+
+    async def list_runs(self, state: str | None = None, limit: int = 1000) -> list[Run]:
+        if state:
+            rows = self._read(f"SELECT {RUN_COLUMNS} FROM runs WHERE state = ? "
+                              "ORDER BY created_at DESC LIMIT ?", (state, limit))
+        else:
+            rows = self._read(f"SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at DESC LIMIT ?",
+                              (limit,))
+        return [_run(r) for r in rows]
+
+    async def observe_epoch(self, tenant: str, run_id: str, epoch: int | None, defaults: Run,
+                            now: float) -> int:
+        rows = self._read("SELECT epoch FROM runs WHERE tenant = ? AND run_id = ?", (tenant, run_id))
+        if rows and (epoch is None or epoch <= rows[0][0]):
+            return rows[0][0]  # the common case: a known run at its current epoch, no write
+
+        def op(c):
+            c.execute(
+                f"INSERT INTO runs ({RUN_COLUMNS}) VALUES (?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, NULL, 0, ?) "
+                "ON CONFLICT DO UPDATE SET epoch = excluded.epoch, started_at = excluded.started_at, "
+                "state = CASE WHEN state = ? THEN ? ELSE state END "
+                "WHERE excluded.epoch > runs.epoch",
+                (tenant, run_id, RUNNING, epoch or 0, now, now, defaults.timeout_s, defaults.grace_s,
+                 defaults.max_restarts, defaults.hook, orjson.dumps(defaults.metadata), now, b"[]",
+                 RESTARTING, RUNNING))
+            return c.execute("SELECT epoch FROM runs WHERE tenant = ? AND run_id = ?",
+                             (tenant, run_id)).fetchone()[0]
+        return await self._write(op)
+
+    async def touch(self, beats: dict[tuple[str, str], float]) -> None:
+        await self._write(lambda c: c.executemany(
+            "UPDATE runs SET last_seen = max(last_seen, ?), "
+            f"state = CASE WHEN state = '{RESTARTING}' THEN '{RUNNING}' ELSE state END "
+            "WHERE tenant = ? AND run_id = ?",
+            [(at, tenant, run) for (tenant, run), at in beats.items()]))
+
+    async def end_run(self, tenant: str, run_id: str, state: str, now: float) -> Run | None:
+        def op(c):
+            row = c.execute(f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = ? AND run_id = ?",
+                            (tenant, run_id)).fetchone()
+            if row is None:
+                return None
+            run = _run(row)
+            if run.state in ENDED:
+                return run
+            run.history = (run.history + [{"at": now, "epoch": run.epoch, "event": state}])[-HISTORY_LIMIT:]
+            c.execute("UPDATE runs SET state = ?, ended_at = ?, history = ? WHERE tenant = ? AND run_id = ?",
+                      (state, now, orjson.dumps(run.history), tenant, run_id))
+            run.state, run.ended_at = state, now
+            return run
+        return await self._write(op)
+
+    async def new_attempt(self, tenant: str, run_id: str, expected_epoch: int | None, now: float,
+                          reason: str, restart: bool) -> Run | None:
+        def op(c):
+            row = c.execute(f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = ? AND run_id = ?",
+                            (tenant, run_id)).fetchone()
+            if row is None:
+                return None
+            run = _run(row)
+            if run.state in ENDED or (expected_epoch is not None and run.epoch != expected_epoch):
+                return None
+            run.epoch += 1
+            run.restarts += int(restart)
+            run.state = RESTARTING if restart else RUNNING
+            run.started_at = run.last_seen = now
+            run.history = (run.history + [{"at": now, "epoch": run.epoch, "event": reason}])[-HISTORY_LIMIT:]
+            c.execute("UPDATE runs SET epoch = ?, restarts = ?, state = ?, started_at = ?, last_seen = ?, "
+                      "history = ? WHERE tenant = ? AND run_id = ? AND epoch = ?",
+                      (run.epoch, run.restarts, run.state, now, now, orjson.dumps(run.history),
+                       tenant, run_id, run.epoch - 1))
+            return run
+        return await self._write(op)
+
+    async def silent_runs(self, now: float) -> list[Run]:
+        rows = self._read(f"SELECT {RUN_COLUMNS} FROM runs WHERE state IN (?, ?) "
+                          "AND last_seen + timeout_s < ? AND started_at + grace_s < ? "
+                          "AND next_restart_at <= ?", (RUNNING, RESTARTING, now, now, now))
+        return [_run(r) for r in rows]
+
+    async def set_run_state(self, tenant: str, run_id: str, state: str, now: float,
+                            event: dict[str, Any] | None = None, **fields: Any) -> None:
+        allowed = {"next_restart_at", "restarts", "ended_at"}
+        if set(fields) - allowed:
+            raise ValueError(f"cannot set {set(fields) - allowed}")
+
+        def op(c):
+            row = c.execute("SELECT history FROM runs WHERE tenant = ? AND run_id = ?",
+                            (tenant, run_id)).fetchone()
+            if row is None:
+                return
+            history = orjson.loads(row[0] or b"[]")
+            if event:
+                history = (history + [{"at": now, **event}])[-HISTORY_LIMIT:]
+            sets = ", ".join(f"{k} = ?" for k in fields)
+            c.execute(f"UPDATE runs SET state = ?, history = ?{', ' + sets if sets else ''} "
+                      "WHERE tenant = ? AND run_id = ?",
+                      (state, orjson.dumps(history), *fields.values(), tenant, run_id))
+        await self._write(op)
+
+
+def _settle(future: asyncio.Future, value: Any, exc: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(value)

@@ -1,0 +1,182 @@
+"""A fake LLM and tool provider that counts every call it gets.
+
+Speaks enough of the OpenAI (``/v1/chat/completions``, ``/v1/responses``-free) and
+Anthropic (``/v1/messages``) APIs for their official SDKs, plus tool endpoints with a
+side effect (``/tools/...``). Behaviour is steered per request by headers, so a test
+can ask for a status, a delay, a broken stream:
+
+- ``X-Fake-Status: 503``       answer with that status
+- ``X-Fake-Delay: 0.5``        wait before answering (seconds)
+- ``X-Fake-Chunk-Delay: 0.1``  wait between stream chunks
+- ``X-Fake-Chunks: 20``        number of content chunks in a stream
+- ``X-Fake-Break: 3``          close the connection after that many chunks
+- ``X-Fake-Size: 1000000``     body of that many bytes (``/blob``)
+
+Run alone: ``python tests/fake_provider.py --port 9100``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import itertools
+
+import orjson
+from aiohttp import web
+
+CALLS = web.AppKey("calls", collections.Counter)
+SEEN = web.AppKey("seen", list)
+_ids = itertools.count(1)
+
+
+def _delay(request: web.Request, name: str = "X-Fake-Delay") -> float:
+    return float(request.headers.get(name, "0"))
+
+
+async def _maybe_status(request: web.Request) -> web.Response | None:
+    status = int(request.headers.get("X-Fake-Status", "200"))
+    if status != 200:
+        return web.json_response({"error": {"message": f"fake {status}", "type": "fake"}}, status=status)
+    return None
+
+
+def _record(request: web.Request, name: str, body: bytes) -> None:
+    request.app[CALLS][name] += 1
+    request.app[SEEN].append({"name": name, "method": request.method, "path": request.path_qs,
+                              "headers": dict(request.headers), "body": body})
+
+
+async def _stream(request: web.Request, events: list[bytes]) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    brk = int(request.headers.get("X-Fake-Break", "-1"))
+    gap = _delay(request, "X-Fake-Chunk-Delay")
+    for i, event in enumerate(events):
+        if i == brk:
+            request.transport.close()  # a broken upstream stream
+            return resp
+        await resp.write(event)
+        if gap:
+            await asyncio.sleep(gap)
+    await resp.write_eof()
+    return resp
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    body = await request.read()
+    _record(request, "chat", body)
+    await asyncio.sleep(_delay(request))
+    if (failed := await _maybe_status(request)) is not None:
+        return failed
+    req = orjson.loads(body or b"{}")
+    n = next(_ids)
+    last = (req.get("messages") or [{}])[-1].get("content", "")
+    text = f"reply {n} to: {str(last)[:40]}"
+    if req.get("stream"):
+        chunks = int(request.headers.get("X-Fake-Chunks", "5"))
+        events = [b"data: " + orjson.dumps({
+            "id": f"chatcmpl-{n}", "object": "chat.completion.chunk", "created": 1, "model": req.get("model"),
+            "choices": [{"index": 0, "delta": {"content": f"{text}[{i}]"}, "finish_reason": None}]}) + b"\n\n"
+            for i in range(chunks)]
+        events.append(b"data: " + orjson.dumps({
+            "id": f"chatcmpl-{n}", "object": "chat.completion.chunk", "created": 1, "model": req.get("model"),
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": chunks, "total_tokens": 10 + chunks}}) + b"\n\n")
+        events.append(b"data: [DONE]\n\n")
+        return await _stream(request, events)
+    return web.json_response({
+        "id": f"chatcmpl-{n}", "object": "chat.completion", "created": 1, "model": req.get("model", "fake"),
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}},
+        headers={"Set-Cookie": "session=secret-cookie", "X-Request-Id": f"req-{n}"})
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    body = await request.read()
+    _record(request, "messages", body)
+    await asyncio.sleep(_delay(request))
+    if (failed := await _maybe_status(request)) is not None:
+        return failed
+    req = orjson.loads(body or b"{}")
+    n = next(_ids)
+    text = f"claude reply {n}"
+    message = {"id": f"msg_{n}", "type": "message", "role": "assistant", "model": req.get("model", "fake"),
+               "content": [{"type": "text", "text": text}], "stop_reason": "end_turn",
+               "stop_sequence": None, "usage": {"input_tokens": 12, "output_tokens": 6}}
+    if not req.get("stream"):
+        return web.json_response(message)
+
+    def ev(kind: str, data: dict) -> bytes:
+        return f"event: {kind}\n".encode() + b"data: " + orjson.dumps({"type": kind, **data}) + b"\n\n"
+    start = {**message, "content": [], "stop_reason": None, "usage": {"input_tokens": 12, "output_tokens": 1}}
+    events = [ev("message_start", {"message": start}),
+              ev("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})]
+    events += [ev("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": w + " "}})
+               for w in text.split()]
+    events += [ev("content_block_stop", {"index": 0}),
+               ev("message_delta", {"delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                                    "usage": {"output_tokens": 6}}),
+               ev("message_stop", {})]
+    return await _stream(request, events)
+
+
+async def tool(request: web.Request) -> web.Response:
+    """A tool with a side effect: every call that reaches it 'sends' something."""
+    body = await request.read()
+    name = "tool:" + request.match_info["name"]
+    _record(request, name, body)
+    await asyncio.sleep(_delay(request))
+    if (failed := await _maybe_status(request)) is not None:
+        return failed
+    return web.json_response({"ok": True, "tool": request.match_info["name"], "n": next(_ids),
+                              "echo": orjson.loads(body) if body else None})
+
+
+async def blob(request: web.Request) -> web.Response:
+    _record(request, "blob", await request.read())
+    return web.Response(body=b"x" * int(request.headers.get("X-Fake-Size", "1024")),
+                        content_type="application/octet-stream")
+
+
+async def echo(request: web.Request) -> web.Response:
+    """Shows what reached the upstream: path, query and headers."""
+    body = await request.read()
+    _record(request, "echo", body)
+    return web.json_response({"method": request.method, "path": request.path, "raw_path": request.raw_path,
+                              "query": request.query_string, "headers": dict(request.headers),
+                              "body": body.decode(errors="replace")})
+
+
+async def calls(request: web.Request) -> web.Response:
+    return web.json_response(dict(request.app[CALLS]))
+
+
+async def small(request: web.Request) -> web.Response:
+    """The benchmark's upstream: a small JSON answer, like a short model reply."""
+    await request.read()
+    request.app[CALLS]["small"] += 1
+    return web.Response(body=b'{"ok":true,"usage":{"prompt_tokens":3,"completion_tokens":2}}',
+                        content_type="application/json")
+
+
+def create_app() -> web.Application:
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app[CALLS] = collections.Counter()
+    app[SEEN] = []
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_route("*", "/tools/{name}", tool)
+    app.router.add_route("*", "/blob", blob)
+    app.router.add_route("*", "/echo/{tail:.*}", echo)
+    app.router.add_route("*", "/small", small)
+    app.router.add_get("/_calls", calls)
+    return app
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9100)
+    args = parser.parse_args()
+    web.run_app(create_app(), host=args.host, port=args.port, access_log=None, print=None)
