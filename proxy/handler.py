@@ -27,6 +27,9 @@ from .store.base import COMPLETE, IN_FLIGHT, UNKNOWN, UNRECORDABLE, Claim, Entry
 
 log = logging.getLogger("idemproxy.proxy")
 
+OUTCOME = web.RequestKey("outcome", str)  # what the proxy did: metrics and the access log
+UPSTREAM_S = web.RequestKey("upstream_s", object)  # upstream time to headers, when forwarded
+
 
 @dataclass
 class Proxy:
@@ -42,7 +45,7 @@ class Proxy:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
-        request["outcome"] = "rejected"
+        request[OUTCOME] = "rejected"
         try:
             route = parse_route(request.raw_path, self.settings.upstreams)
             ident = self._identify(request, route)
@@ -53,22 +56,22 @@ class Proxy:
             if ident.run:
                 await self._fence(ident)
             if chosen == policy.PASSTHROUGH:
-                request["outcome"] = "passthrough"
+                request[OUTCOME] = "passthrough"
                 return await self._passthrough(request, route, body, started)
             return await self._record(request, route, ident, body, started)
         except Problem as problem:
             if problem.slug == "stale-epoch":
-                request["outcome"] = "fenced"
+                request[OUTCOME] = "fenced"
             elif problem.slug in ("key-reused", "in-flight", "outcome-unknown", "not-replayable"):
-                request["outcome"] = "conflict"
+                request[OUTCOME] = "conflict"
             return problem.response(request.path)
         except StoreUnavailable as exc:
             log.error("store unavailable: %s", exc)
             return Problem("store-unavailable", "the journal store did not answer; nothing was "
                            "forwarded").response(request.path)
         finally:
-            self.metrics.observe(request.get("outcome", "rejected"), time.perf_counter() - started,
-                                 request.get("upstream_s"))
+            self.metrics.observe(request.get(OUTCOME, "rejected"), time.perf_counter() - started,
+                                 request.get(UPSTREAM_S))
 
     # -- identity -------------------------------------------------------------------------
 
@@ -118,7 +121,7 @@ class Proxy:
         try:
             async with session.request(request.method, upstream_url(upstream, route), headers=headers,
                                        data=body, allow_redirects=False) as resp:
-                upstream_s = request["upstream_s"] = time.perf_counter() - sent
+                upstream_s = request[UPSTREAM_S] = time.perf_counter() - sent
                 out = response_headers(resp.headers)
                 out.append(("Server-Timing", server_timing(time.perf_counter() - started - upstream_s,
                                                            upstream_s)))
@@ -160,7 +163,7 @@ class Proxy:
                 if call.fingerprint != fp:
                     raise Problem("key-reused", "this Idempotency-Key is in use with a different "
                                   "request (method, path or body)")
-                request["outcome"] = "joined"
+                request[OUTCOME] = "joined"
                 return await listen(request, call, started, replayed=True)
             entry = await self.store.get(kid)
             if entry is None or (entry.state == IN_FLIGHT and entry.lease_until < time.time()):
@@ -171,7 +174,7 @@ class Proxy:
                     raise Problem("stale-epoch", f"run {ident.run} is at epoch {result.stale_epoch}",
                                   epoch=result.stale_epoch)
                 if result.won:
-                    request["outcome"] = "recorded"
+                    request[OUTCOME] = "recorded"
                     call = self._start(request, route, result.entry, body)
                     return await listen(request, call, started, replayed=False)
                 entry = result.entry
@@ -179,7 +182,7 @@ class Proxy:
                 raise Problem("key-reused", "this Idempotency-Key was first used with a different "
                               "request (method, path or body)")
             if entry.state == COMPLETE:
-                request["outcome"] = "replayed"
+                request[OUTCOME] = "replayed"
                 self.replays[kid] = self.replays.get(kid, 0) + 1
                 self.metrics.saved(upstream.name, entry.response)
                 return await send_record(request, entry.response, started, paced)
@@ -190,7 +193,7 @@ class Proxy:
                 raise Problem("not-replayable", entry.detail or "the response was too large to record")
             joined = await join_remote(request, self.store, kid, started)
             if joined is not None:
-                request["outcome"] = "joined"
+                request[OUTCOME] = "joined"
                 return joined
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -214,7 +217,7 @@ class Proxy:
             self.tasks.discard(task)
             self.calls.pop(entry.kid, None)
         task.add_done_callback(done)
-        request["upstream_s"] = None
+        request[UPSTREAM_S] = None
         return call
 
     # -- background work ------------------------------------------------------------------

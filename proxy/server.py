@@ -13,6 +13,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
 from .app import create_app
+from .handler import OUTCOME
 from .config import Settings
 
 log = logging.getLogger("idemproxy")
@@ -28,7 +29,7 @@ class AccessLogger(AbstractAccessLogger):
 
     def log(self, request: web.BaseRequest, response: web.StreamResponse, duration: float) -> None:
         self.logger.info("%s %s %s %d %s %.1fms", request.remote, request.method, request.path,
-                         response.status, request.get("outcome", "-"), duration * 1000)
+                         response.status, request.get(OUTCOME, "-"), duration * 1000)
 
 
 def run(main: Callable[[], Coroutine[Any, Any, Any]]) -> Any:

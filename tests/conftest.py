@@ -1,0 +1,250 @@
+"""Fixtures that start real things: the fake provider, proxies, stores on real servers.
+
+``store_url`` is parametrized over every backend in ``IDEMPROXY_TEST_BACKENDS``
+(default: all three), so a test that takes it runs on sqlite, postgres and redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import fake_provider  # noqa: E402
+import services  # noqa: E402
+
+from idemproxy.proxy.app import PROXY, STORE, create_app  # noqa: E402
+from idemproxy.proxy.config import Settings, load_settings  # noqa: E402
+from idemproxy.supervisor import routes  # noqa: E402
+
+BACKENDS = [b for b in os.environ.get("IDEMPROXY_TEST_BACKENDS", "sqlite,postgres,redis").split(",") if b]
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Provider:
+    url: str
+    app: web.Application
+
+    @property
+    def calls(self):
+        return self.app[fake_provider.CALLS]
+
+    @property
+    def seen(self) -> list[dict]:
+        return self.app[fake_provider.SEEN]
+
+
+@pytest.fixture
+async def provider() -> Provider:
+    app = fake_provider.create_app()
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    yield Provider(str(server.make_url("")).rstrip("/"), app)
+    await server.close()
+
+
+def _drop_postgres_schema(url: str, schema: str) -> None:
+    import asyncpg
+
+    async def drop():
+        conn = await asyncpg.connect(url)
+        try:
+            await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        finally:
+            await conn.close()
+    asyncio.run(drop())
+
+
+def _drop_redis_prefix(url: str, prefix: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        keys = list(client.scan_iter(match=prefix + "*", count=1000))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
+
+
+def backend_url(backend: str, tmp_path: Path) -> tuple[str, Any]:
+    """A fresh, empty store of ``backend`` and how to clean it up."""
+    tag = uuid.uuid4().hex[:10]
+    if backend == "sqlite":
+        return f"sqlite:///{tmp_path}/journal-{tag}.db", lambda: None
+    if backend == "postgres":
+        base, schema = services.postgres_url(), f"t_{tag}"
+        return f"{base}?schema={schema}", lambda: _drop_postgres_schema(base, schema)
+    if backend == "redis":
+        base, prefix = services.redis_url(), f"t{tag}:"
+        return f"{base}?prefix={prefix}", lambda: _drop_redis_prefix(base, prefix)
+    raise ValueError(backend)
+
+
+@pytest.fixture(params=BACKENDS)
+def store_url(request, tmp_path):
+    url, cleanup = backend_url(request.param, tmp_path)
+    yield url
+    cleanup()
+
+
+@pytest.fixture
+def sqlite_url(tmp_path) -> str:
+    return f"sqlite:///{tmp_path}/journal.db"
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(value)
+
+
+def write_config(path: Path, sections: dict[str, dict[str, Any]]) -> Path:
+    """Write a TOML file from {"server": {...}, "upstreams.openai": {...}}."""
+    lines = []
+    for name, body in sections.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in body.items()]
+        lines.append("")
+    path.write_text("\n".join(lines))
+    return path
+
+
+def proxy_sections(provider_url: str, store_url: str, **extra: dict[str, Any]) -> dict[str, dict]:
+    """A test configuration: fake provider as openai, anthropic and tools."""
+    sections: dict[str, dict[str, Any]] = {
+        "server": {"host": "127.0.0.1", "port": 0, "in_flight_wait": "5s", "access_log": False},
+        "store": {"url": store_url, "timeout": "3s"},
+        "upstreams.openai": {"url": provider_url},
+        "upstreams.anthropic": {"url": provider_url},
+        "upstreams.tools": {"url": provider_url + "/tools", "on_ambiguous": "quarantine",
+                            "idempotency_header": "Idempotency-Key"},
+        "upstreams.raw": {"url": provider_url, "kind": "tool"},
+        "supervisor": {"enabled": False},
+        "admin": {"token": "test-admin-token"},
+    }
+    for name, body in extra.items():
+        sections.setdefault(name.replace("__", "."), {}).update(body)
+    return sections
+
+
+@dataclass
+class RunningProxy:
+    url: str
+    app: web.Application
+    settings: Settings
+    server: TestServer
+
+    @property
+    def store(self):
+        return self.app[STORE]
+
+    @property
+    def proxy(self):
+        return self.app[PROXY]
+
+
+@pytest.fixture
+async def make_proxy(tmp_path, provider):
+    """Start a proxy on a real socket: ``await make_proxy(store_url, **sections)``."""
+    started: list[TestServer] = []
+
+    async def make(store_url: str, **extra: dict[str, Any]) -> RunningProxy:
+        path = write_config(tmp_path / f"proxy-{uuid.uuid4().hex[:6]}.toml",
+                            proxy_sections(provider.url, store_url, **extra))
+        settings = load_settings(path, env={})
+        app = create_app(settings, extra_routes=routes)
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        started.append(server)
+        return RunningProxy(str(server.make_url("")).rstrip("/"), app, settings, server)
+
+    yield make
+    for server in reversed(started):
+        await server.close()
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+class ProxyProcess:
+    """``idemproxy serve`` in a subprocess, for tests that kill it."""
+
+    def __init__(self, config: Path, port: int, env: dict[str, str] | None = None):
+        self.config, self.port = config, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.log = config.with_suffix(f".{port}.log")
+
+    def start(self, timeout: float = 20.0) -> "ProxyProcess":
+        out = open(self.log, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "idemproxy.proxy.cli", "serve", "--config", str(self.config),
+             "--port", str(self.port)], stdout=out, stderr=out, env=self.env, cwd=self.config.parent)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"proxy exited: {self.log.read_text()[-3000:]}")
+            if services.reachable(self.url, 0.2):
+                return self
+            time.sleep(0.05)
+        raise RuntimeError(f"proxy did not start: {self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def proxy_process(tmp_path):
+    """Factory: ``proxy_process(sections) -> ProxyProcess`` (started); stopped at teardown."""
+    made: list[ProxyProcess] = []
+
+    def make(sections: dict[str, dict[str, Any]], port: int | None = None,
+             env: dict[str, str] | None = None) -> ProxyProcess:
+        port = port or services.free_port()
+        sections = {**sections, "server": {**sections.get("server", {}), "port": port}}
+        config = write_config(tmp_path / f"proc-{uuid.uuid4().hex[:6]}.toml", sections)
+        proc = ProxyProcess(config, port, env).start()
+        made.append(proc)
+        return proc
+
+    yield make
+    for proc in made:
+        proc.stop()
