@@ -81,10 +81,10 @@ class Proxy:
         epoch = route.epoch if route.epoch is not None else parse_epoch(headers.get("Idem-Epoch"))
         if epoch is not None and run is None:
             raise Problem("invalid-header", "Idem-Epoch needs a run (Idem-Run or /runs/{run_id}/...)")
-        peer = request.transport.get_extra_info("peername") if request.transport else None
+        tenant, namespace = self.tenants.resolve(headers, request.remote)
         return Identity(key=parse_key(headers.getall("Idempotency-Key", [])), run=run, epoch=epoch,
-                        policy=parse_policy(headers.get("Idem-Policy")),
-                        tenant=self.tenants.resolve(headers, peer[0] if peer else None))
+                        policy=parse_policy(headers.get("Idem-Policy")), tenant=tenant,
+                        namespace=namespace)
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.settings.server.max_request_bytes
@@ -102,10 +102,11 @@ class Proxy:
     async def _fence(self, ident: Identity) -> None:
         """Refuse a superseded attempt (a zombie) before anything is forwarded."""
         runs = self.settings.runs
-        defaults = Run(ident.tenant, ident.run, timeout_s=runs.timeout_s, grace_s=runs.grace_s,
+        defaults = Run(ident.namespace, ident.run, timeout_s=runs.timeout_s, grace_s=runs.grace_s,
                        max_restarts=runs.max_restarts, hook=runs.hook)
-        current = await self.store.observe_epoch(ident.tenant, ident.run, ident.epoch, defaults, time.time())
-        self.heartbeats.beat(ident.tenant, ident.run)
+        current = await self.store.observe_epoch(ident.namespace, ident.run, ident.epoch, defaults,
+                                                 time.time())
+        self.heartbeats.beat(ident.namespace, ident.run)
         if ident.epoch is not None and ident.epoch < current:
             raise Problem("stale-epoch", f"run {ident.run} is at epoch {current}; this attempt "
                           f"(epoch {ident.epoch}) has been superseded", epoch=current)
@@ -148,7 +149,7 @@ class Proxy:
         if ident.key is not None:
             key = ident.key
         elif ident.run is not None:
-            n = await self.store.next_occurrence(ident.tenant, ident.run, ident.epoch, fp,
+            n = await self.store.next_occurrence(ident.namespace, ident.run, ident.epoch, fp,
                                                  self.settings.store.retention)
             key = f"derived:{fp}:{n}"
         else:  # `Idem-Policy: record` with neither key nor run: the request is its own key
@@ -169,13 +170,13 @@ class Proxy:
             if entry is None or (entry.state == IN_FLIGHT and entry.lease_until < time.time()):
                 result = await self.store.claim(Claim(
                     scope, fp, uuid.uuid4().hex, self.settings.store.lease, self.settings.store.retention,
-                    request.method, route.path, ident.epoch, ambiguous_policy(upstream)))
+                    request.method, route.path, ident.epoch, ambiguous_policy(upstream), ident.namespace))
                 if result.stale_epoch is not None:
                     raise Problem("stale-epoch", f"run {ident.run} is at epoch {result.stale_epoch}",
                                   epoch=result.stale_epoch)
                 if result.won:
                     request[OUTCOME] = "recorded"
-                    call = self._start(request, route, result.entry, body)
+                    call = self._start(request, route, result.entry, body, ident.namespace)
                     return await listen(request, call, started, replayed=False)
                 entry = result.entry
             if entry.fingerprint != fp:
@@ -201,13 +202,14 @@ class Proxy:
                               headers={"Retry-After": "1"})
             await self.store.wait(kid, remaining)
 
-    def _start(self, request: web.Request, route: Route, entry: Entry, body: bytes) -> Call:
+    def _start(self, request: web.Request, route: Route, entry: Entry, body: bytes,
+               namespace: str) -> Call:
         upstream: UpstreamSettings = route.upstream
         call = Call(entry.kid, entry.owner, entry.fingerprint, upstream,
                     self.settings.server.max_record_bytes)
         headers = request_headers(request.headers, upstream, self.settings.tenants.header,
                                   forwarded_key(entry.kid))
-        beat = (lambda: self.heartbeats.beat(entry.tenant, entry.run)) if entry.run else (lambda: None)
+        beat = (lambda: self.heartbeats.beat(namespace, entry.run)) if entry.run else (lambda: None)
         task = asyncio.create_task(call.run(self.sessions[upstream.name], self.store, request.method,
                                             upstream_url(upstream, route), headers, body, beat))
         self.calls[entry.kid] = call

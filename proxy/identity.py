@@ -30,7 +30,8 @@ class Identity:
     run: str | None
     epoch: int | None
     policy: str | None
-    tenant: str
+    tenant: str     # whose journal entries these are
+    namespace: str  # whose runs these are
 
 
 def parse_key(values: list[str]) -> str | None:
@@ -101,11 +102,19 @@ def parse_policy(value: str | None) -> str | None:
     return value
 
 
+DEFAULT_NAMESPACE = "default"
+
+
 class TenantResolver:
     """Tenant = HMAC(secret, credential), or a trusted header from a trusted source.
 
     Hashing the credential means two API keys never share journal entries, and that
     the store never holds the credential itself.
+
+    Runs live in a *namespace*, not under a credential: one run calls several upstreams
+    with several credentials (an OpenAI key, an Anthropic key, none for a tool), and must
+    stay one run. The namespace is the trusted tenant header where one is configured, so a
+    multi-tenant gateway keeps tenants' runs apart, and ``default`` otherwise.
     """
 
     def __init__(self, secret: bytes, credential_headers: tuple[str, ...], header: str,
@@ -115,15 +124,23 @@ class TenantResolver:
         self._header = header
         self._trusted = tuple(ipaddress.ip_network(s, strict=False) for s in trusted_sources)
 
-    def resolve(self, headers: CIMultiDictProxy[str], peer: str | None) -> str:
+    def resolve(self, headers: CIMultiDictProxy[str], peer: str | None) -> tuple[str, str]:
+        """(tenant, namespace) of a request."""
+        named = self.namespace(headers, peer)
+        if named != DEFAULT_NAMESPACE:
+            return "t:" + named, named
+        return self.of_credential(headers), DEFAULT_NAMESPACE
+
+    def namespace(self, headers: CIMultiDictProxy[str], peer: str | None) -> str:
+        """The run namespace: the trusted tenant header, or ``default``."""
         named = headers.get(self._header)
-        if named is not None:
-            if not self._is_trusted(peer):
-                raise Problem("untrusted-tenant", f"{self._header} is accepted only from trusted sources")
-            if not TENANT_NAME.fullmatch(named):
-                raise Problem("invalid-header", f"{self._header} must be 1-128 of [A-Za-z0-9._:@/-]")
-            return "t:" + named
-        return self.of_credential(headers)
+        if named is None:
+            return DEFAULT_NAMESPACE
+        if not self._is_trusted(peer):
+            raise Problem("untrusted-tenant", f"{self._header} is accepted only from trusted sources")
+        if not TENANT_NAME.fullmatch(named):
+            raise Problem("invalid-header", f"{self._header} must be 1-128 of [A-Za-z0-9._:@/-]")
+        return named
 
     def of_credential(self, headers: CIMultiDictProxy[str]) -> str:
         material = "\n".join(f"{h}={headers[h]}" for h in self._credential_headers if h in headers)

@@ -75,6 +75,7 @@ class Entry:
     detail: str | None = None
     method: str = ""
     path: str = ""
+    namespace: str = "default"  # of the run, so a run's journal spans all its tenants
     response: Recorded | None = None
 
 
@@ -91,6 +92,8 @@ class Claim:
     epoch: int | None = None
     # what to do with a claim whose lease expired (its proxy died): "retry" or "quarantine"
     on_expired: str = "retry"
+    # the namespace of the run (runs are not keyed by credential; see identity.py)
+    namespace: str = "default"
 
 
 @dataclass(slots=True)
@@ -102,7 +105,7 @@ class ClaimResult:
 
 @dataclass(slots=True)
 class Run:
-    tenant: str
+    tenant: str  # the run's namespace (identity.TenantResolver.namespace)
     run_id: str
     state: str = RUNNING
     epoch: int = 0
@@ -153,8 +156,9 @@ class Store(Protocol):
         """Return when ``kid`` may have changed (or after ``timeout``)."""
     async def count_replays(self, counts: dict[str, int]) -> None: """Add replay counts."""
     async def purge(self, now: float, batch: int = 1000) -> int: """Delete expired entries."""
-    async def journal(self, tenant: str, run: str) -> list[Entry]: """A run's entries, no bodies."""
-    async def delete_journal(self, tenant: str, run: str) -> int: ...
+    async def journal(self, namespace: str, run: str) -> list[Entry]:
+        """A run's entries (every tenant's), oldest first, with status but no body."""
+    async def delete_journal(self, namespace: str, run: str) -> int: ...
 
     # -- runs --------------------------------------------------------------------------
     async def upsert_run(self, run: Run) -> Run: """Create, or update timeouts/hook/metadata."""

@@ -30,12 +30,12 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS journal (
     kid TEXT PRIMARY KEY, tenant TEXT NOT NULL, run TEXT, epoch INTEGER,
     upstream TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL,
-    method TEXT NOT NULL DEFAULT '', path TEXT NOT NULL DEFAULT '',
+    method TEXT NOT NULL DEFAULT '', path TEXT NOT NULL DEFAULT '', namespace TEXT NOT NULL,
     state TEXT NOT NULL, owner TEXT, lease_until REAL NOT NULL DEFAULT 0,
     status INTEGER, headers BLOB, body BLOB, streamed INTEGER NOT NULL DEFAULT 0, timing BLOB,
     detail TEXT, created_at REAL NOT NULL, completed_at REAL, expires_at REAL NOT NULL,
     replays INTEGER NOT NULL DEFAULT 0);
-CREATE INDEX IF NOT EXISTS journal_by_run ON journal (tenant, run, created_at);
+CREATE INDEX IF NOT EXISTS journal_by_run ON journal (namespace, run, created_at);
 CREATE INDEX IF NOT EXISTS journal_by_expiry ON journal (expires_at);
 CREATE TABLE IF NOT EXISTS partials (
     kid TEXT NOT NULL, seq INTEGER NOT NULL, data BLOB NOT NULL, PRIMARY KEY (kid, seq));
@@ -52,7 +52,7 @@ CREATE INDEX IF NOT EXISTS runs_by_state ON runs (state, last_seen);
 CREATE TABLE IF NOT EXISTS secrets (name TEXT PRIMARY KEY, value BLOB NOT NULL);
 """
 ENTRY_COLUMNS = ("kid, tenant, run, epoch, upstream, key, fingerprint, state, owner, lease_until, "
-                 "created_at, completed_at, expires_at, replays, detail, method, path")
+                 "created_at, completed_at, expires_at, replays, detail, method, path, namespace")
 RUN_COLUMNS = ("tenant, run_id, state, epoch, restarts, last_seen, started_at, timeout_s, grace_s, "
                "max_restarts, hook, metadata, created_at, ended_at, next_restart_at, history")
 HISTORY_LIMIT = 50
@@ -60,7 +60,7 @@ POLL_S = 0.05  # how often a waiter looks for another process's writes
 
 
 def _entry(row: sqlite3.Row, response: Recorded | None = None) -> Entry:
-    return Entry(*row[:17], response=response)
+    return Entry(*row[:18], response=response)
 
 
 def _recorded(row: sqlite3.Row) -> Recorded | None:
@@ -215,7 +215,7 @@ class SQLiteStore:
             now = time.time()
             if scope.run and claim.epoch is not None:
                 run = c.execute("SELECT epoch FROM runs WHERE tenant = ? AND run_id = ?",
-                                (scope.tenant, scope.run)).fetchone()
+                                (claim.namespace, scope.run)).fetchone()
                 if run and run[0] > claim.epoch:
                     return ClaimResult(False, None, stale_epoch=run[0])
             row = c.execute(f"SELECT {ENTRY_COLUMNS} FROM journal WHERE kid = ?", (kid,)).fetchone()
@@ -231,15 +231,16 @@ class SQLiteStore:
                     return ClaimResult(False, existing)
             c.execute(
                 "INSERT OR REPLACE INTO journal (kid, tenant, run, epoch, upstream, key, fingerprint, "
-                "method, path, state, owner, lease_until, created_at, expires_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "method, path, namespace, state, owner, lease_until, created_at, expires_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (kid, scope.tenant, scope.run, claim.epoch, scope.upstream, scope.key,
-                 claim.fingerprint, claim.method, claim.path, IN_FLIGHT, claim.owner,
+                 claim.fingerprint, claim.method, claim.path, claim.namespace, IN_FLIGHT, claim.owner,
                  now + claim.lease_s, now, now + claim.retention_s))
             return ClaimResult(True, Entry(kid, scope.tenant, scope.run, claim.epoch, scope.upstream,
                                            scope.key, claim.fingerprint, IN_FLIGHT, claim.owner,
                                            now + claim.lease_s, now, None, now + claim.retention_s,
-                                           method=claim.method, path=claim.path))
+                                           method=claim.method, path=claim.path,
+                                           namespace=claim.namespace))
         return await self._write(op)
 
     async def next_occurrence(self, tenant: str, run: str, epoch: int | None, fingerprint: str,
@@ -277,7 +278,7 @@ class SQLiteStore:
 
     async def release(self, kid: str, owner: str) -> None:
         def op(c):
-            row = c.execute("DELETE FROM journal WHERE kid = ? AND owner = ? RETURNING tenant, run, "
+            row = c.execute("DELETE FROM journal WHERE kid = ? AND owner = ? RETURNING namespace, run, "
                             "epoch, fingerprint, key", (kid, owner)).fetchone()
             c.execute("DELETE FROM partials WHERE kid = ?", (kid,))
             if row is not None and row["key"].startswith("derived:"):
@@ -285,7 +286,7 @@ class SQLiteStore:
                 n = int(row["key"].rsplit(":", 1)[1])
                 c.execute("UPDATE occurrences SET n = n - 1 WHERE tenant = ? AND run = ? AND epoch = ? "
                           "AND fingerprint = ? AND n = ?",
-                          (row["tenant"], row["run"], -1 if row["epoch"] is None else row["epoch"],
+                          (row["namespace"], row["run"], -1 if row["epoch"] is None else row["epoch"],
                            row["fingerprint"], n + 1))
         try:
             await self._write(op)
@@ -362,9 +363,9 @@ class SQLiteStore:
             if n < batch:
                 return total
 
-    async def journal(self, tenant: str, run: str) -> list[Entry]:
-        rows = self._read(f"SELECT {ENTRY_COLUMNS}, status FROM journal WHERE tenant = ? AND run = ? "
-                          "ORDER BY created_at", (tenant, run))
+    async def journal(self, namespace: str, run: str) -> list[Entry]:
+        rows = self._read(f"SELECT {ENTRY_COLUMNS}, status FROM journal WHERE namespace = ? AND run = ? "
+                          "ORDER BY created_at", (namespace, run))
         out = []
         for row in rows:
             entry = _entry(row)
@@ -373,12 +374,13 @@ class SQLiteStore:
             out.append(entry)
         return out
 
-    async def delete_journal(self, tenant: str, run: str) -> int:
+    async def delete_journal(self, namespace: str, run: str) -> int:
         def op(c):
-            c.execute("DELETE FROM partials WHERE kid IN (SELECT kid FROM journal WHERE tenant = ? "
-                      "AND run = ?)", (tenant, run))
-            c.execute("DELETE FROM occurrences WHERE tenant = ? AND run = ?", (tenant, run))
-            return c.execute("DELETE FROM journal WHERE tenant = ? AND run = ?", (tenant, run)).rowcount
+            c.execute("DELETE FROM partials WHERE kid IN (SELECT kid FROM journal WHERE namespace = ? "
+                      "AND run = ?)", (namespace, run))
+            c.execute("DELETE FROM occurrences WHERE tenant = ? AND run = ?", (namespace, run))
+            return c.execute("DELETE FROM journal WHERE namespace = ? AND run = ?",
+                             (namespace, run)).rowcount
         return await self._write(op)
 
     # -- runs -----------------------------------------------------------------------------
