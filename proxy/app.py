@@ -32,7 +32,8 @@ OPEN_ATTEMPTS = 8
 def create_app(settings: Settings, *, extra_routes: Callable[[web.Application], None] | None = None
                ) -> web.Application:
     # We read bodies ourselves to answer 413 as problem+json; aiohttp's own cap sits above ours.
-    app = web.Application(client_max_size=settings.server.max_request_bytes + 1024)
+    app = web.Application(client_max_size=settings.server.max_request_bytes + 1024,
+                          middlewares=[_origin_form_only])
     app[SETTINGS] = settings
     app[METRICS] = Metrics()
     app.cleanup_ctx.append(_lifecycle)
@@ -115,6 +116,16 @@ async def _purge(store: Store) -> None:
     n = await store.purge(time.time())
     if n:
         log.info("purged %d expired journal entries", n)
+
+
+@web.middleware
+async def _origin_form_only(request: web.Request, handler) -> web.StreamResponse:
+    # Targets no route can take (`CONNECT host:port`, `OPTIONS *`) never reach the proxy
+    # handler; refuse them as problems too, not with aiohttp's plain-text 404.
+    if request.match_info.http_exception is not None:
+        return Problem("invalid-request", "only origin-form request targets are accepted; "
+                       "this is not an open proxy").response()
+    return await handler(request)
 
 
 async def _proxy(request: web.Request) -> web.StreamResponse:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +29,11 @@ from .store.base import Recorded
 log = logging.getLogger("idemproxy.proxy")
 
 PARTIAL_FLUSH_S = 0.1  # how often stream bytes are shared with other proxies
+# SSE events after which an SDK stops reading and the agent moves on (OpenAI chat,
+# OpenAI Responses, Anthropic). The upstream may pause before it ends the body, so
+# waiting for EOF alone would let the agent act on an answer not yet durable (rule 1).
+# A line start cannot occur inside a JSON string, so model output cannot fake one.
+TERMINAL_EVENT = re.compile(rb"(?m)^(?:data: \[DONE\]|event: message_stop|event: response\.completed)\r?$")
 
 
 @dataclass(slots=True)
@@ -87,6 +93,9 @@ class Call:
         except asyncio.CancelledError:
             self.result = CallResult("failed", ("upstream-unavailable", "the proxy is shutting down"))
             raise
+        except StoreUnavailable as exc:
+            log.error("call %s: store unavailable: %s", self.kid[:12], exc)
+            self.result = CallResult("unsaved", ("store-unavailable", f"the journal store failed: {exc}"))
         except Exception as exc:  # noqa: BLE001 - listeners must never hang
             log.exception("call %s failed", self.kid[:12])
             self.result = CallResult("failed", ("upstream-unavailable", f"proxy error: {exc!r}"))
@@ -123,10 +132,11 @@ class Call:
                             else:
                                 timing.append((len(recorded), round(now - first_byte, 4)))
                                 recorded += chunk
-                        if self.streamed and not resp.content.is_eof():
+                        if (self.streamed and not self._held and not resp.content.is_eof()
+                                and not TERMINAL_EVENT.search(chunk)):
                             self.chunks.append(chunk)
                             self._publish()
-                        else:  # the last bytes wait for the commit
+                        else:  # the last bytes (and what follows them) wait for the commit
                             self._held.append(chunk)
                 finally:
                     if flusher is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from . import commands, server
@@ -36,7 +37,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help)
-        p.add_argument("--config", "-c", help="TOML file (default: the embedded config/default.toml)")
+        # IDEMPROXY_CONFIG lets a container image name its config file once for every
+        # command (serve, supervise, check in a HEALTHCHECK) instead of in each argv.
+        p.add_argument("--config", "-c", default=os.environ.get("IDEMPROXY_CONFIG") or None,
+                       help="TOML file (default: $IDEMPROXY_CONFIG, else the embedded "
+                            "config/default.toml)")
         p.add_argument("--set", action="append", metavar="SECTION.OPTION=VALUE",
                        help="override one option; may repeat")
         return p

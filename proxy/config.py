@@ -9,6 +9,7 @@ as a dataclass field below; the environment name is derived from it
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import os
 import re
@@ -304,7 +305,7 @@ def _coerce(hint, value):
     if origin is tuple:
         items = [value] if isinstance(value, (str, dict)) else list(value)
         return tuple(_coerce(args[0], item) for item in items)
-    if origin is Mapping:
+    if origin in (Mapping, collections.abc.Mapping):  # get_origin gives the abc, not typing's alias
         if not isinstance(value, dict):
             raise TypeError(f"expected a table, got {value!r}")
         return {str(k): _coerce(args[1], v) for k, v in value.items()}

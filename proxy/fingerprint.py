@@ -9,20 +9,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any, Iterable
 
 import orjson
+
+# orjson reads integers past 64 bits as floats, losing digits; such bodies go through the
+# standard library, which keeps them exact.
+LONG_NUMBER = re.compile(rb"\d{19}")
 
 
 def canonical_json(body: bytes, ignore: Iterable[str] = ()) -> bytes | None:
     """Canonical bytes of a JSON body with ``ignore`` paths removed; None if not JSON."""
     try:
-        value = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        try:  # orjson refuses integers past 64 bits; the standard library does not
-            value = json.loads(body)
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            return None
+        value = json.loads(body) if LONG_NUMBER.search(body) else orjson.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):  # orjson's error is a ValueError
+        return None
     for path in ignore:
         _drop(value, path.split("."))
     try:

@@ -64,14 +64,20 @@ class Proxy:
                 request[OUTCOME] = "fenced"
             elif problem.slug in ("key-reused", "in-flight", "outcome-unknown", "not-replayable"):
                 request[OUTCOME] = "conflict"
-            return problem.response(request.path)
+            return self._refuse(request, problem, started)
         except StoreUnavailable as exc:
             log.error("store unavailable: %s", exc)
-            return Problem("store-unavailable", "the journal store did not answer; nothing was "
-                           "forwarded").response(request.path)
+            return self._refuse(request, Problem("store-unavailable", "the journal store did not "
+                                                 "answer; nothing was forwarded"), started)
         finally:
             self.metrics.observe(request.get(OUTCOME, "rejected"), time.perf_counter() - started,
                                  request.get(UPSTREAM_S))
+
+    @staticmethod
+    def _refuse(request: web.Request, problem: Problem, started: float) -> web.Response:
+        response = problem.response(request.path)
+        response.headers["Server-Timing"] = server_timing(time.perf_counter() - started)
+        return response
 
     # -- identity -------------------------------------------------------------------------
 
@@ -164,6 +170,7 @@ class Proxy:
                 if call.fingerprint != fp:
                     raise Problem("key-reused", "this Idempotency-Key is in use with a different "
                                   "request (method, path or body)")
+                await self._until_joinable(call, deadline)
                 request[OUTCOME] = "joined"
                 return await listen(request, call, started, replayed=True)
             entry = await self.store.get(kid)
@@ -201,6 +208,20 @@ class Proxy:
                 raise Problem("in-flight", "the first request with this key has not finished",
                               headers={"Retry-After": "1"})
             await self.store.wait(kid, remaining)
+
+    @staticmethod
+    async def _until_joinable(call: Call, deadline: float) -> None:
+        """A duplicate of a call in flight here waits, within ``in_flight_wait``, for its
+        outcome, or for its stream to begin (then it joins the stream live)."""
+        async def joinable() -> None:
+            await call.headers_ready()
+            if not call.streamed:
+                await call.finished()
+        try:
+            await asyncio.wait_for(joinable(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise Problem("in-flight", "the first request with this key has not finished",
+                          headers={"Retry-After": "1"}) from None
 
     def _start(self, request: web.Request, route: Route, entry: Entry, body: bytes,
                namespace: str) -> Call:

@@ -25,6 +25,7 @@ PROBLEMS: dict[str, tuple[int, str]] = {
     "in-flight": (409, "A request with this key is still in flight"),
     "not-replayable": (409, "The recorded response was too large to keep"),
     "run-ended": (409, "The run has ended"),
+    "not-quarantined": (409, "The journal entry is not quarantined"),
     "stale-epoch": (412, "Superseded attempt"),
     "too-large": (413, "Request body too large"),
     "key-reused": (422, "Idempotency-Key reused with a different request"),

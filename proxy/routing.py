@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Mapping
 from urllib.parse import unquote
 
+from yarl import URL
+
 from .config import UpstreamSettings
 from .identity import parse_epoch, parse_run
 from .problems import Problem
@@ -77,7 +79,12 @@ def _refuse_escapes(path: str) -> None:
     raise Problem("invalid-request", "path is encoded too many times")
 
 
-def upstream_url(upstream: UpstreamSettings, route: Route) -> str:
-    """The upstream URL's base path, then the route's path, then the query."""
+def upstream_url(upstream: UpstreamSettings, route: Route) -> URL:
+    """The upstream URL's base path, then the route's path, then the query.
+
+    ``encoded=True``: the path and query go on exactly as the agent sent them; yarl would
+    otherwise re-quote them (``%2F`` -> ``/``, ``%zz`` -> ``%25zz``), changing what a
+    signed or picky upstream receives.
+    """
     base = upstream.url.rstrip("/")
-    return base + route.path_qs
+    return URL(base + route.path_qs, encoded=True)

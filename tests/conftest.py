@@ -167,8 +167,11 @@ class RunningProxy:
 
 
 @pytest.fixture
-async def make_proxy(tmp_path, provider):
+async def make_proxy(request, tmp_path, provider):
     """Start a proxy on a real socket: ``await make_proxy(store_url, **sections)``."""
+    if "store_url" in request.fixturenames:
+        # set the store up first, so it is torn down (schema dropped) after the proxies close
+        request.getfixturevalue("store_url")
     started: list[TestServer] = []
 
     async def make(store_url: str, **extra: dict[str, Any]) -> RunningProxy:
@@ -203,10 +206,10 @@ class ProxyProcess:
         self.log = config.with_suffix(f".{port}.log")
 
     def start(self, timeout: float = 20.0) -> "ProxyProcess":
-        out = open(self.log, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "idemproxy.proxy.cli", "serve", "--config", str(self.config),
-             "--port", str(self.port)], stdout=out, stderr=out, env=self.env, cwd=self.config.parent)
+        with open(self.log, "ab") as out:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "idemproxy.proxy.cli", "serve", "--config", str(self.config),
+                 "--port", str(self.port)], stdout=out, stderr=out, env=self.env, cwd=self.config.parent)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

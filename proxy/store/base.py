@@ -173,5 +173,7 @@ class Store(Protocol):
                           reason: str, restart: bool) -> Run | None:
         """Compare-and-set the epoch to epoch+1; None when another caller won."""
     async def silent_runs(self, now: float) -> list[Run]: """Running runs past timeout and grace."""
-    async def set_run_state(self, tenant: str, run_id: str, state: str, now: float,
-                            event: dict[str, Any] | None = None, **fields: Any) -> None: ...
+    async def set_run_state(self, tenant: str, run_id: str, state: str | None, now: float,
+                            event: dict[str, Any] | None = None, **fields: Any) -> None:
+        """Set state (None keeps it), append ``event`` to the history, set ``fields``."""
+    async def count_runs(self) -> dict[str, int]: """Number of runs in each state."""

@@ -218,9 +218,10 @@ class SQLiteStore:
                                 (claim.namespace, scope.run)).fetchone()
                 if run and run[0] > claim.epoch:
                     return ClaimResult(False, None, stale_epoch=run[0])
-            row = c.execute(f"SELECT {ENTRY_COLUMNS} FROM journal WHERE kid = ?", (kid,)).fetchone()
+            row = c.execute(f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing "
+                            "FROM journal WHERE kid = ?", (kid,)).fetchone()
             if row is not None and row["expires_at"] > now:
-                existing = _entry(row)
+                existing = _entry(row, _recorded(row))
                 if (existing.state != IN_FLIGHT or existing.lease_until > now
                         or existing.fingerprint != claim.fingerprint):
                     return ClaimResult(False, existing)
@@ -229,6 +230,8 @@ class SQLiteStore:
                               (UNKNOWN, "the proxy holding the claim stopped mid-call", kid))
                     existing.state, existing.owner = UNKNOWN, None
                     return ClaimResult(False, existing)
+            # a new claim, or a takeover: bytes a dead call left behind must not be joined
+            c.execute("DELETE FROM partials WHERE kid = ?", (kid,))
             c.execute(
                 "INSERT OR REPLACE INTO journal (kid, tenant, run, epoch, upstream, key, fingerprint, "
                 "method, path, namespace, state, owner, lease_until, created_at, expires_at) "
@@ -248,7 +251,8 @@ class SQLiteStore:
         def op(c):
             row = c.execute(
                 "INSERT INTO occurrences (tenant, run, epoch, fingerprint, n, expires_at) "
-                "VALUES (?, ?, ?, ?, 1, ?) ON CONFLICT DO UPDATE SET n = n + 1 RETURNING n",
+                "VALUES (?, ?, ?, ?, 1, ?) ON CONFLICT DO UPDATE SET n = n + 1, "
+                "expires_at = excluded.expires_at RETURNING n",
                 (tenant, run, -1 if epoch is None else epoch, fingerprint,
                  time.time() + retention_s)).fetchone()
             return row[0] - 1
@@ -486,7 +490,7 @@ class SQLiteStore:
                           "AND next_restart_at <= ?", (RUNNING, RESTARTING, now, now, now))
         return [_run(r) for r in rows]
 
-    async def set_run_state(self, tenant: str, run_id: str, state: str, now: float,
+    async def set_run_state(self, tenant: str, run_id: str, state: str | None, now: float,
                             event: dict[str, Any] | None = None, **fields: Any) -> None:
         allowed = {"next_restart_at", "restarts", "ended_at"}
         if set(fields) - allowed:
@@ -501,10 +505,13 @@ class SQLiteStore:
             if event:
                 history = (history + [{"at": now, **event}])[-HISTORY_LIMIT:]
             sets = ", ".join(f"{k} = ?" for k in fields)
-            c.execute(f"UPDATE runs SET state = ?, history = ?{', ' + sets if sets else ''} "
+            c.execute(f"UPDATE runs SET state = coalesce(?, state), history = ?{', ' + sets if sets else ''} "
                       "WHERE tenant = ? AND run_id = ?",
                       (state, orjson.dumps(history), *fields.values(), tenant, run_id))
         await self._write(op)
+
+    async def count_runs(self) -> dict[str, int]:
+        return {state: n for state, n in self._read("SELECT state, count(*) FROM runs GROUP BY state")}
 
 
 def _settle(future: asyncio.Future, value: Any, exc: BaseException | None) -> None:

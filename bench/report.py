@@ -1,0 +1,108 @@
+"""From measurements to rows, targets and the markdown table.
+
+Throughput is compared at 32 connections, to the baseline measured just before the
+same store's figures; latency at 1 connection, as the p50 difference to the baseline.
+The targets are those of issues 2 and 3.
+"""
+
+from __future__ import annotations
+
+# scenario -> least throughput at 32 connections, as a share of the baseline's
+RATIO_TARGETS = {
+    "sqlite": {"replay": 1.0, "passthrough": 0.85, "record": 0.35},
+    "postgres": {"replay": 0.9, "record": 0.35},
+    "redis": {"replay": 0.9, "record": 0.35},
+}
+# scenario -> most p50 added at 1 connection, in milliseconds
+P50_TARGETS = {"sqlite": {"passthrough": 0.15, "replay": 0.15}}
+WORKERS_GAIN = 0.8     # N workers: at least 0.8 * N times one worker's throughput (2 -> 1.6x)
+RUN_SCOPED_SHARE = 0.9  # a run-scoped request costs no more than one without (within noise)
+
+
+def rows(results: list[dict]) -> list[dict]:
+    """One row per (store, workers, scenario): both connection counts, ratios, targets."""
+    by: dict[tuple, dict] = {}
+    for m in results:
+        row = by.setdefault((m["store"], m["workers"], m["scenario"]), {
+            "store": m["store"], "workers": m["workers"], "scenario": m["scenario"], "problems": []})
+        c = m["connections"]
+        for field in ("rps", "p50_ms", "p99_ms"):
+            row[f"{field}_c{c}"] = m[field]
+        row[f"cpu_us_c{c}"] = (m.get("cpu_us_per_request") or {}).get("server")
+        if m["errors"]:
+            row["problems"].append(f"c{c}: errors {m['errors']}")
+        if not m["calls_ok"]:
+            row["problems"].append(f"c{c}: {m['upstream_calls']} upstream calls for {m['requests']} requests")
+        if m.get("profiled"):
+            row["problems"].append(f"c{c}: measured under py-spy")
+    out = list(by.values())
+    for row in out:
+        _compare(row, by)
+    return out
+
+
+def _compare(row: dict, by: dict[tuple, dict]) -> None:
+    store, workers, scenario = row["store"], row["workers"], row["scenario"]
+    base = by.get((store, 0, "baseline"), {})
+    checks = []
+    if scenario != "baseline" and base.get("rps_c32") and row.get("rps_c32") is not None:
+        row["ratio"] = round(row["rps_c32"] / base["rps_c32"], 3)
+        target = RATIO_TARGETS.get(store, {}).get(scenario)
+        if target is not None and workers == 1:
+            checks.append({"what": "x baseline @32", "value": row["ratio"], "target": f">= {target}",
+                           "ok": row["ratio"] >= target})
+    if scenario != "baseline" and base.get("p50_ms_c1") is not None and row.get("p50_ms_c1") is not None:
+        row["p50_delta_ms"] = round(row["p50_ms_c1"] - base["p50_ms_c1"], 3)
+        target = P50_TARGETS.get(store, {}).get(scenario)
+        if target is not None:
+            checks.append({"what": "p50 delta @1 ms", "value": row["p50_delta_ms"], "target": f"<= {target}",
+                           "ok": row["p50_delta_ms"] <= target})
+    one = by.get((store, 1, scenario), {})
+    if workers > 1 and one.get("rps_c32") and row.get("rps_c32") is not None:
+        row["vs_one_worker"] = round(row["rps_c32"] / one["rps_c32"], 3)
+        target = round(WORKERS_GAIN * workers, 2)
+        checks.append({"what": "x one worker @32", "value": row["vs_one_worker"], "target": f">= {target}",
+                       "ok": row["vs_one_worker"] >= target})
+    plain = by.get((store, workers, scenario.removeprefix("run-")), {})
+    if scenario.startswith("run-") and plain.get("rps_c32") and row.get("rps_c32") is not None:
+        row["vs_without_run"] = round(row["rps_c32"] / plain["rps_c32"], 3)
+        checks.append({"what": f"x {plain['scenario']} @32", "value": row["vs_without_run"],
+                       "target": f">= {RUN_SCOPED_SHARE}", "ok": row["vs_without_run"] >= RUN_SCOPED_SHARE})
+    row["checks"] = checks
+    row["ok"] = all(c["ok"] for c in checks) if checks else None
+
+
+def _num(value, fmt: str) -> str:
+    return "–" if value is None else format(value, fmt)
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [
+        f"idemproxy benchmark, {meta.get('started')}, git {meta.get('git')}, {meta.get('cpus')} CPUs, "
+        f"load generator {meta.get('loadgen')}, {meta.get('duration_s'):g}s per measurement; "
+        f"load average {_load(meta.get('loadavg_start'))} at start, {_load(meta.get('loadavg_end'))} at end",
+        "" if meta.get("complete", True) else "\n**Partial: the run was interrupted or failed.**",
+        "| store | workers | scenario | req/s @32 | × baseline | CPU µs/req @32 | p50 @32 | p99 @32 "
+        "| p50 @1 | Δp50 @1 | p99 @1 | targets |",
+        "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|",
+    ]
+    for r in rows:
+        targets = "; ".join(f"{c['what']} {c['target']}: {c['value']:g} {'ok' if c['ok'] else 'MISSED'}"
+                            for c in r["checks"])
+        if r["problems"]:
+            targets = "; ".join(filter(None, [targets, "!! " + "; ".join(r["problems"])]))
+        lines.append(
+            f"| {r['store']} | {r['workers'] or '–'} | {r['scenario']} | {_num(r.get('rps_c32'), ',.0f')} "
+            f"| {_num(r.get('ratio'), '.2f')} | {_num(r.get('cpu_us_c32'), '.0f')} "
+            f"| {_num(r.get('p50_ms_c32'), '.2f')} "
+            f"| {_num(r.get('p99_ms_c32'), '.2f')} | {_num(r.get('p50_ms_c1'), '.3f')} "
+            f"| {_num(r.get('p50_delta_ms'), '+.3f')} | {_num(r.get('p99_ms_c1'), '.3f')} | {targets} |")
+    lines.append("")
+    lines.append("Latencies in milliseconds. × baseline: throughput at 32 connections over the baseline's, "
+                 "measured just before the same store's rows. CPU µs/req: CPU time of the proxy "
+                 "measured (all its processes) per request. Δp50: p50 at 1 connection minus the baseline's.")
+    return "\n".join(lines)
+
+
+def _load(avg) -> str:
+    return "–" if not avg else "/".join(f"{x:.1f}" for x in avg)

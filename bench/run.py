@@ -1,0 +1,310 @@
+"""Benchmark idemproxy against a plain aiohttp pass-through proxy, in one command.
+
+    python bench/run.py [--duration 5] [--stores sqlite,postgres,redis] [--workers 1,2]
+                        [--out bench/results/latest.json] [--loadgen auto|wrk|python]
+                        [--scenarios ...] [--profile DIR]
+
+Starts the fake provider, the baseline proxy (bench/baseline.py) and ``idemproxy serve``,
+each in a process of its own, and measures requests/s and p50/p99 latency at 1 and 32
+connections, with a load generator in yet another process. Prints a markdown table and
+writes the figures as JSON. bench/README.md says how to read them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import loadgen  # noqa: E402
+import profile_summary  # noqa: E402
+import report  # noqa: E402
+from processes import (REPO, BenchError, Processes, Server, cpu_seconds, http,  # noqa: E402
+                       make_store)
+
+LOW, HIGH = 1, 32  # connections
+BODY = json.dumps({"model": "gpt-bench", "temperature": 0,
+                   "messages": [{"role": "system", "content": "You are terse."},
+                                {"role": "user", "content": "Say hello in three words."}]})
+# A credential, so that idemproxy derives a tenant (an HMAC) as it would in production.
+HEADERS = (("Content-Type", "application/json"), ("Authorization", "Bearer sk-bench-not-a-real-key"))
+RUN = "/runs/bench-run/epochs/0"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    path: str                  # below the server's URL
+    policy: str | None = None  # Idem-Policy header
+    key: str = "none"          # Idempotency-Key: none, same (every request) or fresh (per request)
+    upstream: bool = True      # does each request reach the provider?
+
+
+SCENARIOS = {s.name: s for s in (
+    Scenario("baseline", "/small"),
+    Scenario("passthrough", "/openai/small", policy="passthrough"),
+    Scenario("replay", "/openai/small", key="same", upstream=False),
+    Scenario("record", "/openai/small", key="fresh"),
+    Scenario("run-passthrough", RUN + "/openai/small", policy="passthrough"),
+    Scenario("run-record", RUN + "/openai/small", key="fresh"),
+    # Not in the default set: a run with no Idempotency-Key, so every request gets a
+    # derived key (run, fingerprint, n); n costs one more store write per request.
+    Scenario("run-derived", RUN + "/openai/small"),
+)}
+DEFAULT_SCENARIOS = ("passthrough", "replay", "record", "run-passthrough", "run-record")
+
+
+@dataclass
+class Bench:
+    args: argparse.Namespace
+    kind: str          # load generator: wrk or python
+    procs: Processes
+    provider: Server
+    tag: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:8])
+
+    def upstream_calls(self) -> int:
+        status, _, body = http("GET", self.provider.url + "/_calls")
+        if status != 200:
+            raise BenchError(f"provider /_calls answered {status}")
+        return json.loads(body).get("small", 0)
+
+    def load(self, server: Server, scenario: Scenario, connections: int, duration: float,
+             phase: str) -> loadgen.Load:
+        headers = HEADERS + ((("Idem-Policy", scenario.policy),) if scenario.policy else ())
+        return loadgen.Load(
+            server.url + scenario.path, connections, duration, BODY, headers,
+            key=self.replay_key(server) if scenario.key == "same" else "",
+            key_prefix=f"bench-{self.tag}-{server.name}-{scenario.name}-{phase}{connections}-"
+            if scenario.key == "fresh" else "")
+
+    def replay_key(self, server: Server) -> str:
+        return f"bench-{self.tag}-{server.name}-replay"
+
+    def measure(self, store: str, workers: int, server: Server, scenario: Scenario,
+                connections: int) -> dict:
+        a = self.args
+        loadgen.run(self.kind, self.load(server, scenario, connections, a.warmup, "warm"))
+        time.sleep(0.3)  # let calls the warm-up left in flight reach the provider
+        before = self.upstream_calls()
+        load = self.load(server, scenario, connections, a.duration, "run")
+        profiler = self.start_profiler(server, scenario, store, workers, connections)
+        cpu_before = (cpu_seconds(server), cpu_seconds(self.provider), _children_cpu())
+        summary = loadgen.run(self.kind, load)
+        cpu_after = (cpu_seconds(server), cpu_seconds(self.provider), _children_cpu())
+        profile = self.finish_profiler(profiler)
+        # CPU microseconds per completed request: the server measured, the provider, and
+        # the load generator (the only child reaped meanwhile), unless py-spy ran too.
+        cpu = {name: round((b - a) * 1e6 / max(1, summary.requests), 1)
+               if a is not None and b is not None else None
+               for name, a, b in zip(("server", "provider", "loadgen"), cpu_before, cpu_after)}
+        if profile is not None:
+            cpu["loadgen"] = None
+        time.sleep(0.3)
+        calls = self.upstream_calls() - before
+        # Closed loop: every completed request made its call, plus at most one call per
+        # connection whose answer came after the load generator stopped counting.
+        expected = (summary.requests, summary.requests + connections) if scenario.upstream else (0, 0)
+        result = {
+            "store": store, "workers": workers, "scenario": scenario.name, "connections": connections,
+            "rps": round(summary.rps, 1), "p50_ms": round(summary.p50_ms, 3),
+            "p90_ms": round(summary.p90_ms, 3), "p99_ms": round(summary.p99_ms, 3),
+            "max_ms": round(summary.max_ms, 3), "requests": summary.requests,
+            "seconds": round(summary.seconds, 3), "errors": summary.errors,
+            "upstream_calls": calls, "calls_ok": expected[0] <= calls <= expected[1],
+            "cpu_us_per_request": cpu,
+            "cpu_cores_busy": round(sum(v for v in cpu.values() if v) * summary.requests / 1e6
+                                    / max(summary.seconds, 1e-9), 2),
+            "profiled": profile is not None,
+        }
+        if profile:
+            result["profile"] = profile
+        flag = "" if result["calls_ok"] and not summary.failed else \
+            f"  !! errors={summary.errors} upstream_calls={calls} expected {expected}"
+        print(f"  {store:8} w{workers} {scenario.name:16} c{connections:<3} {summary.rps:8.0f} req/s  "
+              f"p50 {summary.p50_ms:6.3f} ms  p99 {summary.p99_ms:6.3f} ms  "
+              f"cpu/req {cpu['server'] or 0:5.0f} us (provider {cpu['provider'] or 0:4.0f}, "
+              f"loadgen {cpu['loadgen'] or 0:4.0f}){flag}", flush=True)
+        return result
+
+    # -- profiling (optional: py-spy samples the idemproxy process under load) --------------
+
+    def start_profiler(self, server: Server, scenario: Scenario, store: str, workers: int,
+                       connections: int):
+        if not self.args.profile or scenario.name == "baseline" or connections != HIGH:
+            return None
+        out = Path(self.args.profile) / f"{store}-w{workers}-{scenario.name}.collapsed"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        argv = [self.args.py_spy, "record", "--pid", str(server.popen.pid), "--rate", "250", "--format", "raw",
+                "--duration", str(max(1, round(self.args.duration) - 1)), "--output", str(out),
+                "--nonblocking"] + (["--subprocesses"] if workers > 1 else [])
+        return out, subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    @staticmethod
+    def finish_profiler(profiler) -> str | None:
+        if profiler is None:
+            return None
+        out, popen = profiler
+        try:
+            _, err = popen.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait()
+            return None
+        if popen.returncode != 0 or not out.exists():
+            print(f"  py-spy failed: {err.decode(errors='replace')[-500:]}", file=sys.stderr)
+            return None
+        summary = out.with_suffix(".txt")
+        summary.write_text(profile_summary.summarize(out))
+        return str(summary)
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def probe(bench: Bench, server: Server) -> None:
+    """Before measuring: idemproxy passes through, records and replays as configured."""
+    def post(path: str, extra: dict[str, str]) -> tuple[int, dict[str, str]]:
+        status, headers, _ = http("POST", server.url + path, BODY.encode(), {**dict(HEADERS), **extra})
+        return status, headers
+
+    before = bench.upstream_calls()
+    status, headers = post("/openai/small", {"Idem-Policy": "passthrough"})
+    if status != 200 or "Idempotent-Replayed" in headers:
+        raise BenchError(f"passthrough probe: {status} {headers}")
+    key = bench.replay_key(server)
+    first, second = post("/openai/small", {"Idempotency-Key": key}), post("/openai/small", {"Idempotency-Key": key})
+    if (first[0], first[1].get("Idempotent-Replayed"), second[0], second[1].get("Idempotent-Replayed")) \
+            != (200, "false", 200, "true"):
+        raise BenchError(f"record/replay probe: {first} then {second}")
+    if bench.upstream_calls() - before != 2:
+        raise BenchError("probe: the provider did not see exactly the two calls expected")
+
+
+def run_store(bench: Bench, store: str, baseline: Server, results: list[dict]) -> None:
+    a = bench.args
+    for connections in (LOW, HIGH):  # a baseline next to each store's figures
+        results.append(bench.measure(store, 0, baseline, SCENARIOS["baseline"], connections))
+    for workers in a.workers:
+        url, drop = make_store(store, bench.procs.workdir, a.postgres_url, a.redis_url)
+        server = None
+        try:
+            server = bench.procs.idemproxy(f"idemproxy-{store}-w{workers}", bench.provider.url, url, workers)
+            probe(bench, server)
+            for name in a.scenarios:
+                for connections in ((LOW, HIGH) if workers == 1 else (HIGH,)):
+                    results.append(bench.measure(store, workers, server, SCENARIOS[name], connections))
+        finally:
+            if server is not None:
+                bench.procs.stop(server)
+            drop()
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--duration", type=float, default=5.0, help="seconds per measurement (default 5)")
+    p.add_argument("--warmup", type=float, default=1.0, help="seconds of warm-up before each (default 1)")
+    p.add_argument("--stores", type=_csv, default=["sqlite", "postgres", "redis"])
+    p.add_argument("--workers", type=lambda v: [int(x) for x in _csv(v)], default=[1],
+                   help="idemproxy worker counts, e.g. 1,2 (2 is measured at 32 connections)")
+    p.add_argument("--scenarios", type=_csv, default=list(DEFAULT_SCENARIOS),
+                   help=f"from: {', '.join(n for n in SCENARIOS if n != 'baseline')}")
+    p.add_argument("--loadgen", choices=("auto", "wrk", "python"), default="auto")
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "latest.json"))
+    p.add_argument("--postgres-url", default=os.environ.get(
+        "IDEMPROXY_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres"))
+    p.add_argument("--redis-url", default=os.environ.get("IDEMPROXY_TEST_REDIS", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--profile", metavar="DIR",
+                   help="sample idemproxy with py-spy at 32 connections; figures are then disturbed")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    args = p.parse_args(argv)
+    unknown = [s for s in args.scenarios if s not in SCENARIOS or s == "baseline"]
+    if unknown:
+        p.error(f"unknown scenario(s): {', '.join(unknown)}")
+    if args.profile:
+        args.py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+        if args.py_spy is None:
+            p.error("--profile needs py-spy (pip install py-spy)")
+    if 1 not in args.workers:
+        args.workers.insert(0, 1)  # ratios for more workers are to one worker
+    return args
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through every `finally`: processes are stopped
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
+    # Ctrl-C must stop the servers even when a shell started us with SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    kind = loadgen.available(args.loadgen)
+    meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadgen": kind, "duration_s": args.duration,
+            "warmup_s": args.warmup, "cpus": os.cpu_count(), "python": platform.python_version(),
+            "git": _git_head(), "loadavg_start": os.getloadavg()}
+    results: list[dict] = []
+    errors: dict[str, str] = {}
+    began = time.monotonic()
+    meta["complete"] = False
+    print(f"idemproxy benchmark: stores {','.join(args.stores)}, workers {args.workers}, "
+          f"{args.duration:g}s per measurement, load generator {kind}", flush=True)
+    try:
+        with tempfile.TemporaryDirectory(prefix="idem-bench-") as tmp, Processes(Path(tmp)) as procs:
+            provider = procs.provider()
+            baseline = procs.baseline(provider.url)
+            bench = Bench(args, kind, procs, provider)
+            for store in args.stores:
+                try:
+                    run_store(bench, store, baseline, results)
+                except BenchError as exc:
+                    errors[store] = str(exc)
+                    print(f"  {store}: FAILED: {exc}", file=sys.stderr, flush=True)
+        meta["complete"] = True
+    finally:
+        meta.update(loadavg_end=os.getloadavg(), elapsed_s=round(time.monotonic() - began, 1))
+        rows = report.rows(results)
+        doc = {"meta": meta, "errors": errors, "rows": rows, "measurements": results}
+        if results:
+            out = Path(args.out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(doc, indent=2) + "\n")
+            print()
+            print(report.markdown(rows, meta))
+            print(f"\nwritten: {out}")
+    missed = [r for r in rows if r["ok"] is False]
+    return 1 if errors or (args.strict and missed) else 0
+
+
+def _git_head() -> str | None:
+    try:
+        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)

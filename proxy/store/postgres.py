@@ -1,0 +1,532 @@
+"""PostgreSQL store: the production store of record (``postgresql://user@host/db``).
+
+Our own URL parameters, removed before the DSN reaches asyncpg: ``schema=NAME`` keeps
+the tables in that schema (created if missing; default ``public``) and ``pool_size=N``
+caps the connection pool (default 10).
+
+- Migrations (:mod:`.postgres_sql`) are numbered and recorded in ``schema_migrations``;
+  they run at start in one transaction under ``pg_advisory_xact_lock``, so many
+  replicas can start at once.
+- A claim is one ``INSERT … ON CONFLICT DO UPDATE … WHERE`` statement that also reads the
+  run's epoch ``FOR SHARE``, so a fenced attempt never claims a key.
+- Waiters are woken by ``LISTEN``/``NOTIFY``: statements that settle an entry notify its
+  kid at commit, and one listener connection per store wakes the local waiters. A slow
+  poll covers a lost notification; the listener reconnects when its connection drops.
+- Group commit: ``complete()`` calls that arrive together are written by one statement,
+  so N concurrent records cost one commit (and PostgreSQL batches concurrent WAL flushes).
+- Durability: a commit returns once its WAL is flushed (``synchronous_commit``), turned
+  on for our sessions if the server's default is off.
+- Connection errors and timeouts become :class:`StoreUnavailable`; every operation is
+  bounded by ``timeout``; the pool reconnects on its own when the server is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from typing import Any, Awaitable, Callable, Iterator
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import asyncpg
+import orjson
+
+from ..config import mask_url
+from . import postgres_sql as sql
+from .base import (ENDED, IN_FLIGHT, RESTARTING, RUNNING, UNKNOWN, UNRECORDABLE, Claim, ClaimResult,
+                   Entry, Recorded, Run, StoreUnavailable)
+
+log = logging.getLogger("idemproxy.store")
+
+HISTORY_LIMIT = 50
+POLL_S = 0.5  # a waiter looks again this often, in case a notification was lost
+LISTENER_CHECK_S = 5.0  # how often the idle listener connection proves it is alive
+MIGRATE_TIMEOUT_S = 60.0
+# SQLSTATE classes that mean "the server cannot serve us now", not "the query is wrong":
+# connection (08), transaction rollback (40: deadlock, serialization), resources (53),
+# operator intervention and shutdown (57), system (58); and a read-only standby (25006).
+UNAVAILABLE_CLASSES = {"08", "40", "53", "57", "58"}
+
+
+def _entry(row: asyncpg.Record, response: Recorded | None = None) -> Entry:
+    return Entry(*row[:18], response=response)
+
+
+def _recorded(row: asyncpg.Record) -> Recorded | None:
+    if row["status"] is None:
+        return None
+    return Recorded(row["status"], [tuple(h) for h in row["headers"] or []], row["body"] or b"",
+                    row["streamed"], [tuple(t) for t in row["timing"] or []])
+
+
+def _run(row: asyncpg.Record) -> Run:
+    run = Run(*row)
+    run.metadata, run.history = run.metadata or {}, run.history or []
+    return run
+
+
+def _json(value: Any) -> str:
+    return orjson.dumps(value).decode()
+
+
+def _rows(status: str) -> int:
+    """Rows touched, from a command tag such as ``UPDATE 1``."""
+    return int(status.rsplit(" ", 1)[-1])
+
+
+def _unreachable(exc: BaseException) -> bool:
+    if isinstance(exc, (OSError, TimeoutError, asyncpg.InterfaceError)):
+        return True  # ConnectionError is an OSError
+    if isinstance(exc, asyncpg.PostgresError):
+        state = getattr(exc, "sqlstate", None) or ""
+        return state[:2] in UNAVAILABLE_CLASSES or state == "25006"
+    return False
+
+
+@contextlib.contextmanager
+def _translated(what: str, timeout: float) -> Iterator[None]:
+    """Driver errors that mean the server is out of reach become StoreUnavailable."""
+    try:
+        yield
+    except StoreUnavailable:
+        raise
+    except Exception as exc:
+        if isinstance(exc, TimeoutError):
+            raise StoreUnavailable(f"postgres {what}: no answer within {timeout}s") from exc
+        if _unreachable(exc):
+            raise StoreUnavailable(f"postgres {what}: {type(exc).__name__}: {exc}") from exc
+        raise
+
+
+def _parse_url(url: str) -> tuple[str, str, int]:
+    """(asyncpg DSN, schema, pool size) from our URL."""
+    parts = urlsplit(url)
+    params = parse_qsl(parts.query, keep_blank_values=True)
+    ours = {k: v for k, v in params if k in ("schema", "pool_size")}
+    schema = ours.get("schema", "public")
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,62}", schema):
+        raise ValueError(f"postgres URL: schema must be a plain identifier, got {schema!r}")
+    pool_size = int(ours.get("pool_size", "10"))
+    dsn = urlunsplit(parts._replace(query=urlencode([(k, v) for k, v in params if k not in ours])))
+    return dsn, schema, pool_size
+
+
+async def _init_connection(conn: asyncpg.Connection) -> None:
+    await conn.set_type_codec("jsonb", encoder=_json, decoder=orjson.loads, schema="pg_catalog")
+
+
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """We never change session state, so a released connection needs no reset round trip."""
+
+
+def _consume(future: asyncio.Future) -> None:
+    """A caller that timed out no longer reads its result; do not warn about it."""
+    if not future.cancelled():
+        future.exception()
+
+
+def _describe(sync: str, fsync: str) -> str:
+    if fsync != "on":
+        return ("PostgreSQL with fsync=off: commits are not forced to disk, so a crash of the "
+                "server's machine can lose or corrupt acknowledged records")
+    if sync == "off":
+        return ("PostgreSQL with fsync=on; the server's synchronous_commit is off, so idemproxy turns it "
+                "on for its own sessions: every answer waits for its commit to be flushed to disk")
+    return (f"PostgreSQL with fsync=on and synchronous_commit={sync}: every answer waits for its "
+            "commit to be flushed to disk")
+
+
+class PostgresStore:
+    """The journal, the runs and the secrets in PostgreSQL; see the module docstring."""
+
+    poll_s = POLL_S
+
+    def __init__(self, url: str, timeout: float = 5.0):
+        self.url = url
+        self.timeout = timeout
+        self._dsn, self.schema, self._pool_size = _parse_url(url)
+        self._channel = f"idemproxy:{self.schema}"[:63]  # NOTIFY channel names are identifiers
+        self._session: dict[str, str] = {}  # extra server settings for our sessions
+        self.durability = "unknown until the store is open"
+        self._pool: asyncpg.Pool | None = None
+        self._listener: asyncio.Task | None = None
+        self._waiters: dict[str, asyncio.Event] = {}
+        self._pending: list[tuple[str, str, Recorded, asyncio.Future]] = []
+        self._flusher: asyncio.Task | None = None
+
+    def __repr__(self) -> str:
+        return f"PostgresStore({mask_url(self.url)!r})"
+
+    # -- connections ----------------------------------------------------------------------
+
+    def _connect_args(self, role: str) -> dict[str, Any]:
+        settings = {"search_path": f'"{self.schema}"', "application_name": f"{role}:{self.schema}"[:63]}
+        return {"timeout": self.timeout, "command_timeout": self.timeout,
+                "server_settings": {**settings, **self._session}}
+
+    async def open(self) -> None:
+        with _translated("open", MIGRATE_TIMEOUT_S):
+            async with asyncio.timeout(MIGRATE_TIMEOUT_S):
+                # The first connection migrates, reads the settings, then stays as the listener.
+                conn = await asyncpg.connect(self._dsn, **self._connect_args("idemproxy-listen"))
+                try:
+                    for version in await sql.migrate(conn, self.schema, MIGRATE_TIMEOUT_S):
+                        log.info("postgres schema %s: migration %d applied", self.schema, version)
+                    sync, fsync = await conn.fetchrow(
+                        "SELECT current_setting('synchronous_commit'), current_setting('fsync')")
+                    if sync == "off":
+                        self._session = {"synchronous_commit": "on"}
+                    self.durability = _describe(sync, fsync)
+                    self._pool = await asyncpg.create_pool(
+                        self._dsn, min_size=1, max_size=self._pool_size, init=_init_connection,
+                        reset=_keep_session, **self._connect_args("idemproxy"))
+                    await conn.add_listener(self._channel, self._on_notify)
+                except BaseException:
+                    conn.terminate()
+                    if self._pool is not None:
+                        self._pool.terminate()
+                        self._pool = None
+                    raise
+        self._listener = asyncio.create_task(self._listen(conn), name="idemproxy-pg-listener")
+
+    async def aclose(self) -> None:
+        if self._flusher is not None:
+            await asyncio.wait([self._flusher], timeout=self.timeout)  # pending records first
+        if self._listener is not None:
+            self._listener.cancel()
+            await asyncio.gather(self._listener, return_exceptions=True)
+            self._listener = None
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            try:
+                await asyncio.wait_for(pool.close(), self.timeout)
+            except Exception:  # noqa: BLE001 - a server that is gone cannot be closed politely
+                pool.terminate()
+        self._wake_all()
+
+    async def _listen(self, conn: asyncpg.Connection | None) -> None:
+        """Keep one LISTEN connection; reconnect with backoff when it drops."""
+        delay = 0.1
+        while True:
+            if conn is not None:
+                lost = asyncio.Event()
+                conn.add_termination_listener(lambda _: lost.set())
+                try:
+                    while not lost.is_set():
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(LISTENER_CHECK_S):
+                                await lost.wait()
+                        if not lost.is_set():  # a silently dead link shows here
+                            await conn.fetchval("SELECT 1", timeout=self.timeout)
+                except Exception as exc:  # noqa: BLE001 - the listener must outlive any error
+                    log.warning("postgres listener lost its connection: %s", exc)
+                finally:
+                    conn.terminate()
+                # Notifications sent while we were deaf are gone: let every waiter look again.
+                self._wake_all()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+            conn = None
+            try:
+                conn = await asyncpg.connect(self._dsn, **self._connect_args("idemproxy-listen"))
+                await conn.add_listener(self._channel, self._on_notify)
+                log.info("postgres listener reconnected")
+                delay = 0.1
+                self._wake_all()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("postgres listener cannot reconnect (next try in %.1fs): %s", delay, exc)
+                if conn is not None:
+                    conn.terminate()
+                    conn = None
+
+    def _on_notify(self, _conn: Any, _pid: int, _channel: str, kid: str) -> None:
+        self._wake(kid)
+
+    def _wake(self, kid: str) -> None:
+        event = self._waiters.pop(kid, None)
+        if event is not None:
+            event.set()
+
+    def _wake_all(self) -> None:
+        waiters, self._waiters = self._waiters, {}
+        for event in waiters.values():
+            event.set()
+
+    async def _use(self, what: str, work: Callable[[asyncpg.Connection], Awaitable[Any]]) -> Any:
+        """Run ``work`` on a pooled connection, bounded by the timeout, errors translated."""
+        pool = self._pool
+        if pool is None:
+            raise StoreUnavailable("store is closed")
+        with _translated(what, self.timeout):
+            async with asyncio.timeout(self.timeout):
+                async with pool.acquire() as conn:
+                    return await work(conn)
+
+    async def _tx(self, what: str, work: Callable[[asyncpg.Connection], Awaitable[Any]]) -> Any:
+        async def in_transaction(conn: asyncpg.Connection) -> Any:
+            async with conn.transaction():
+                return await work(conn)
+        return await self._use(what, in_transaction)
+
+    async def _fetch(self, what: str, query: str, *args: Any) -> list[asyncpg.Record]:
+        return await self._use(what, lambda c: c.fetch(query, *args))
+
+    async def _fetchrow(self, what: str, query: str, *args: Any) -> asyncpg.Record | None:
+        return await self._use(what, lambda c: c.fetchrow(query, *args))
+
+    async def _execute(self, what: str, query: str, *args: Any) -> str:
+        return await self._use(what, lambda c: c.execute(query, *args))
+
+    async def ping(self) -> None:
+        await self._use("ping", lambda c: c.fetchval("SELECT 1"))
+
+    async def secret(self, name: str, generate: bytes) -> bytes:
+        return (await self._fetchrow("secret", sql.SECRET, name, generate))[0]
+
+    # -- journal --------------------------------------------------------------------------
+
+    async def get(self, kid: str) -> Entry | None:
+        row = await self._fetchrow("get", sql.GET, kid, time.time())
+        return _entry(row, _recorded(row)) if row else None
+
+    async def claim(self, claim: Claim) -> ClaimResult:
+        scope, kid = claim.scope, claim.scope.kid
+
+        async def attempt(c: asyncpg.Connection) -> ClaimResult | None:
+            now = time.time()
+            fence = await c.fetchrow(
+                sql.CLAIM, kid, scope.tenant, scope.run, claim.epoch, scope.upstream, scope.key,
+                claim.fingerprint, claim.method, claim.path, claim.owner, now + claim.lease_s, now,
+                now + claim.retention_s, claim.on_expired == "retry", claim.namespace)
+            if fence["won"]:
+                return ClaimResult(True, Entry(kid, scope.tenant, scope.run, claim.epoch, scope.upstream,
+                                               scope.key, claim.fingerprint, IN_FLIGHT, claim.owner,
+                                               now + claim.lease_s, now, None, now + claim.retention_s,
+                                               method=claim.method, path=claim.path,
+                                               namespace=claim.namespace))
+            run_epoch = fence["run_epoch"]
+            if run_epoch is not None and claim.epoch is not None and run_epoch > claim.epoch:
+                return ClaimResult(False, None, stale_epoch=run_epoch)
+            row = None
+            if claim.on_expired == "quarantine":  # its proxy died mid-call: outcome unknown
+                row = await c.fetchrow(sql.QUARANTINE_EXPIRED, kid, now,
+                                       "the proxy holding the claim stopped mid-call",
+                                       claim.fingerprint, self._channel)
+                if row is not None:
+                    self._wake(kid)
+            if row is None:
+                row = await c.fetchrow(sql.GET_LIVE_ENTRY, kid, now)
+            return None if row is None else ClaimResult(False, _entry(row))
+
+        for _ in range(3):
+            result = await self._use("claim", attempt)
+            if result is not None:
+                return result
+            # the entry we lost to was released, resolved or purged meanwhile: claim again
+        raise StoreUnavailable(f"postgres claim on {kid[:12]} kept racing with other writers")
+
+    async def next_occurrence(self, tenant: str, run: str, epoch: int | None, fingerprint: str,
+                              retention_s: float) -> int:
+        row = await self._fetchrow("next_occurrence", sql.NEXT_OCCURRENCE, tenant, run,
+                                   -1 if epoch is None else epoch, fingerprint, time.time() + retention_s)
+        return row[0] - 1
+
+    async def renew(self, kid: str, owner: str, lease_s: float) -> bool:
+        return _rows(await self._execute("renew", sql.RENEW, time.time() + lease_s, kid, owner)) == 1
+
+    async def complete(self, kid: str, owner: str, recorded: Recorded) -> bool:
+        if self._pool is None:
+            raise StoreUnavailable("store is closed")
+        future = asyncio.get_running_loop().create_future()
+        future.add_done_callback(_consume)
+        self._pending.append((kid, owner, recorded, future))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush_completes(), name="idemproxy-pg-complete")
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await asyncio.shield(future)
+        except TimeoutError:
+            raise StoreUnavailable(f"postgres complete: no answer within {self.timeout}s") from None
+        finally:
+            self._wake(kid)
+
+    async def _flush_completes(self) -> None:
+        """Group commit: every complete() queued meanwhile goes in one statement, one commit."""
+        while self._pending:
+            batch, self._pending = self._pending, []
+            try:
+                columns = zip(*((kid, owner, r.status, _json(r.headers), r.body, r.streamed, _json(r.timing))
+                                for kid, owner, r, _ in batch))
+                rows = await self._fetch("complete", sql.COMPLETE_MANY, *map(list, columns), time.time(),
+                                         self._channel)
+            except asyncio.CancelledError:
+                for *_, future in batch:
+                    future.cancel()
+                raise
+            except Exception as exc:  # noqa: BLE001 - handed to every caller in the batch
+                for *_, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            kept = {(row["kid"], row["owner"]) for row in rows}
+            for kid, owner, _, future in batch:
+                if not future.done():
+                    future.set_result((kid, owner) in kept)
+
+    async def release(self, kid: str, owner: str) -> None:
+        try:
+            await self._execute("release", sql.RELEASE, kid, owner, self._channel)
+        finally:
+            self._wake(kid)
+
+    async def _set_state(self, kid: str, owner: str | None, state: str, detail: str) -> None:
+        try:
+            await self._execute(state, sql.SET_STATE, kid, state, detail, owner, self._channel)
+        finally:
+            self._wake(kid)
+
+    async def quarantine(self, kid: str, owner: str | None, detail: str) -> None:
+        await self._set_state(kid, owner, UNKNOWN, detail)
+
+    async def mark_unrecordable(self, kid: str, owner: str, detail: str) -> None:
+        await self._set_state(kid, owner, UNRECORDABLE, detail)
+
+    async def resolve(self, kid: str, recorded: Recorded | None) -> bool:
+        try:
+            if recorded is None:
+                rows = await self._fetch("resolve", sql.RESOLVE_AS_RETRY, kid, self._channel)
+            else:
+                rows = await self._fetch("resolve", sql.RESOLVE_WITH_ANSWER, kid, recorded.status,
+                                         recorded.headers, recorded.body, time.time(), self._channel)
+            return len(rows) == 1
+        finally:
+            self._wake(kid)
+
+    async def append_partial(self, kid: str, owner: str, seq: int, data: bytes) -> None:
+        await self._execute("append_partial", sql.APPEND_PARTIAL, kid, seq, data, self._channel)
+        self._wake(kid)
+
+    async def read_partial(self, kid: str, after_seq: int) -> list[tuple[int, bytes]]:
+        rows = await self._fetch("read_partial", sql.READ_PARTIAL, kid, after_seq)
+        return [(r[0], r[1]) for r in rows]
+
+    async def wait(self, kid: str, timeout: float) -> None:
+        event = self._waiters.get(kid)
+        if event is None:
+            event = self._waiters[kid] = asyncio.Event()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(min(timeout, self.poll_s)):
+                await event.wait()
+
+    async def count_replays(self, counts: dict[str, int]) -> None:
+        if counts:  # sorted, so two proxies updating the same rows lock them in one order
+            await self._use("count_replays", lambda c: c.executemany(
+                sql.COUNT_REPLAYS, [(n, kid) for kid, n in sorted(counts.items())]))
+
+    async def purge(self, now: float, batch: int = 1000) -> int:
+        total = 0
+        while True:  # short transactions: never hold locks for a whole purge
+            n = (await self._fetchrow("purge", sql.PURGE_JOURNAL, now, batch))[0]
+            m = _rows(await self._execute("purge", sql.PURGE_OCCURRENCES, now, batch))
+            total += n
+            if n < batch and m < batch:
+                return total
+
+    async def journal(self, namespace: str, run: str) -> list[Entry]:
+        rows = await self._fetch("journal", sql.JOURNAL, namespace, run)
+        return [_entry(r, None if r["status"] is None else Recorded(r["status"], [], b"")) for r in rows]
+
+    async def delete_journal(self, namespace: str, run: str) -> int:
+        return (await self._fetchrow("delete_journal", sql.DELETE_JOURNAL, namespace, run))[0]
+
+    # -- runs -----------------------------------------------------------------------------
+
+    async def upsert_run(self, run: Run) -> Run:
+        return _run(await self._fetchrow(
+            "upsert_run", sql.UPSERT_RUN, run.tenant, run.run_id, run.state, run.epoch, run.restarts,
+            run.last_seen, run.started_at, run.timeout_s, run.grace_s, run.max_restarts, run.hook,
+            run.metadata, run.created_at, run.ended_at, run.next_restart_at, run.history))
+
+    async def get_run(self, tenant: str | None, run_id: str) -> list[Run]:
+        rows = await self._fetch("get_run", sql.GET_RUN, tenant, run_id)
+        return [_run(r) for r in rows]
+
+    async def list_runs(self, state: str | None = None, limit: int = 1000) -> list[Run]:
+        rows = await self._fetch("list_runs", sql.LIST_RUNS, state or None, limit)
+        return [_run(r) for r in rows]
+
+    async def observe_epoch(self, tenant: str, run_id: str, epoch: int | None, defaults: Run,
+                            now: float) -> int:
+        row = await self._fetchrow("observe_epoch", sql.RUN_EPOCH, tenant, run_id)
+        if row and (epoch is None or epoch <= row[0]):
+            return row[0]  # the common case: a known run at its current epoch, no write
+
+        async def raise_epoch(c: asyncpg.Connection) -> int:
+            raised = await c.fetchval(sql.RAISE_EPOCH, tenant, run_id, epoch or 0, now, defaults.timeout_s,
+                                      defaults.grace_s, defaults.max_restarts, defaults.hook,
+                                      defaults.metadata)
+            return raised if raised is not None else await c.fetchval(sql.RUN_EPOCH, tenant, run_id)
+        return await self._use("observe_epoch", raise_epoch)
+
+    async def touch(self, beats: dict[tuple[str, str], float]) -> None:
+        if beats:  # sorted, so two proxies beating for the same runs lock them in one order
+            await self._use("touch", lambda c: c.executemany(
+                sql.TOUCH, [(at, tenant, run) for (tenant, run), at in sorted(beats.items())]))
+
+    async def _locked_run(self, c: asyncpg.Connection, tenant: str, run_id: str) -> Run | None:
+        row = await c.fetchrow(sql.LOCK_RUN, tenant, run_id)
+        return None if row is None else _run(row)
+
+    async def end_run(self, tenant: str, run_id: str, state: str, now: float) -> Run | None:
+        async def op(c: asyncpg.Connection) -> Run | None:
+            run = await self._locked_run(c, tenant, run_id)
+            if run is None or run.state in ENDED:
+                return run
+            run.history = (run.history + [{"at": now, "epoch": run.epoch, "event": state}])[-HISTORY_LIMIT:]
+            run.state, run.ended_at = state, now
+            await c.execute(sql.END_RUN, state, now, run.history, tenant, run_id)
+            return run
+        return await self._tx("end_run", op)
+
+    async def new_attempt(self, tenant: str, run_id: str, expected_epoch: int | None, now: float,
+                          reason: str, restart: bool) -> Run | None:
+        async def op(c: asyncpg.Connection) -> Run | None:
+            run = await self._locked_run(c, tenant, run_id)  # concurrent callers queue on the row lock
+            if run is None or run.state in ENDED or expected_epoch not in (None, run.epoch):
+                return None
+            run.epoch += 1
+            run.restarts += int(restart)
+            run.state = RESTARTING if restart else RUNNING
+            run.started_at = run.last_seen = now
+            run.history = (run.history + [{"at": now, "epoch": run.epoch, "event": reason}])[-HISTORY_LIMIT:]
+            await c.execute(sql.NEW_ATTEMPT, run.epoch, run.restarts, run.state, now, run.history,
+                            tenant, run_id)
+            return run
+        return await self._tx("new_attempt", op)
+
+    async def silent_runs(self, now: float) -> list[Run]:
+        rows = await self._fetch("silent_runs", sql.SILENT_RUNS, now)
+        return [_run(r) for r in rows]
+
+    async def set_run_state(self, tenant: str, run_id: str, state: str | None, now: float,
+                            event: dict[str, Any] | None = None, **fields: Any) -> None:
+        allowed = {"next_restart_at", "restarts", "ended_at"}
+        if set(fields) - allowed:
+            raise ValueError(f"cannot set {set(fields) - allowed}")
+
+        async def op(c: asyncpg.Connection) -> None:
+            run = await self._locked_run(c, tenant, run_id)
+            if run is None:
+                return
+            history = (run.history + [{"at": now, **event}])[-HISTORY_LIMIT:] if event else run.history
+            sets = "".join(f", {name} = ${i}" for i, name in enumerate(fields, start=5))
+            await c.execute(f"UPDATE runs SET state = coalesce($1, state), history = $2{sets} "
+                            "WHERE tenant = $3 AND run_id = $4", state, history, tenant, run_id,
+                            *fields.values())
+        await self._tx("set_run_state", op)
+
+    async def count_runs(self) -> dict[str, int]:
+        rows = await self._fetch("count_runs", sql.COUNT_RUNS)
+        return {state: n for state, n in rows}

@@ -1,0 +1,221 @@
+"""The PostgreSQL store's schema, its migrations, and its statements.
+
+Statements that settle a journal entry notify its kid on the store's channel
+(``RETURNING pg_notify(channel, kid)``): PostgreSQL delivers it at commit, so a waiter
+never hears of a change before it is durable. Positional parameters are listed above
+each statement.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import asyncpg
+
+from .base import COMPLETE, IN_FLIGHT, RESTARTING, RUNNING, UNKNOWN
+
+# Append only: a deployed migration never changes; the next change is version N+1.
+MIGRATIONS: list[tuple[int, str]] = [(1, """
+CREATE TABLE journal (
+    kid TEXT PRIMARY KEY, tenant TEXT NOT NULL, run TEXT, epoch BIGINT,
+    upstream TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL,
+    method TEXT NOT NULL DEFAULT '', path TEXT NOT NULL DEFAULT '', namespace TEXT NOT NULL,
+    state TEXT NOT NULL, owner TEXT, lease_until DOUBLE PRECISION NOT NULL DEFAULT 0,
+    status INTEGER, headers JSONB, body BYTEA, streamed BOOLEAN NOT NULL DEFAULT false, timing JSONB,
+    detail TEXT, created_at DOUBLE PRECISION NOT NULL, completed_at DOUBLE PRECISION,
+    expires_at DOUBLE PRECISION NOT NULL, replays BIGINT NOT NULL DEFAULT 0);
+CREATE INDEX journal_by_run ON journal (namespace, run, created_at);
+CREATE INDEX journal_by_expiry ON journal (expires_at);
+CREATE TABLE partials (kid TEXT NOT NULL, seq INTEGER NOT NULL, data BYTEA NOT NULL, PRIMARY KEY (kid, seq));
+-- "tenant" of occurrences and runs is the run's namespace
+CREATE TABLE occurrences (
+    tenant TEXT NOT NULL, run TEXT NOT NULL, epoch BIGINT NOT NULL, fingerprint TEXT NOT NULL,
+    n BIGINT NOT NULL, expires_at DOUBLE PRECISION NOT NULL, PRIMARY KEY (tenant, run, epoch, fingerprint));
+CREATE INDEX occurrences_by_expiry ON occurrences (expires_at);
+CREATE TABLE runs (
+    tenant TEXT NOT NULL, run_id TEXT NOT NULL, state TEXT NOT NULL, epoch BIGINT NOT NULL,
+    restarts INTEGER NOT NULL DEFAULT 0, last_seen DOUBLE PRECISION NOT NULL,
+    started_at DOUBLE PRECISION NOT NULL, timeout_s DOUBLE PRECISION NOT NULL,
+    grace_s DOUBLE PRECISION NOT NULL, max_restarts INTEGER NOT NULL, hook TEXT, metadata JSONB,
+    created_at DOUBLE PRECISION NOT NULL, ended_at DOUBLE PRECISION,
+    next_restart_at DOUBLE PRECISION NOT NULL DEFAULT 0, history JSONB, PRIMARY KEY (tenant, run_id));
+CREATE INDEX runs_by_state ON runs (state, last_seen);
+CREATE TABLE secrets (name TEXT PRIMARY KEY, value BYTEA NOT NULL);
+""")]
+
+
+
+async def migrate(conn: asyncpg.Connection, schema: str, timeout: float) -> list[int]:
+    """Bring ``schema`` up to the last migration; the versions applied now."""
+    applied = []
+    async with conn.transaction():
+        # Replicas starting together queue here; the first applies, the rest find it done.
+        key = int.from_bytes(hashlib.sha256(f"idemproxy:{schema}".encode()).digest()[:8], "big", signed=True)
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", key, timeout=timeout)
+        # IF NOT EXISTS alone would still need the CREATE privilege on the database
+        if not await conn.fetchval("SELECT 1 FROM pg_namespace WHERE nspname = $1", schema):
+            await conn.execute(f'CREATE SCHEMA "{schema}"')
+        await conn.execute(f'SET LOCAL search_path TO "{schema}"')
+        await conn.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, "
+                           "applied_at TIMESTAMPTZ NOT NULL DEFAULT now())")
+        done = {r[0] for r in await conn.fetch("SELECT version FROM schema_migrations")}
+        for version, statements in MIGRATIONS:
+            if version not in done:
+                await conn.execute(statements, timeout=timeout)
+                await conn.execute("INSERT INTO schema_migrations (version) VALUES ($1)", version)
+                applied.append(version)
+    return applied
+
+
+ENTRY_COLUMNS = ("kid, tenant, run, epoch, upstream, key, fingerprint, state, owner, lease_until, "
+                 "created_at, completed_at, expires_at, replays, detail, method, path, namespace")
+RUN_COLUMNS = ("tenant, run_id, state, epoch, restarts, last_seen, started_at, timeout_s, grace_s, "
+               "max_restarts, hook, metadata, created_at, ended_at, next_restart_at, history")
+
+# $1 kid, $2 tenant, $3 run, $4 epoch, $5 upstream, $6 key, $7 fingerprint, $8 method,
+# $9 path, $10 owner, $11 lease_until, $12 now, $13 expires_at, $14 take over an expired
+# lease (on_expired == "retry"), $15 namespace.
+# The run's epoch is read FOR SHARE: a restart raising it waits for this claim to commit,
+# or this claim waits for the restart and sees the new epoch. Either way no fenced
+# attempt holds a key.
+CLAIM = f"""
+WITH fence AS (
+    SELECT epoch FROM runs WHERE tenant = $15 AND run_id = $3 AND $4::bigint IS NOT NULL FOR SHARE),
+claimed AS (
+    INSERT INTO journal (kid, tenant, run, epoch, upstream, key, fingerprint, method, path, namespace,
+                         state, owner, lease_until, created_at, expires_at)
+    SELECT $1::text, $2::text, $3::text, $4::bigint, $5::text, $6::text, $7::text, $8::text, $9::text,
+           $15::text, '{IN_FLIGHT}', $10::text, $11::float8, $12::float8, $13::float8
+    WHERE NOT EXISTS (SELECT 1 FROM fence WHERE epoch > $4::bigint)
+    ON CONFLICT (kid) DO UPDATE SET
+        tenant = excluded.tenant, run = excluded.run, epoch = excluded.epoch,
+        upstream = excluded.upstream, key = excluded.key, fingerprint = excluded.fingerprint,
+        method = excluded.method, path = excluded.path, namespace = excluded.namespace,
+        state = excluded.state, owner = excluded.owner, lease_until = excluded.lease_until,
+        created_at = excluded.created_at, expires_at = excluded.expires_at, status = NULL,
+        headers = NULL, body = NULL, streamed = false, timing = NULL, detail = NULL,
+        completed_at = NULL, replays = 0
+    -- an expired entry runs as new; a dead proxy's claim is taken over under "retry"
+    WHERE journal.expires_at <= $12 OR ($14 AND journal.state = '{IN_FLIGHT}'
+          AND journal.lease_until <= $12 AND journal.fingerprint = excluded.fingerprint)
+    RETURNING kid)
+SELECT (SELECT max(epoch) FROM fence) AS run_epoch, (SELECT count(*) FROM claimed) AS won"""
+
+# $1 kid, $2 now, $3 detail, $4 fingerprint, $5 channel: a dead proxy's claim under "quarantine"
+QUARANTINE_EXPIRED = f"""
+UPDATE journal SET state = '{UNKNOWN}', owner = NULL, detail = $3
+WHERE kid = $1 AND state = '{IN_FLIGHT}' AND lease_until <= $2 AND expires_at > $2 AND fingerprint = $4
+RETURNING {ENTRY_COLUMNS}, pg_notify($5, kid)"""
+
+# Arrays, one element per record: $1 kid, $2 owner, $3 status, $4 headers (JSON text),
+# $5 body, $6 streamed, $7 timing (JSON text); then $8 now, $9 channel.
+COMPLETE_MANY = f"""
+WITH done AS (
+    UPDATE journal j SET state = '{COMPLETE}', owner = NULL, status = u.status,
+        headers = u.headers::jsonb, body = u.body, streamed = u.streamed, timing = u.timing::jsonb,
+        completed_at = $8
+    FROM unnest($1::text[], $2::text[], $3::int[], $4::text[], $5::bytea[], $6::bool[], $7::text[])
+        AS u(kid, owner, status, headers, body, streamed, timing)
+    WHERE j.kid = u.kid AND j.owner = u.owner AND j.state = '{IN_FLIGHT}'
+    RETURNING j.kid, u.owner, pg_notify($9, j.kid)),
+dropped AS (DELETE FROM partials WHERE kid = ANY($1::text[]))
+SELECT kid, owner FROM done"""
+
+# $1 kid, $2 owner, $3 channel
+RELEASE = """
+WITH gone AS (
+    DELETE FROM journal WHERE kid = $1 AND owner = $2
+    RETURNING namespace, run, coalesce(epoch, -1) AS epoch, fingerprint, key, pg_notify($3, kid)),
+dropped AS (DELETE FROM partials WHERE kid = $1)
+-- give a derived key's occurrence number back, so the caller's retry maps onto this slot
+UPDATE occurrences o SET n = o.n - 1 FROM gone
+WHERE gone.key LIKE 'derived:%' AND o.tenant = gone.namespace AND o.run = gone.run
+  AND o.epoch = gone.epoch AND o.fingerprint = gone.fingerprint
+  AND o.n = substring(gone.key from ':([0-9]+)$')::bigint + 1"""
+
+# $1 kid, $2 state, $3 detail, $4 owner (NULL: whoever holds it), $5 channel
+SET_STATE = """
+WITH changed AS (
+    UPDATE journal SET state = $2, owner = NULL, detail = $3
+    WHERE kid = $1 AND ($4::text IS NULL OR owner = $4)
+    RETURNING pg_notify($5, kid))
+DELETE FROM partials WHERE kid = $1"""
+
+# $1 kid, $2 channel
+RESOLVE_AS_RETRY = f"DELETE FROM journal WHERE kid = $1 AND state = '{UNKNOWN}' RETURNING pg_notify($2, kid)"
+# $1 kid, $2 status, $3 headers, $4 body, $5 now, $6 channel
+RESOLVE_WITH_ANSWER = f"""
+UPDATE journal SET state = '{COMPLETE}', status = $2, headers = $3, body = $4, streamed = false,
+    completed_at = $5, detail = 'resolved by operator'
+WHERE kid = $1 AND state = '{UNKNOWN}' RETURNING pg_notify($6, kid)"""
+
+# $1 kid, $2 seq, $3 data, $4 channel
+APPEND_PARTIAL = ("INSERT INTO partials (kid, seq, data) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING "
+                  "RETURNING pg_notify($4, kid)")
+
+# $1 now, $2 batch. Rows another transaction holds (a claim taking the key over) are
+# skipped, not waited for: purge never queues behind the request path.
+PURGE_JOURNAL = """
+WITH doomed AS (SELECT kid FROM journal WHERE expires_at <= $1 LIMIT $2 FOR UPDATE SKIP LOCKED),
+gone AS (DELETE FROM journal WHERE kid IN (SELECT kid FROM doomed) RETURNING kid),
+dropped AS (DELETE FROM partials WHERE kid IN (SELECT kid FROM gone))
+SELECT count(*) FROM gone"""
+PURGE_OCCURRENCES = """
+DELETE FROM occurrences WHERE ctid IN (SELECT ctid FROM occurrences WHERE expires_at <= $1 LIMIT $2)"""
+
+# $1 namespace, $2 run
+DELETE_JOURNAL = """
+WITH p AS (DELETE FROM partials WHERE kid IN (SELECT kid FROM journal WHERE namespace = $1 AND run = $2)),
+o AS (DELETE FROM occurrences WHERE tenant = $1 AND run = $2),
+j AS (DELETE FROM journal WHERE namespace = $1 AND run = $2 RETURNING kid)
+SELECT count(*) FROM j"""
+
+# $1..$16: the columns of RUN_COLUMNS, in order
+UPSERT_RUN = f"""
+INSERT INTO runs ({RUN_COLUMNS})
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)
+ON CONFLICT (tenant, run_id) DO UPDATE SET timeout_s = excluded.timeout_s, grace_s = excluded.grace_s,
+    max_restarts = excluded.max_restarts, hook = excluded.hook, metadata = excluded.metadata
+RETURNING {RUN_COLUMNS}"""
+
+# $1 namespace, $2 run_id, $3 epoch, $4 now, then the defaults of a new run: $5 timeout_s,
+# $6 grace_s, $7 max_restarts, $8 hook, $9 metadata. Returns nothing when the epoch is not higher.
+RAISE_EPOCH = f"""
+INSERT INTO runs ({RUN_COLUMNS})
+VALUES ($1, $2, '{RUNNING}', $3, 0, $4, $4, $5, $6, $7, $8, $9, $4, NULL, 0, '[]')
+ON CONFLICT (tenant, run_id) DO UPDATE SET epoch = excluded.epoch, started_at = excluded.started_at,
+    state = CASE WHEN runs.state = '{RESTARTING}' THEN '{RUNNING}' ELSE runs.state END
+WHERE excluded.epoch > runs.epoch
+RETURNING epoch"""
+
+# $1 at, $2 namespace, $3 run_id. Traffic after a restart means the new attempt is up.
+TOUCH = f"""
+UPDATE runs SET last_seen = greatest(last_seen, $1),
+    state = CASE WHEN state = '{RESTARTING}' THEN '{RUNNING}' ELSE state END
+WHERE tenant = $2 AND run_id = $3"""
+
+# -- short statements, named so the store reads as what it does ---------------------------
+GET = (f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing FROM journal "
+       "WHERE kid = $1 AND expires_at > $2")
+GET_LIVE_ENTRY = f"SELECT {ENTRY_COLUMNS} FROM journal WHERE kid = $1 AND expires_at > $2"
+# The no-op update makes RETURNING give the value that was there first.
+SECRET = ("INSERT INTO secrets (name, value) VALUES ($1, $2) "
+          "ON CONFLICT (name) DO UPDATE SET value = secrets.value RETURNING value")
+NEXT_OCCURRENCE = ("INSERT INTO occurrences (tenant, run, epoch, fingerprint, n, expires_at) "
+                   "VALUES ($1, $2, $3, $4, 1, $5) ON CONFLICT (tenant, run, epoch, fingerprint) "
+                   "DO UPDATE SET n = occurrences.n + 1 RETURNING n")
+RENEW = f"UPDATE journal SET lease_until = $1 WHERE kid = $2 AND owner = $3 AND state = '{IN_FLIGHT}'"
+READ_PARTIAL = "SELECT seq, data FROM partials WHERE kid = $1 AND seq > $2 ORDER BY seq"
+COUNT_REPLAYS = "UPDATE journal SET replays = replays + $1 WHERE kid = $2"
+JOURNAL = f"SELECT {ENTRY_COLUMNS}, status FROM journal WHERE namespace = $1 AND run = $2 ORDER BY created_at"
+GET_RUN = f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = $2 AND ($1::text IS NULL OR tenant = $1)"
+LIST_RUNS = (f"SELECT {RUN_COLUMNS} FROM runs WHERE $1::text IS NULL OR state = $1 "
+             "ORDER BY created_at DESC LIMIT $2")
+RUN_EPOCH = "SELECT epoch FROM runs WHERE tenant = $1 AND run_id = $2"
+LOCK_RUN = f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = $1 AND run_id = $2 FOR UPDATE"
+END_RUN = "UPDATE runs SET state = $1, ended_at = $2, history = $3 WHERE tenant = $4 AND run_id = $5"
+NEW_ATTEMPT = ("UPDATE runs SET epoch = $1, restarts = $2, state = $3, started_at = $4, last_seen = $4, "
+               "history = $5 WHERE tenant = $6 AND run_id = $7")
+SILENT_RUNS = (f"SELECT {RUN_COLUMNS} FROM runs WHERE state IN ('{RUNNING}', '{RESTARTING}') "
+               "AND last_seen + timeout_s < $1 AND started_at + grace_s < $1 AND next_restart_at <= $1")
+COUNT_RUNS = "SELECT state, count(*) FROM runs GROUP BY state"

@@ -1,0 +1,299 @@
+"""The Lua scripts of the Redis store: each change to the journal or a run, atomically.
+
+Key layout and conventions: see the docstring of :mod:`.redis`. Scripts get the key prefix
+as an argument where they reach keys they learn from the data (a run's journal, its index
+entries), which holds on one Redis server, not on Redis Cluster. Absent hash fields stand
+for None. Times are UNIX seconds as decimal strings; expiries are milliseconds.
+"""
+
+HISTORY_LIMIT = 50
+
+# -- the journal --------------------------------------------------------------------------
+
+CLAIM = """
+-- KEYS: entry, partial, run, steps, steps-expiry
+-- ARGV: now, epoch ('' = unfenced), fingerprint, owner, on_expired, expires_ms, kid, index member,
+--       then the new entry's fields
+if ARGV[2] ~= '' then  -- a superseded attempt must not claim (checked here, atomically)
+  local epoch = redis.call('HGET', KEYS[3], 'epoch')
+  if epoch and tonumber(epoch) > tonumber(ARGV[2]) then return {'stale', epoch} end
+end
+local e = redis.call('HMGET', KEYS[1], 'state', 'lease_until', 'fingerprint', 'owner')
+if e[1] then
+  -- this very claim, sent again after its reply was lost: it is ours
+  if e[1] == 'in_flight' and e[4] == ARGV[4] then return {'won'} end
+  if e[1] ~= 'in_flight' or tonumber(e[2]) > tonumber(ARGV[1]) or e[3] ~= ARGV[3] then
+    -- whole, with any response: the caller may replay it at once
+    return {'taken', redis.call('HGETALL', KEYS[1])}
+  end
+  if ARGV[5] == 'quarantine' then  -- its proxy died mid-call: the outcome is unknown
+    redis.call('HSET', KEYS[1], 'state', 'unknown', 'detail', 'the proxy holding the claim stopped mid-call')
+    redis.call('HDEL', KEYS[1], 'owner')
+    redis.call('DEL', KEYS[2])
+    return {'taken', redis.call('HGETALL', KEYS[1])}
+  end
+end
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('HSET', KEYS[1], unpack(ARGV, 9))
+redis.call('PEXPIREAT', KEYS[1], ARGV[6])
+if ARGV[8] ~= '' then
+  redis.call('ZADD', KEYS[4], ARGV[1], ARGV[7])
+  redis.call('ZADD', KEYS[5], ARGV[6], ARGV[8])
+end
+return {'won'}
+"""
+
+RENEW = """
+-- KEYS: entry; ARGV: owner, lease_until
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+if redis.call('HGET', KEYS[1], 'state') ~= 'in_flight' then return 0 end
+redis.call('HSET', KEYS[1], 'lease_until', ARGV[2])
+return 1
+"""
+
+COMPLETE = """
+-- KEYS: entry, partial; ARGV: owner, channel, kid, then the response's fields
+local e = redis.call('HMGET', KEYS[1], 'owner', 'state')
+local done = 0
+if e[1] == ARGV[1] and e[2] == 'in_flight' then
+  redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+  redis.call('HDEL', KEYS[1], 'owner')
+  redis.call('DEL', KEYS[2])
+  done = 1
+end
+redis.call('PUBLISH', ARGV[2], ARGV[3])
+return done
+"""
+
+RELEASE = """
+-- KEYS: entry, partial, steps-expiry; ARGV: owner, channel, kid, prefix
+local e = redis.call('HMGET', KEYS[1], 'owner', 'rk', 'key', 'epoch', 'fingerprint')
+if e[1] == ARGV[1] then
+  redis.call('DEL', KEYS[1], KEYS[2])
+  if e[2] then
+    redis.call('ZREM', ARGV[4] .. 'steps:' .. e[2], ARGV[3])
+    redis.call('ZREM', KEYS[3], ARGV[3] .. ' ' .. e[2])
+    local n = string.match(e[3], '^derived:.*:(%d+)$')
+    if n then  -- give the occurrence number back, so the caller's retry maps onto this slot
+      local occ, field = ARGV[4] .. 'occ:' .. e[2], (e[4] or '-1') .. ':' .. e[5]
+      if tonumber(redis.call('HGET', occ, field)) == tonumber(n) + 1 then
+        redis.call('HINCRBY', occ, field, -1)
+      end
+    end
+  end
+end
+redis.call('PUBLISH', ARGV[2], ARGV[3])
+"""
+
+SET_STATE = """
+-- KEYS: entry, partial; ARGV: owner ('' = whoever holds it), state, detail, channel, kid
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if redis.call('EXISTS', KEYS[1]) == 1 and (ARGV[1] == '' or owner == ARGV[1]) then
+  redis.call('HSET', KEYS[1], 'state', ARGV[2], 'detail', ARGV[3])
+  redis.call('HDEL', KEYS[1], 'owner')
+  redis.call('DEL', KEYS[2])
+end
+redis.call('PUBLISH', ARGV[4], ARGV[5])
+"""
+
+RESOLVE = """
+-- KEYS: entry, steps-expiry; ARGV: channel, kid, prefix, then the answer's fields (none = retry)
+if redis.call('HGET', KEYS[1], 'state') ~= 'unknown' then return 0 end
+if #ARGV == 3 then  -- retry: forget the key, so the next request goes upstream
+  local rk = redis.call('HGET', KEYS[1], 'rk')
+  redis.call('DEL', KEYS[1])
+  if rk then
+    redis.call('ZREM', ARGV[3] .. 'steps:' .. rk, ARGV[2])
+    redis.call('ZREM', KEYS[2], ARGV[2] .. ' ' .. rk)
+  end
+else
+  redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+end
+redis.call('PUBLISH', ARGV[1], ARGV[2])
+return 1
+"""
+
+APPEND_PARTIAL = """
+-- KEYS: entry, partial; ARGV: owner, seq, data, channel, kid
+-- Only the claim's holder adds to its stream; a seq already there is kept as it was.
+local e = redis.call('HMGET', KEYS[1], 'owner', 'state')
+if e[1] ~= ARGV[1] or e[2] ~= 'in_flight' then return 0 end
+if redis.call('HSETNX', KEYS[2], ARGV[2], ARGV[3]) == 0 then return 0 end
+local ttl = redis.call('PTTL', KEYS[1])
+if ttl > 0 then redis.call('PEXPIRE', KEYS[2], ttl) end
+redis.call('PUBLISH', ARGV[4], ARGV[5])
+return 1
+"""
+
+READ_PARTIAL = """
+-- KEYS: partial; ARGV: after_seq. Returns {seq, data, seq, data, ...} in order.
+local seqs = {}
+for _, seq in ipairs(redis.call('HKEYS', KEYS[1])) do
+  if tonumber(seq) > tonumber(ARGV[1]) then table.insert(seqs, tonumber(seq)) end
+end
+table.sort(seqs)
+local out = {}
+for _, seq in ipairs(seqs) do
+  table.insert(out, seq)
+  table.insert(out, redis.call('HGET', KEYS[1], seq))
+end
+return out
+"""
+
+COUNT_REPLAYS = """
+-- KEYS: entries; ARGV: how many replays each (an expired entry is not brought back)
+for i, key in ipairs(KEYS) do
+  if redis.call('EXISTS', key) == 1 then redis.call('HINCRBY', key, 'replays', ARGV[i]) end
+end
+"""
+
+PURGE = """
+-- KEYS: steps-expiry; ARGV: now_ms, batch, prefix. Entries expire by themselves; this
+-- drops what still points at them. Returns {index entries looked at, entries gone}.
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
+local gone = 0
+for _, member in ipairs(due) do
+  local kid, rk = string.match(member, '^(%x+) (.*)$')
+  local ttl = redis.call('PTTL', ARGV[3] .. 'entry:' .. kid)
+  if ttl > 0 then  -- alive after all (clocks apart): index it at its real expiry
+    redis.call('ZADD', KEYS[1], tonumber(ARGV[1]) + ttl, member)
+  else
+    redis.call('ZREM', ARGV[3] .. 'steps:' .. rk, kid)
+    redis.call('ZREM', KEYS[1], member)
+    redis.call('DEL', ARGV[3] .. 'partial:' .. kid)
+    gone = gone + 1
+  end
+end
+return {#due, gone}
+"""
+
+DELETE_JOURNAL = """
+-- KEYS: steps, occ, steps-expiry; ARGV: prefix, rk
+local deleted = 0
+for _, kid in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  deleted = deleted + redis.call('DEL', ARGV[1] .. 'entry:' .. kid)
+  redis.call('DEL', ARGV[1] .. 'partial:' .. kid)
+  redis.call('ZREM', KEYS[3], kid .. ' ' .. ARGV[2])
+end
+redis.call('DEL', KEYS[1], KEYS[2])
+return deleted
+"""
+
+# -- runs: ARGV[1] is the prefix, ARGV[2] the rk (except for TOUCH) -----------------------
+
+RUN_HELPERS = """
+local ENDED = {completed = true, failed = true, dead = true}
+local function write(key, fields)  -- a JSON object of strings; null deletes the field
+  for name, value in pairs(fields) do
+    if value == cjson.null then redis.call('HDEL', key, name) else redis.call('HSET', key, name, value) end
+  end
+end
+local function remember(p, rk, event)  -- the history keeps the last HISTORY_LIMIT events
+  redis.call('RPUSH', p .. 'history:' .. rk, event)
+  redis.call('LTRIM', p .. 'history:' .. rk, -HISTORY_LIMIT, -1)
+end
+local function event(at, epoch, name)
+  return '{"at":' .. at .. ',"epoch":' .. epoch .. ',"event":' .. cjson.encode(name) .. '}'
+end
+local function reindex(p, rk)  -- after every change: listing by state, silent-run deadline
+  local r = redis.call('HMGET', p .. 'run:' .. rk, 'state', 'created_at', 'last_seen', 'timeout_s', 'run_id')
+  redis.call('ZADD', p .. 'runs', r[2], rk)
+  for _, state in ipairs({'running', 'restarting', 'completed', 'failed', 'dead'}) do
+    if state ~= r[1] then redis.call('ZREM', p .. 'runs:' .. state, rk) end
+  end
+  redis.call('ZADD', p .. 'runs:' .. r[1], r[2], rk)
+  if ENDED[r[1]] then
+    redis.call('ZREM', p .. 'runs-deadline', rk)
+  else
+    redis.call('ZADD', p .. 'runs-deadline', tonumber(r[3]) + tonumber(r[4]), rk)
+  end
+  redis.call('SADD', p .. 'runs-named:' .. r[5], rk)
+end
+local function reply(p, rk)
+  return {redis.call('HGETALL', p .. 'run:' .. rk), redis.call('LRANGE', p .. 'history:' .. rk, 0, -1)}
+end
+local p, rk = ARGV[1], ARGV[2]
+local run = p .. 'run:' .. (rk or '')
+""".replace("HISTORY_LIMIT", str(HISTORY_LIMIT))
+
+UPSERT_RUN = RUN_HELPERS + """
+-- ARGV[3]: fields of a new run; ARGV[4]: fields an existing one takes; ARGV[5]: history
+if redis.call('EXISTS', run) == 0 then
+  write(run, cjson.decode(ARGV[3]))
+  for _, item in ipairs(cjson.decode(ARGV[5])) do remember(p, rk, item) end
+else
+  write(run, cjson.decode(ARGV[4]))
+end
+reindex(p, rk)
+return reply(p, rk)
+"""
+
+OBSERVE_EPOCH = RUN_HELPERS + """
+-- ARGV[3]: epoch ('' = none), ARGV[4]: now, ARGV[5]: fields of a new run
+local current = redis.call('HGET', run, 'epoch')
+if not current then
+  write(run, cjson.decode(ARGV[5]))
+elseif ARGV[3] ~= '' and tonumber(ARGV[3]) > tonumber(current) then
+  if redis.call('HGET', run, 'state') == 'restarting' then redis.call('HSET', run, 'state', 'running') end
+  redis.call('HSET', run, 'epoch', ARGV[3], 'started_at', ARGV[4])
+else
+  return current
+end
+reindex(p, rk)
+return redis.call('HGET', run, 'epoch')
+"""
+
+TOUCH = RUN_HELPERS + """
+-- ARGV[2..]: rk, at, rk, at, ...
+for i = 2, #ARGV, 2 do
+  local key = p .. 'run:' .. ARGV[i]
+  local r = redis.call('HMGET', key, 'last_seen', 'state')
+  if r[1] then
+    if tonumber(ARGV[i + 1]) > tonumber(r[1]) then redis.call('HSET', key, 'last_seen', ARGV[i + 1]) end
+    if r[2] == 'restarting' then redis.call('HSET', key, 'state', 'running') end
+    reindex(p, ARGV[i])
+  end
+end
+"""
+
+END_RUN = RUN_HELPERS + """
+-- ARGV[3]: state, ARGV[4]: now
+local r = redis.call('HMGET', run, 'state', 'epoch')
+if not r[1] then return false end
+if not ENDED[r[1]] then
+  redis.call('HSET', run, 'state', ARGV[3], 'ended_at', ARGV[4])
+  remember(p, rk, event(ARGV[4], r[2], ARGV[3]))
+  reindex(p, rk)
+end
+return reply(p, rk)
+"""
+
+NEW_ATTEMPT = RUN_HELPERS + """
+-- ARGV[3]: expected epoch ('' = any), ARGV[4]: now, ARGV[5]: reason, ARGV[6]: 1 = a restart
+local r = redis.call('HMGET', run, 'state', 'epoch', 'restarts')
+if not r[1] or ENDED[r[1]] then return false end
+if ARGV[3] ~= '' and tonumber(r[2]) ~= tonumber(ARGV[3]) then return false end  -- another caller won
+local epoch = tonumber(r[2]) + 1
+redis.call('HSET', run, 'epoch', epoch, 'restarts', tonumber(r[3]) + tonumber(ARGV[6]),
+           'state', ARGV[6] == '1' and 'restarting' or 'running', 'started_at', ARGV[4], 'last_seen', ARGV[4])
+remember(p, rk, event(ARGV[4], epoch, ARGV[5]))
+reindex(p, rk)
+return reply(p, rk)
+"""
+
+SET_RUN_STATE = RUN_HELPERS + """
+-- ARGV[3]: fields to set (JSON), ARGV[4]: event to remember ('' = none)
+if redis.call('EXISTS', run) == 0 then return 0 end
+write(run, cjson.decode(ARGV[3]))
+if ARGV[4] ~= '' then remember(p, rk, ARGV[4]) end
+reindex(p, rk)
+return 1
+"""
+
+SCRIPTS = {
+    "claim": CLAIM, "renew": RENEW, "complete": COMPLETE, "release": RELEASE, "set_state": SET_STATE,
+    "resolve": RESOLVE, "append_partial": APPEND_PARTIAL, "read_partial": READ_PARTIAL,
+    "count_replays": COUNT_REPLAYS, "purge": PURGE, "delete_journal": DELETE_JOURNAL,
+    "upsert_run": UPSERT_RUN, "observe_epoch": OBSERVE_EPOCH, "touch": TOUCH, "end_run": END_RUN,
+    "new_attempt": NEW_ATTEMPT, "set_run_state": SET_RUN_STATE,
+}

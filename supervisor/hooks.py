@@ -1,0 +1,218 @@
+"""Hooks: how a run is started again, and how someone hears that a run is dead.
+
+``command`` hooks start an argv detached: its own session (a supervisor that stops or
+dies takes no agent with it), stdin from /dev/null, stdout and stderr appended to one log
+file per attempt, and the exit code written into the run's history when it ends.
+``http`` hooks POST the same facts as JSON, signed with HMAC-SHA256 over the raw body in
+``Idem-Signature: sha256=<hex>``, retried with exponential backoff.
+
+Whatever happens to a hook is recorded as an event in the run's history
+(``hook-started``, ``hook-exit``, ``hook-delivered``, ``hook-failed``). A hook that fails
+is a failed restart: the run stays silent and is restarted again, and counts towards
+``max_restarts``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+from ..proxy.config import HookSettings, Settings
+from ..proxy.store import Store, StoreUnavailable
+
+log = logging.getLogger("idemproxy.supervisor")
+
+REAP_INTERVAL_S = 0.2     # how often a started hook is checked for its exit
+HTTP_TIMEOUT_S = 10.0     # per delivery try
+HTTP_BACKOFF_S = 0.5      # first wait between tries; doubles each time
+HTTP_BACKOFF_MAX_S = 30.0
+SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
+
+
+@dataclass(frozen=True, slots=True)
+class HookCall:
+    """The facts a hook is given about one attempt of a run."""
+    event: str  # "restart" or "dead"
+    namespace: str
+    run_id: str
+    epoch: int
+    attempt: int  # the run's restart count after this restart
+    proxy_url: str
+
+    @property
+    def run_base(self) -> str:
+        return f"{self.proxy_url}/runs/{self.run_id}/epochs/{self.epoch}"
+
+    def environment(self) -> dict[str, str]:
+        return {"IDEM_RUN_ID": self.run_id, "IDEM_EPOCH": str(self.epoch),
+                "IDEM_ATTEMPT": str(self.attempt), "IDEM_PROXY_URL": self.proxy_url,
+                "IDEM_RUN_BASE": self.run_base, "IDEM_NAMESPACE": self.namespace,
+                "IDEM_EVENT": self.event}
+
+    def payload(self) -> dict:
+        return {"run_id": self.run_id, "epoch": self.epoch, "attempt": self.attempt,
+                "proxy_url": self.proxy_url, "run_base": self.run_base,
+                "namespace": self.namespace, "event": self.event}
+
+
+def sign(secret: str, body: bytes) -> str:
+    """The ``Idem-Signature`` value for ``body``: receivers recompute and compare it."""
+    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+class Hooks:
+    """Fires hooks and records what became of them in the store."""
+
+    def __init__(self, settings: Settings, store: Store):
+        self._hooks = settings.hooks
+        self._store = store
+        self._deliveries: set[asyncio.Task] = set()  # http hooks being delivered
+        self._watchers: set[asyncio.Task] = set()  # started commands, until they exit
+        self._session: aiohttp.ClientSession | None = None
+
+    async def fire(self, name: str | None, call: HookCall) -> str | None:
+        """Start hook ``name`` for ``call``: None once started, else why it could not start.
+
+        A command hook has started when its process exists; an http hook is delivered in
+        the background (with retries) and its failure is recorded when it gives up.
+        """
+        hook = self._hooks.get(name) if name else None
+        if hook is None:
+            error = f"no hook named {name!r} is configured" if name else "the run has no hook"
+        elif hook.command:
+            error = await self._spawn(hook, call)
+        else:
+            _background(self._deliveries, self._deliver(hook, call))
+            return None
+        if error is not None:
+            log.warning("hook %s for run %s (epoch %d) failed to start: %s", name, call.run_id,
+                        call.epoch, error)
+            await self._record(call, {"event": "hook-failed", "hook": name, "epoch": call.epoch,
+                                      "error": error})
+        return error
+
+    async def aclose(self, timeout: float = 5.0) -> None:
+        """Let deliveries in flight finish (bounded); started processes keep running."""
+        if self._deliveries:
+            await asyncio.wait(list(self._deliveries), timeout=timeout)
+        tasks = self._deliveries | self._watchers
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # -- command --------------------------------------------------------------------------
+
+    async def _spawn(self, hook: HookSettings, call: HookCall) -> str | None:
+        log_path = self._log_path(hook, call)
+        try:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as exc:
+            return f"cannot open log file {log_path}: {exc}"
+        try:
+            # posix_spawn rather than subprocess.Popen: the child is not ours to kill or
+            # wait for when we stop, and Popen objects complain when dropped while running.
+            pid = os.posix_spawnp(hook.command[0], list(hook.command),
+                                  {**os.environ, **call.environment()},
+                                  file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                                                (os.POSIX_SPAWN_DUP2, fd, 1),
+                                                (os.POSIX_SPAWN_DUP2, fd, 2)],
+                                  setsid=True)
+        except OSError as exc:
+            return f"cannot start {hook.command[0]!r}: {exc}"
+        finally:
+            os.close(fd)
+        log.info("hook %s started for run %s epoch %d: pid %d, log %s", hook.name, call.run_id,
+                 call.epoch, pid, log_path)
+        await self._record(call, {"event": "hook-started", "hook": hook.name, "epoch": call.epoch,
+                                  "pid": pid, "log": str(log_path)})
+        _background(self._watchers, self._watch(hook, call, pid))
+        return None
+
+    @staticmethod
+    def _log_path(hook: HookSettings, call: HookCall) -> Path:
+        name = f"{SAFE_NAME.sub('_', call.namespace)}.{SAFE_NAME.sub('_', call.run_id)}.{call.epoch}"
+        if call.event != "restart":
+            name += f".{call.event}"
+        return Path(hook.log_dir) / f"{name}.log"
+
+    async def _watch(self, hook: HookSettings, call: HookCall, pid: int) -> None:
+        while True:
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by someone else: the code is lost, not the exit
+                done, status = pid, None
+            if done:
+                break
+            await asyncio.sleep(REAP_INTERVAL_S)
+        code = None if status is None else os.waitstatus_to_exitcode(status)
+        log.info("hook %s for run %s epoch %d exited with %s", hook.name, call.run_id, call.epoch, code)
+        await self._record(call, {"event": "hook-exit", "hook": hook.name, "epoch": call.epoch,
+                                  "pid": pid, "code": code})
+
+    # -- http -----------------------------------------------------------------------------
+
+    async def _deliver(self, hook: HookSettings, call: HookCall) -> None:
+        payload = call.payload()
+        payload["timestamp"] = int(time.time())  # inside the signed body: replays are visible
+        body = orjson.dumps(payload)
+        headers = {"Content-Type": "application/json", "Idem-Timestamp": str(payload["timestamp"]),
+                   "User-Agent": "idemproxy-supervisor"}
+        if hook.secret:
+            headers["Idem-Signature"] = sign(str(hook.secret), body)
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S))
+        error = "not tried"
+        for attempt in range(hook.retries + 1):
+            if attempt:
+                await asyncio.sleep(min(HTTP_BACKOFF_S * 2 ** (attempt - 1), HTTP_BACKOFF_MAX_S))
+            try:
+                async with self._session.post(hook.url, data=body, headers=headers) as resp:
+                    await resp.read()
+                    if resp.status < 300:
+                        await self._record(call, {"event": "hook-delivered", "hook": hook.name,
+                                                  "epoch": call.epoch, "status": resp.status,
+                                                  "tries": attempt + 1})
+                        return
+                    error = f"answered {resp.status}"
+                    if 400 <= resp.status < 500 and resp.status not in (408, 425, 429):
+                        break  # the receiver refuses this request; trying again will not help
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            log.warning("hook %s for run %s: try %d failed: %s", hook.name, call.run_id, attempt + 1,
+                        error)
+        await self._record(call, {"event": "hook-failed", "hook": hook.name, "epoch": call.epoch,
+                                  "error": error, "tries": attempt + 1})
+
+    # -- bookkeeping ----------------------------------------------------------------------
+
+    async def _record(self, call: HookCall, event: dict) -> None:
+        try:
+            await self._store.set_run_state(call.namespace, call.run_id, None, time.time(), event)
+        except StoreUnavailable as exc:
+            log.warning("could not record %s for run %s: %s", event["event"], call.run_id, exc)
+
+    async def wait_idle(self) -> None:
+        """Wait until every delivery and every started process has ended and been recorded."""
+        while self._deliveries or self._watchers:
+            await asyncio.gather(*self._deliveries, *self._watchers, return_exceptions=True)
+
+
+def _background(tasks: set[asyncio.Task], work) -> None:
+    task = asyncio.create_task(work)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+

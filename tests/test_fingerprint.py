@@ -1,0 +1,146 @@
+"""Fingerprint (SPEC §3): canonical JSON, ignored fields, and what the proxy does with them."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from idemproxy.proxy.fingerprint import canonical_json, fingerprint
+
+CHAT_PATH = "/v1/chat/completions"
+
+json_scalars = (st.none() | st.booleans() | st.integers(min_value=-(2 ** 70), max_value=2 ** 70)
+                | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20))
+json_values = st.recursive(
+    json_scalars,
+    lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=8), children, max_size=6),
+    max_leaves=30)
+
+
+def shuffled(value, rng: random.Random):
+    """The same JSON value with every object's keys in another order."""
+    if isinstance(value, dict):
+        items = [(k, shuffled(v, rng)) for k, v in value.items()]
+        rng.shuffle(items)
+        return dict(items)
+    if isinstance(value, list):
+        return [shuffled(v, rng) for v in value]
+    return value
+
+
+def serialise(value, rng: random.Random) -> bytes:
+    """Any of the ways a client might write the same value."""
+    style = rng.choice([{}, {"indent": 2}, {"separators": (",", ":")}, {"indent": "\t", "separators": (" ,", " : ")},
+                        {"ensure_ascii": False}])
+    text = json.dumps(value, **style)
+    return (rng.choice(["", " ", "\n", "\r\n\t"]) + text + rng.choice(["", " ", "\n"])).encode()
+
+
+def fp(body: bytes, ignore=(), method="POST", path=CHAT_PATH, content_type="application/json") -> str:
+    return fingerprint(method, "openai", path, body, content_type, ignore)
+
+
+@given(json_values, st.randoms(use_true_random=False))
+@settings(max_examples=300)
+def test_fingerprint_ignores_key_order_and_whitespace(value, rng):
+    a, b = serialise(value, rng), serialise(shuffled(value, rng), rng)
+    assert fp(a) == fp(b)
+    assert canonical_json(a) == canonical_json(b)
+
+
+@given(json_values)
+def test_canonical_json_is_a_fixed_point_and_parses_back(value):
+    canonical = canonical_json(json.dumps(value).encode())
+    assert canonical is not None
+    assert canonical_json(canonical) == canonical
+    assert json.loads(canonical) == value
+    assert canonical_json(json.dumps(value, indent=3).encode()) == canonical
+
+
+@given(st.dictionaries(st.text(min_size=1, max_size=8), json_scalars, min_size=1, max_size=6),
+       json_scalars, json_scalars, st.randoms(use_true_random=False))
+def test_ignored_fields_do_not_count_and_others_do(base, ts_a, ts_b, rng):
+    doc_a = {**base, "metadata": {"ts": ts_a, "keep": 1}}
+    doc_b = {**base, "metadata": {"ts": ts_b, "keep": 1}}
+    ignore = ("metadata.ts",)
+    assert fp(serialise(doc_a, rng), ignore) == fp(serialise(shuffled(doc_b, rng), rng), ignore)
+    changed = {**doc_a, "metadata": {"ts": ts_a, "keep": 2}}
+    assert fp(serialise(doc_a, rng), ignore) != fp(serialise(changed, rng), ignore)
+
+
+def test_ignored_field_paths_with_wildcards():
+    a = {"messages": [{"role": "system", "content": "x", "ts": 1}, {"role": "user", "ts": 2}], "n": 1}
+    b = {"messages": [{"role": "system", "content": "x", "ts": 9}, {"role": "user", "ts": 8}], "n": 1}
+    ignore = ("messages.*.ts",)
+    assert fp(json.dumps(a).encode(), ignore) == fp(json.dumps(b).encode(), ignore)
+    assert fp(json.dumps(a).encode()) != fp(json.dumps(b).encode())
+    assert fp(json.dumps(a).encode(), ("messages.0.ts", "messages.1.ts")) == fp(json.dumps(b).encode(), ignore)
+
+
+@pytest.mark.parametrize("other", [
+    dict(method="PUT"), dict(path="/v1/embeddings"), dict(path=CHAT_PATH + "?stream=1"),
+])
+def test_method_path_and_query_count(other):
+    body = b'{"a":1}'
+    assert fp(body) != fp(body, **other)
+    assert fingerprint("POST", "openai", CHAT_PATH, body, "application/json") != \
+        fingerprint("POST", "anthropic", CHAT_PATH, body, "application/json")
+
+
+def test_non_json_bodies_are_hashed_as_bytes():
+    assert fp(b'{"a": 1, "b": 2}', content_type="text/plain") != fp(b'{"b": 2, "a": 1}', content_type="text/plain")
+    assert fp(b"not json {", content_type="application/json") != fp(b"not json  {", content_type="application/json")
+    assert fp(b"\x00\xff", content_type="application/octet-stream") == fp(b"\x00\xff", content_type="application/octet-stream")
+    assert fp(b"") == fp(b"", content_type="")
+
+
+def test_numbers_are_compared_as_parsed():
+    assert fp(b'{"t": 1e2}') == fp(b'{"t": 100.0}')
+    assert fp(b'{"t": 0.5}') != fp(b'{"t": 0.50001}')
+    assert fp(b'{"big": 123456789012345678901234567890}') == fp(b'{ "big" : 123456789012345678901234567890 }')
+
+
+# -- through the proxy ---------------------------------------------------------------------
+
+async def test_reordered_body_replays_and_changed_body_is_422(make_proxy, store_url, provider, http):
+    proxy = await make_proxy(store_url)
+    url, key = proxy.url + "/openai" + CHAT_PATH, {"Idempotency-Key": "fp-1", "Content-Type": "application/json"}
+    async with http.post(url, data=b'{"model":"m","messages":[{"role":"user","content":"hi"}]}', headers=key) as r:
+        first = await r.read()
+    async with http.post(url, data=b'{\n  "messages": [ {"content": "hi", "role": "user"} ],\n  "model": "m"\n}',
+                         headers=key) as r:
+        assert r.headers["Idempotent-Replayed"] == "true"
+        assert await r.read() == first
+    async with http.post(url, data=b'{"model":"m","messages":[{"role":"user","content":"HI"}]}', headers=key) as r:
+        body = await r.json(content_type=None)
+        assert r.status == 422 and body["type"].endswith("/key-reused")
+        assert r.headers["Content-Type"].startswith("application/problem+json")
+    async with http.post(url + "?x=1", data=b'{"model":"m","messages":[{"role":"user","content":"hi"}]}',
+                         headers=key) as r:
+        assert r.status == 422
+    assert provider.calls["chat"] == 1
+
+
+async def test_configured_ignored_fields_replay(make_proxy, store_url, provider, http):
+    proxy = await make_proxy(store_url, upstreams__openai={"ignore_fields": [
+        {"match": "POST /v1/chat/*", "fields": ["metadata.sent_at", "messages.0.content"]}]})
+    url = proxy.url + "/openai" + CHAT_PATH
+
+    def body(sent_at: str, system: str, user: str) -> dict:
+        return {"model": "m", "metadata": {"sent_at": sent_at},
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+
+    async with http.post(url, json=body("10:00", "today is monday", "hi"), headers={"Idem-Run": "ig"}) as r:
+        first = await r.read()
+    async with http.post(url, json=body("10:05", "today is tuesday", "hi"),
+                         headers={"Idem-Run": "ig", "Idem-Epoch": "1"}) as r:
+        assert r.headers["Idempotent-Replayed"] == "true"
+        assert await r.read() == first
+    async with http.post(url, json=body("10:05", "today is tuesday", "bye"),
+                         headers={"Idem-Run": "ig", "Idem-Epoch": "1"}) as r:
+        assert r.headers["Idempotent-Replayed"] == "false"
+    assert provider.calls["chat"] == 2

@@ -1,0 +1,162 @@
+"""Hooks: detached commands with a log file per attempt, and signed, retried HTTP POSTs."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import sys
+import time
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from conftest import proxy_sections, write_config
+from idemproxy.proxy.app import open_store
+from idemproxy.proxy.config import load_settings
+from idemproxy.proxy.store.base import Run
+from idemproxy.supervisor.hooks import HookCall, Hooks
+
+# Writes its environment, session and pid to argv[1], talks on both streams, exits 7.
+REPORTER = """
+import json, os, sys
+json.dump({"env": {k: v for k, v in os.environ.items() if k.startswith("IDEM_")},
+           "pid": os.getpid(), "sid": os.getsid(0), "stdin": sys.stdin.read()}, open(sys.argv[1], "w"))
+print("to stdout", flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+sys.exit(7)
+"""
+
+
+@pytest.fixture
+async def hooks_on(tmp_path, sqlite_url):
+    """``await hooks_on(**hook_sections) -> (hooks, store)`` with a run ``r1`` at epoch 3."""
+    made = []
+
+    async def make(**hooks):
+        sections = proxy_sections("http://127.0.0.1:9", sqlite_url,
+                                  **{f"hooks.{name}": body for name, body in hooks.items()})
+        settings = load_settings(write_config(tmp_path / "hooks.toml", sections), env={})
+        store = await open_store(settings)
+        now = time.time()
+        await store.upsert_run(Run("default", "r1", epoch=3, restarts=2, last_seen=now,
+                                   started_at=now, created_at=now))
+        made.append((Hooks(settings, store), store))
+        return made[-1]
+
+    yield make
+    for hooks, store in made:
+        await hooks.aclose()
+        await store.aclose()
+
+
+def _call(proxy_url: str = "http://proxy.test:8787", event: str = "restart") -> HookCall:
+    return HookCall(event, "default", "r1", 3, 2, proxy_url)
+
+
+async def _history(store) -> list[dict]:
+    return (await store.get_run("default", "r1"))[0].history
+
+
+async def test_command_hook_runs_detached_with_env_and_a_log_per_attempt(hooks_on, tmp_path):
+    out, script = tmp_path / "reported.json", tmp_path / "reporter.py"
+    script.write_text(REPORTER)
+    logs = tmp_path / "logs"
+    hooks, store = await hooks_on(agent={"command": [sys.executable, str(script), str(out)],
+                                         "log_dir": str(logs)})
+    assert await hooks.fire("agent", _call()) is None
+    await hooks.wait_idle()
+
+    seen = json.loads(out.read_text())
+    assert seen["env"] == {"IDEM_RUN_ID": "r1", "IDEM_EPOCH": "3", "IDEM_ATTEMPT": "2",
+                           "IDEM_PROXY_URL": "http://proxy.test:8787",
+                           "IDEM_RUN_BASE": "http://proxy.test:8787/runs/r1/epochs/3",
+                           "IDEM_NAMESPACE": "default", "IDEM_EVENT": "restart"}
+    assert seen["sid"] == seen["pid"]  # its own session: our signals and our exit are not its
+    assert seen["stdin"] == ""
+    log = logs / "default.r1.3.log"
+    assert log.read_text().splitlines() == ["to stdout", "to stderr"]
+
+    history = await _history(store)
+    started = next(e for e in history if e["event"] == "hook-started")
+    exited = next(e for e in history if e["event"] == "hook-exit")
+    assert started["pid"] == seen["pid"] and started["log"] == str(log) and started["epoch"] == 3
+    assert exited["code"] == 7 and exited["pid"] == seen["pid"]
+
+
+async def test_on_dead_hook_gets_its_own_log(hooks_on, tmp_path):
+    hooks, store = await hooks_on(alarm={"command": [sys.executable, "-c", "print('paged')"],
+                                         "log_dir": str(tmp_path / "logs")})
+    assert await hooks.fire("alarm", _call(event="dead")) is None
+    await hooks.wait_idle()
+    assert (tmp_path / "logs" / "default.r1.3.dead.log").read_text() == "paged\n"
+
+
+async def test_a_hook_that_cannot_start_is_recorded_as_failed(hooks_on, tmp_path):
+    hooks, store = await hooks_on(agent={"command": [str(tmp_path / "no-such-agent")],
+                                         "log_dir": str(tmp_path / "logs")})
+    error = await hooks.fire("agent", _call())
+    assert error and "no-such-agent" in error
+    assert await hooks.fire("unconfigured", _call()) == "no hook named 'unconfigured' is configured"
+    assert await hooks.fire(None, _call()) == "the run has no hook"
+    failed = [e for e in await _history(store) if e["event"] == "hook-failed"]
+    assert len(failed) == 3 and failed[0]["hook"] == "agent" and "no-such-agent" in failed[0]["error"]
+
+
+@pytest.fixture
+async def receiver():
+    """An HTTP hook receiver: answers the queued statuses, then 200; keeps what it got."""
+    got: list[tuple[dict, bytes]] = []
+    statuses: list[int] = []
+
+    async def hook(request: web.Request) -> web.Response:
+        got.append((dict(request.headers), await request.read()))
+        return web.Response(status=statuses.pop(0) if statuses else 200, text="ok")
+
+    app = web.Application()
+    app.router.add_post("/hook", hook)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    yield str(server.make_url("/hook")), got, statuses
+    await server.close()
+
+
+async def test_http_hook_is_signed_and_retried(hooks_on, receiver):
+    url, got, statuses = receiver
+    statuses += [503, 500]
+    hooks, store = await hooks_on(pager={"url": url, "secret": "s3cret", "retries": 3})
+    assert await hooks.fire("pager", _call()) is None
+    await hooks.wait_idle()
+
+    assert len(got) == 3  # two failures, then delivered
+    headers, raw = got[-1]
+    expected = "sha256=" + hmac.new(b"s3cret", raw, hashlib.sha256).hexdigest()
+    assert hmac.compare_digest(headers["Idem-Signature"], expected)
+    body = json.loads(raw)
+    assert {k: body[k] for k in ("run_id", "epoch", "attempt", "proxy_url", "run_base", "namespace",
+                                 "event")} == {
+        "run_id": "r1", "epoch": 3, "attempt": 2, "proxy_url": "http://proxy.test:8787",
+        "run_base": "http://proxy.test:8787/runs/r1/epochs/3", "namespace": "default", "event": "restart"}
+    assert headers["Idem-Timestamp"] == str(body["timestamp"])
+    assert abs(body["timestamp"] - time.time()) < 60
+    delivered = next(e for e in await _history(store) if e["event"] == "hook-delivered")
+    assert delivered["tries"] == 3 and delivered["status"] == 200
+
+
+async def test_http_hook_failure_is_recorded(hooks_on, receiver):
+    url, got, statuses = receiver
+    statuses += [500, 502, 503]
+    hooks, store = await hooks_on(pager={"url": url, "secret": "s", "retries": 2},
+                                  picky={"url": url, "secret": "s", "retries": 5})
+    await hooks.fire("pager", _call())
+    await hooks.wait_idle()
+    failed = [e for e in await _history(store) if e["event"] == "hook-failed"]
+    assert len(failed) == 1 and failed[0]["tries"] == 3 and "503" in failed[0]["error"]
+
+    statuses.append(400)  # a refusal is final: not retried
+    await hooks.fire("picky", _call())
+    await hooks.wait_idle()
+    assert len(got) == 4
+    failed = [e for e in await _history(store) if e["event"] == "hook-failed"]
+    assert failed[-1]["tries"] == 1 and "400" in failed[-1]["error"]

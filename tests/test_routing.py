@@ -1,0 +1,206 @@
+"""Routing (SPEC §1): named upstreams only, never an open proxy, headers handled per RFC 9110.
+
+Refusals are sent over a raw socket, because no well-behaved client library sends
+absolute-form targets, CONNECT or backslashes; each must be refused by the proxy
+itself (problem+json) with nothing reaching the fake provider.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from yarl import URL
+
+from rawhttp import problem, raw_problem, raw_request
+
+
+def nothing_forwarded(provider) -> None:
+    assert provider.seen == []
+    assert sum(provider.calls.values()) == 0
+
+
+@pytest.fixture
+async def echo_proxy(make_proxy, sqlite_url, provider):
+    """``raw`` is the provider's root; ``echo`` has a base path below it."""
+    return await make_proxy(sqlite_url, upstreams__echo={"url": provider.url + "/echo/base"})
+
+
+# -- never an open proxy -------------------------------------------------------------------
+
+@pytest.mark.parametrize("request_line", [
+    "GET http://example.com/ HTTP/1.1",
+    "GET https://example.com:443/v1/chat/completions HTTP/1.1",
+    "GET http://{provider}/echo/x HTTP/1.1",  # even a configured upstream's own host
+    "POST http://{provider}/v1/chat/completions HTTP/1.1",
+    "GET //{provider}/echo/x HTTP/1.1",
+])
+async def test_absolute_form_targets_are_refused(echo_proxy, provider, request_line):
+    line = request_line.format(provider=urlsplit(provider.url).netloc)
+    resp = await raw_request(echo_proxy.url, f"{line}\nHost: example.com\nContent-Length: 2", b"{}")
+    raw_problem(resp, "invalid-request", 400)
+    nothing_forwarded(provider)
+
+
+@pytest.mark.parametrize("target", ["example.com:443", "{provider}"])
+async def test_connect_is_refused(echo_proxy, provider, target):
+    target = target.format(provider=urlsplit(provider.url).netloc)
+    resp = await raw_request(echo_proxy.url, f"CONNECT {target} HTTP/1.1\nHost: {target}")
+    assert 400 <= resp.status < 500
+    raw_problem(resp, "invalid-request", 400)
+    nothing_forwarded(provider)
+
+
+@pytest.mark.parametrize("path", [
+    "/nope/v1/chat/completions",
+    "/runs/r1/nope/v1/chat/completions",
+    "/runs/r1/epochs/0/nope/v1/chat/completions",
+    "/OpenAI/v1/chat/completions",  # names are exact
+    "/%6fpenai/v1/chat/completions",  # an encoded name is not the name
+])
+async def test_unknown_upstreams_are_refused(echo_proxy, provider, path):
+    resp = await raw_request(echo_proxy.url, f"POST {path} HTTP/1.1\nHost: x\nContent-Length: 2\n"
+                             "Idempotency-Key: k1", b"{}")
+    raw_problem(resp, "unknown-upstream", 404)
+    nothing_forwarded(provider)
+
+
+@pytest.mark.parametrize("path", [
+    "/echo/..",
+    "/echo/../../v1/chat/completions",
+    "/echo/a/../../x",
+    "/echo/./x",
+    "/echo/%2e%2e/x",
+    "/echo/%2E%2E/%2e%2e/v1/chat/completions",
+    "/echo/.%2e/x",
+    "/echo/%2e%2e%2f%2e%2e%2fv1/chat/completions",
+    "/echo/%252e%252e/x",  # double-encoded
+    "/echo/%25252e%25252e/x",  # triple-encoded
+    "/echo/..\\x",  # backslash
+    "/echo/a\\..\\..\\x",
+    "/echo/%5c..%5cx",  # encoded backslash
+    "/echo/..%5c..%5cv1/chat/completions",
+    "/echo/%255c..%255cx",
+    "/runs/r1/echo/../x",
+    "/runs/r1/epochs/0/echo/%2e%2e/x",
+    "/runs/../echo/x",
+])
+@pytest.mark.parametrize("method", ["GET", "POST"])
+async def test_dot_dot_escapes_are_refused(echo_proxy, provider, path, method):
+    resp = await raw_request(echo_proxy.url, f"{method} {path} HTTP/1.1\nHost: x\nContent-Length: 2\n"
+                             "Content-Type: application/json", b"{}")
+    raw_problem(resp, "invalid-request", 400)
+    nothing_forwarded(provider)
+
+
+# -- what is forwarded ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("path, reached", [
+    ("/echo/a/b?x=1&y=%20z&x=2", "/echo/base/a/b?x=1&y=%20z&x=2"),
+    ("/echo/a/b%20c", "/echo/base/a/b%20c"),
+    ("/echo/deep/er/path?", "/echo/base/deep/er/path"),
+    ("/echo?q=1", "/echo/base/?q=1"),
+    ("/runs/r1/echo/a?q=1", "/echo/base/a?q=1"),
+    ("/runs/r1/epochs/3/echo/a?q=1&r=%2F", "/echo/base/a?q=1&r=%2F"),
+    ("/echo/s%7E?sig=a%2Fb%3Fc%3D&odd=%zz&t=%7E", "/echo/base/s%7E?sig=a%2Fb%3Fc%3D&odd=%zz&t=%7E"),
+    ("/raw/echo/p?q=v", "/echo/p?q=v"),
+    ("/slash/a?z=9", "/echo/base/a?z=9"),  # a trailing slash on the upstream URL
+])
+async def test_base_path_and_query_are_kept(make_proxy, sqlite_url, provider, http, path, reached):
+    proxy = await make_proxy(sqlite_url, upstreams__echo={"url": provider.url + "/echo/base"},
+                             upstreams__slash={"url": provider.url + "/echo/base/"})
+    async with http.get(URL(proxy.url + path, encoded=True)) as resp:  # sent exactly as written
+        assert resp.status == 200
+        seen = await resp.json()
+    assert seen["raw_path"] == reached
+    assert provider.calls["echo"] == 1
+
+
+async def test_hop_by_hop_and_idem_headers_are_not_forwarded(make_proxy, sqlite_url, provider):
+    proxy = await make_proxy(sqlite_url, upstreams__echo={"url": provider.url + "/echo/base"},
+                             tenants={"trusted_sources": ["127.0.0.1/32"]})
+    resp = await raw_request(proxy.url, "\n".join([
+        "GET /echo/h HTTP/1.1",
+        "Host: agent.example:1234",
+        "Connection: keep-alive, X-Hop-Secret",
+        "X-Hop-Secret: must-not-pass",
+        "Keep-Alive: timeout=5, max=100",
+        "TE: trailers",
+        "Trailer: X-Checksum",
+        "Proxy-Authorization: Basic cHJveHk6c2VjcmV0",
+        "Proxy-Connection: keep-alive",
+        "Idem-Run: r-hop",
+        "Idem-Epoch: 0",
+        "Idem-Policy: passthrough",
+        "Idem-Replay: paced",
+        "Idem-Tenant: acme",
+        "Authorization: Bearer sk-agent",
+        "X-Custom: kept",
+    ]))
+    assert resp.status == 200, resp.body
+    seen = {k.lower(): v for k, v in resp.json()["headers"].items()}
+    for name in ("connection", "x-hop-secret", "keep-alive", "te", "trailer", "proxy-authorization",
+                 "proxy-connection", "idem-run", "idem-epoch", "idem-policy", "idem-replay", "idem-tenant"):
+        assert name not in seen, (name, seen)
+    assert seen["host"] == urlsplit(provider.url).netloc  # Host is the upstream's
+    assert seen["authorization"] == "Bearer sk-agent"  # the agent's credential passes as it is
+    assert seen["x-custom"] == "kept"
+
+
+async def test_configured_set_headers_are_injected(make_proxy, sqlite_url, provider, http):
+    proxy = await make_proxy(sqlite_url, upstreams__echo={
+        "url": provider.url + "/echo/base",
+        "set_headers": {"Authorization": "Bearer sk-injected", "X-Org": "org-7"}})
+    async with http.get(proxy.url + "/echo/x", headers={"Authorization": "Bearer sk-agent"}) as resp:
+        seen = (await resp.json())["headers"]
+    assert seen["Authorization"] == "Bearer sk-injected"
+    assert seen["X-Org"] == "org-7"
+    assert "sk-injected" not in repr(proxy.settings)
+
+
+async def test_upstream_connections_are_pooled_and_kept_alive(make_proxy, sqlite_url, http):
+    peers: list[tuple] = []
+
+    async def where_from(request: web.Request) -> web.Response:
+        peers.append(request.transport.get_extra_info("peername"))
+        return web.json_response({"n": len(peers)})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", where_from)
+    upstream = TestServer(app, host="127.0.0.1")
+    await upstream.start_server()
+    try:
+        proxy = await make_proxy(sqlite_url, upstreams__pool={"url": str(upstream.make_url("/base"))})
+        for i in range(5):
+            async with http.post(proxy.url + "/pool/x", json={"i": i},
+                                 headers={"Idempotency-Key": f"pool-{i}"} if i % 2 else {}) as resp:
+                assert resp.status == 200
+        assert len(peers) == 5
+        assert len(set(peers)) == 1, peers  # one upstream connection, reused
+    finally:
+        await upstream.close()
+
+
+async def test_upstream_read_timeout_is_configurable(make_proxy, sqlite_url, provider, http):
+    proxy = await make_proxy(sqlite_url, upstreams__slow={"url": provider.url + "/tools",
+                                                          "read_timeout": "0.3s"})
+    async with http.get(proxy.url + "/slow/wait", headers={"X-Fake-Delay": "1"}) as resp:
+        await problem(resp, "upstream-timeout", 504)
+    assert provider.calls["tool:wait"] == 1
+
+
+async def test_unreachable_upstream_is_a_problem(make_proxy, sqlite_url, http):
+    import services
+
+    proxy = await make_proxy(sqlite_url, upstreams__gone={"url": f"http://127.0.0.1:{services.free_port()}",
+                                                          "connect_timeout": "1s"})
+    async with http.get(proxy.url + "/gone/x") as resp:
+        await problem(resp, "upstream-unavailable", 502)
+
+
+async def test_problem_body_is_json_with_instance(echo_proxy, http):
+    async with http.get(echo_proxy.url + "/nope/x") as resp:
+        body = await problem(resp, "unknown-upstream", 404)
+    assert body["instance"] == "/nope/x"

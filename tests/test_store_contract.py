@@ -1,0 +1,563 @@
+"""The store contract: one suite, run on every backend (sqlite, postgres, redis).
+
+Each test gets a fresh, empty store from the ``store_url`` fixture and talks to it only
+through the :class:`Store` protocol, so a new backend passes by behaving, not by shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from idemproxy.proxy.config import StoreSettings
+from idemproxy.proxy.store import Store, make_store
+from idemproxy.proxy.store.base import (COMPLETE, COMPLETED, DEAD, FAILED, IN_FLIGHT, RESTARTING,
+                                        RUNNING, UNKNOWN, UNRECORDABLE, Claim, Recorded, Run, Scope)
+
+TENANT = "tenant-a"  # whose credential made the call
+NS = "ns-a"  # whose runs these are: a run's journal spans its tenants
+REPLY = Recorded(201, [("content-type", "application/json"), ("x-request-id", "r1")],
+                 b'{"id": "ch_1"}\n\x00\xff', streamed=True,
+                 timing=[(0, 0.0), (10, 0.25)])
+
+
+@pytest.fixture
+async def open_store(store_url):
+    """Factory: another instance on the same store (as a second proxy replica would be)."""
+    opened: list[Store] = []
+
+    async def make() -> Store:
+        store = make_store(StoreSettings(url=store_url))
+        await store.open()
+        opened.append(store)
+        return store
+
+    yield make
+    for store in opened:
+        await store.aclose()
+
+
+@pytest.fixture
+async def store(open_store) -> Store:
+    return await open_store()
+
+
+def scope(key: str = "step-1", run: str | None = "run-1", tenant: str = TENANT) -> Scope:
+    return Scope(tenant, run, "tools", key)
+
+
+def claim_of(sc: Scope, owner: str = "owner-1", fingerprint: str = "fp-1", lease_s: float = 30.0,
+             retention_s: float = 3600.0, epoch: int | None = None, on_expired: str = "retry",
+             namespace: str = NS) -> Claim:
+    return Claim(sc, fingerprint, owner, lease_s, retention_s, "POST", "/charge", epoch, on_expired,
+                 namespace)
+
+
+def new_run(run_id: str = "run-1", tenant: str = NS, **fields) -> Run:
+    now = time.time()
+    values = dict(last_seen=now, started_at=now, created_at=now, timeout_s=60.0, grace_s=30.0,
+                  max_restarts=5, hook="agent", metadata={"team": "billing"})
+    return Run(tenant, run_id, **{**values, **fields})
+
+
+async def claimed(store: Store, sc: Scope, **kw) -> str:
+    result = await store.claim(claim_of(sc, **kw))
+    assert result.won
+    return result.entry.owner
+
+
+# -- basics --------------------------------------------------------------------------------
+
+async def test_store_follows_the_protocol(store):
+    assert isinstance(store, Store)
+    assert isinstance(store.durability, str) and store.durability
+    await store.ping()
+
+
+async def test_secret_is_set_once_and_shared(store, open_store):
+    assert await store.secret("tenant-hmac", b"first") == b"first"
+    assert await store.secret("tenant-hmac", b"second") == b"first"
+    other = await open_store()
+    assert await other.secret("tenant-hmac", b"third") == b"first"
+    assert await other.secret("another", b"\x00\xff") == b"\x00\xff"
+
+
+# -- claims --------------------------------------------------------------------------------
+
+async def test_first_claim_wins_and_the_next_one_sees_it(store):
+    sc = scope()
+    first = await store.claim(claim_of(sc, owner="a"))
+    assert first.won and first.stale_epoch is None
+    assert (first.entry.kid, first.entry.state, first.entry.owner) == (sc.kid, IN_FLIGHT, "a")
+    assert first.entry.lease_until > time.time() + 20
+    second = await store.claim(claim_of(sc, owner="b"))
+    assert not second.won
+    assert (second.entry.owner, second.entry.fingerprint, second.entry.state) == ("a", "fp-1", IN_FLIGHT)
+    entry = await store.get(sc.kid)
+    assert (entry.tenant, entry.run, entry.upstream, entry.key) == (TENANT, "run-1", "tools", "step-1")
+    assert (entry.method, entry.path, entry.namespace, entry.response) == ("POST", "/charge", NS, None)
+
+
+async def test_a_claim_with_another_fingerprint_keeps_the_first(store):
+    sc = scope()
+    await claimed(store, sc, fingerprint="fp-1")
+    other = await store.claim(claim_of(sc, owner="b", fingerprint="fp-2"))
+    assert not other.won and other.entry.fingerprint == "fp-1"
+    assert (await store.get(sc.kid)).fingerprint == "fp-1"
+
+
+async def test_tenants_and_runs_never_share_an_entry(store):
+    for sc in (scope(tenant="t1"), scope(tenant="t2"), scope(run=None), scope(run="run-2")):
+        assert (await store.claim(claim_of(sc))).won
+
+
+async def test_concurrent_claims_across_instances_have_one_winner(store, open_store):
+    other = await open_store()
+    sc = scope("hot-key")
+    results = await asyncio.gather(*(s.claim(claim_of(sc, owner=f"o{i}"))
+                                     for i, s in enumerate([store, other] * 10)))
+    winners = [r for r in results if r.won]
+    assert len(winners) == 1
+    assert all(r.entry.owner == winners[0].entry.owner for r in results)
+
+
+async def test_live_lease_is_not_taken_over(store):
+    sc = scope()
+    await claimed(store, sc, owner="a", lease_s=30)
+    assert not (await store.claim(claim_of(sc, owner="b", on_expired="retry"))).won
+
+
+async def test_expired_lease_is_taken_over_under_retry(store):
+    sc = scope()
+    await claimed(store, sc, owner="dead", lease_s=0.05)
+    await asyncio.sleep(0.15)
+    takeover = await store.claim(claim_of(sc, owner="b", on_expired="retry"))
+    assert takeover.won and takeover.entry.owner == "b"
+    assert not await store.complete(sc.kid, "dead", REPLY)  # the dead proxy's record is refused
+    assert await store.complete(sc.kid, "b", REPLY)
+
+
+async def test_expired_lease_with_another_fingerprint_is_not_taken_over(store):
+    sc = scope()
+    await claimed(store, sc, owner="dead", lease_s=0.05, fingerprint="fp-1")
+    await asyncio.sleep(0.15)
+    other = await store.claim(claim_of(sc, owner="b", fingerprint="fp-2"))
+    assert not other.won and other.entry.owner == "dead"
+
+
+async def test_expired_lease_is_quarantined_under_quarantine(store):
+    sc = scope()
+    await claimed(store, sc, owner="dead", lease_s=0.05)
+    await asyncio.sleep(0.15)
+    result = await store.claim(claim_of(sc, owner="b", on_expired="quarantine"))
+    assert not result.won
+    assert (result.entry.state, result.entry.owner) == (UNKNOWN, None)
+    entry = await store.get(sc.kid)
+    assert entry.state == UNKNOWN and entry.detail
+    assert not await store.complete(sc.kid, "dead", REPLY)
+    assert not (await store.claim(claim_of(sc, owner="c", on_expired="retry"))).won
+
+
+async def test_claim_with_a_stale_epoch_is_refused(store):
+    await store.observe_epoch(NS, "run-1", 3, new_run(), time.time())
+    stale = await store.claim(claim_of(scope("a"), epoch=2))
+    assert (stale.won, stale.entry, stale.stale_epoch) == (False, None, 3)
+    assert await store.get(scope("a").kid) is None
+    assert (await store.claim(claim_of(scope("a"), epoch=3))).won
+    assert (await store.claim(claim_of(scope("b"), epoch=None))).won  # no epoch: not fenced
+    assert (await store.claim(claim_of(scope("c", run="other-run"), epoch=0))).won  # unknown run
+    assert (await store.claim(claim_of(scope("d"), epoch=0, namespace="ns-b"))).won  # another namespace's
+
+
+async def test_claim_is_fenced_by_a_new_attempt(store):
+    await store.observe_epoch(NS, "run-1", 0, new_run(), time.time())
+    assert await store.new_attempt(NS, "run-1", 0, time.time(), "restart", True)
+    assert (await store.claim(claim_of(scope(), epoch=0))).stale_epoch == 1
+
+
+# -- outcomes ------------------------------------------------------------------------------
+
+async def test_only_the_owner_completes_and_the_record_reads_back(store):
+    sc = scope()
+    await claimed(store, sc, owner="a")
+    assert not await store.complete(sc.kid, "b", REPLY)
+    assert (await store.get(sc.kid)).state == IN_FLIGHT
+    assert await store.complete(sc.kid, "a", REPLY)
+    entry = await store.get(sc.kid)
+    assert (entry.state, entry.owner) == (COMPLETE, None)
+    assert entry.completed_at and entry.completed_at >= entry.created_at
+    r = entry.response
+    assert (r.status, r.headers, r.body, r.streamed, r.timing) == (
+        REPLY.status, REPLY.headers, REPLY.body, True, REPLY.timing)
+    assert not await store.complete(sc.kid, "a", REPLY)  # once only
+
+
+async def test_an_empty_body_reads_back_empty(store):
+    sc = scope()
+    owner = await claimed(store, sc)
+    assert await store.complete(sc.kid, owner, Recorded(204, [], b""))
+    r = (await store.get(sc.kid)).response
+    assert (r.status, r.headers, r.body, r.streamed, r.timing) == (204, [], b"", False, [])
+
+
+async def test_concurrent_completes_all_record(store):
+    scopes = [scope(f"k{i}") for i in range(30)]
+    for sc in scopes:
+        await claimed(store, sc, owner=f"o-{sc.key}")
+    kept = await asyncio.gather(*(store.complete(sc.kid, f"o-{sc.key}", Recorded(200, [], sc.key.encode()))
+                                  for sc in scopes))
+    assert kept == [True] * 30
+    for sc in scopes:
+        assert (await store.get(sc.kid)).response.body == sc.key.encode()
+
+
+async def test_renew_extends_only_the_owners_live_claim(store):
+    sc = scope()
+    await claimed(store, sc, owner="a", lease_s=1)
+    before = (await store.get(sc.kid)).lease_until
+    assert await store.renew(sc.kid, "a", 60)
+    assert (await store.get(sc.kid)).lease_until > before + 30
+    assert not await store.renew(sc.kid, "b", 60)
+    await store.complete(sc.kid, "a", REPLY)
+    assert not await store.renew(sc.kid, "a", 60)
+
+
+async def test_release_frees_the_key(store):
+    sc = scope()
+    await claimed(store, sc, owner="a")
+    await store.release(sc.kid, "b")  # not the owner: nothing happens
+    assert (await store.get(sc.kid)).owner == "a"
+    await store.release(sc.kid, "a")
+    assert await store.get(sc.kid) is None
+    assert (await store.claim(claim_of(sc, owner="c"))).won
+
+
+async def test_occurrences_count_per_run_epoch_and_fingerprint(store):
+    n = [await store.next_occurrence(NS, "run-1", 0, "fp", 3600) for _ in range(3)]
+    assert n == [0, 1, 2]
+    assert await store.next_occurrence(NS, "run-1", 1, "fp", 3600) == 0  # a new attempt
+    assert await store.next_occurrence(NS, "run-1", None, "fp", 3600) == 0
+    assert await store.next_occurrence(NS, "run-1", 0, "other", 3600) == 0
+    assert await store.next_occurrence("tenant-b", "run-1", 0, "fp", 3600) == 0
+
+
+async def test_release_gives_back_a_derived_occurrence(store):
+    assert await store.next_occurrence(NS, "run-1", 0, "fp", 3600) == 0
+    assert await store.next_occurrence(NS, "run-1", 0, "fp", 3600) == 1
+    sc = scope("derived:fp:1")
+    await claimed(store, sc, owner="a", fingerprint="fp", epoch=0)
+    await store.release(sc.kid, "a")
+    # the retry of the released call maps onto the same slot
+    assert await store.next_occurrence(NS, "run-1", 0, "fp", 3600) == 1
+    # releasing an older slot gives nothing back: later calls already hold higher numbers
+    sc0 = scope("derived:fp:0")
+    await claimed(store, sc0, owner="a", fingerprint="fp", epoch=0)
+    await store.release(sc0.kid, "a")
+    assert await store.next_occurrence(NS, "run-1", 0, "fp", 3600) == 2
+
+
+async def test_quarantine_then_resolve_as_retry(store):
+    sc = scope()
+    await claimed(store, sc, owner="a")
+    await store.quarantine(sc.kid, "b", "not the owner")
+    assert (await store.get(sc.kid)).state == IN_FLIGHT
+    await store.quarantine(sc.kid, "a", "upstream answered 502")
+    entry = await store.get(sc.kid)
+    assert (entry.state, entry.owner, entry.detail) == (UNKNOWN, None, "upstream answered 502")
+    assert not (await store.claim(claim_of(sc, owner="c"))).won
+    assert await store.resolve(sc.kid, None)
+    assert await store.get(sc.kid) is None
+    assert not await store.resolve(sc.kid, None)
+    assert (await store.claim(claim_of(sc, owner="c"))).won
+
+
+async def test_resolve_with_a_response_to_replay(store):
+    sc = scope()
+    await claimed(store, sc, owner="a")
+    assert not await store.resolve(sc.kid, REPLY)  # only unknown keys are resolved
+    await store.quarantine(sc.kid, None, "operator says: unknown")
+    assert await store.resolve(sc.kid, Recorded(200, [("content-type", "text/plain")], b"sent"))
+    entry = await store.get(sc.kid)
+    assert entry.state == COMPLETE
+    assert (entry.response.status, entry.response.body) == (200, b"sent")
+    assert entry.response.headers == [("content-type", "text/plain")]
+
+
+async def test_unrecordable(store):
+    sc = scope()
+    await claimed(store, sc, owner="a")
+    await store.mark_unrecordable(sc.kid, "a", "response over 100 bytes")
+    entry = await store.get(sc.kid)
+    assert (entry.state, entry.detail, entry.owner) == (UNRECORDABLE, "response over 100 bytes", None)
+    assert not await store.complete(sc.kid, "a", REPLY)
+
+
+async def test_partials_are_kept_in_order_until_the_record(store):
+    sc = scope()
+    await claimed(store, sc, owner="a")
+    assert await store.read_partial(sc.kid, -1) == []
+    await store.append_partial(sc.kid, "a", 0, b'{"status": 200}')
+    await store.append_partial(sc.kid, "a", 1, b"data: one\n\n")
+    await store.append_partial(sc.kid, "a", 2, b"data: two\n\n")
+    await store.append_partial(sc.kid, "a", 1, b"a seq sent again is ignored")
+    assert await store.read_partial(sc.kid, -1) == [
+        (0, b'{"status": 200}'), (1, b"data: one\n\n"), (2, b"data: two\n\n")]
+    assert await store.read_partial(sc.kid, 1) == [(2, b"data: two\n\n")]
+    await store.complete(sc.kid, "a", REPLY)
+    assert await store.read_partial(sc.kid, -1) == []
+
+
+async def test_replays_are_counted(store):
+    sc = scope()
+    owner = await claimed(store, sc)
+    await store.complete(sc.kid, owner, REPLY)
+    await store.count_replays({sc.kid: 2})
+    await store.count_replays({sc.kid: 3, scope("no-such-key").kid: 1})
+    assert (await store.get(sc.kid)).replays == 5
+
+
+# -- waiting -------------------------------------------------------------------------------
+
+async def _complete(store, sc, owner):
+    await store.complete(sc.kid, owner, REPLY)
+
+
+async def _release(store, sc, owner):
+    await store.release(sc.kid, owner)
+
+
+async def _quarantine(store, sc, owner):
+    await store.quarantine(sc.kid, owner, "502")
+
+
+async def _partial(store, sc, owner):
+    await store.append_partial(sc.kid, owner, 0, b"{}")
+
+
+@pytest.mark.parametrize("change", [_complete, _release, _quarantine, _partial])
+async def test_wait_wakes_when_the_entry_changes(store, open_store, change):
+    writer = await open_store()  # as another replica: the waiter must hear of it through the store
+    sc = scope()
+    owner = await claimed(writer, sc)
+    started = time.monotonic()
+    waiter = asyncio.create_task(store.wait(sc.kid, 10.0))
+    await asyncio.sleep(0.05)
+    changed = time.monotonic()
+    await change(writer, sc, owner)
+    await asyncio.wait_for(waiter, 5.0)
+    assert time.monotonic() - changed < 0.3, "the waiter must wake soon after the change"
+    assert time.monotonic() - started < 10.0
+
+
+async def test_wait_returns_by_its_timeout_when_nothing_changes(store):
+    started = time.monotonic()
+    await store.wait(scope().kid, 0.2)
+    assert time.monotonic() - started < 1.0
+
+
+# -- retention and the journal -------------------------------------------------------------
+
+async def test_expired_entries_run_as_new_and_are_purged(store):
+    old = [scope(f"old-{i}") for i in range(5)]
+    for sc in old:
+        owner = await claimed(store, sc, retention_s=0.2)
+        await store.complete(sc.kid, owner, REPLY)
+    keep = scope("keep")
+    await claimed(store, keep)
+    await asyncio.sleep(0.4)
+    assert await store.get(old[0].kid) is None  # expired: gone for readers at once
+    assert (await store.claim(claim_of(old[0], owner="new"))).won  # and runs as new
+    purged = await store.purge(time.time(), batch=2)  # batches are small; one call does all
+    assert isinstance(purged, int) and purged <= 4
+    listed = {e.key for e in await store.journal(NS, "run-1")}
+    assert listed == {"keep", "old-0"}
+    assert (await store.get(keep.kid)).state == IN_FLIGHT
+
+
+async def test_expired_occurrence_counters_are_purged(store):
+    assert await store.next_occurrence(NS, "run-1", 0, "fp", 0.2) == 0
+    assert await store.next_occurrence(NS, "run-1", 0, "fp", 0.2) == 1
+    await asyncio.sleep(0.4)
+    await store.purge(time.time())
+    assert await store.next_occurrence(NS, "run-1", 0, "fp", 3600) == 0
+
+
+async def test_journal_lists_a_runs_entries_without_bodies(store):
+    first, second = scope("s1"), scope("s2")
+    owner = await claimed(store, first)
+    await store.complete(first.kid, owner, REPLY)
+    await asyncio.sleep(0.01)
+    await claimed(store, second)
+    await asyncio.sleep(0.01)
+    await claimed(store, scope("s3", tenant="tenant-b"))  # same run, another credential
+    await claimed(store, scope("elsewhere", run="run-2"))
+    await claimed(store, scope("s1", tenant="tenant-c"), namespace="ns-b")  # ns-b's run-1 is another run
+    entries = await store.journal(NS, "run-1")
+    assert [(e.key, e.tenant) for e in entries] == [("s1", TENANT), ("s2", TENANT), ("s3", "tenant-b")]
+    assert entries[0].state == COMPLETE and entries[0].response.status == REPLY.status
+    assert entries[0].response.body == b""  # metadata only
+    assert entries[1].state == IN_FLIGHT and entries[1].response is None
+    assert [e.key for e in await store.journal("ns-b", "run-1")] == ["s1"]
+
+
+async def test_delete_journal_removes_only_that_run(store):
+    await store.next_occurrence(NS, "run-1", 0, "fp", 3600)
+    for key in ("s1", "s2"):
+        await claimed(store, scope(key))
+    await claimed(store, scope("s3", tenant="tenant-b"))
+    await claimed(store, scope("s1", run="run-2"))
+    await claimed(store, scope("s1", tenant="tenant-c"), namespace="ns-b")
+    assert await store.delete_journal(NS, "run-1") == 3
+    assert await store.journal(NS, "run-1") == []
+    assert await store.get(scope("s1").kid) is None
+    assert len(await store.journal(NS, "run-2")) == 1
+    assert len(await store.journal("ns-b", "run-1")) == 1
+    assert await store.next_occurrence(NS, "run-1", 0, "fp", 3600) == 0  # numbering starts over
+
+
+# -- runs ----------------------------------------------------------------------------------
+
+async def test_upsert_get_and_list_runs(store):
+    made = await store.upsert_run(new_run("run-1"))
+    assert (made.run_id, made.state, made.epoch, made.hook, made.metadata) == (
+        "run-1", RUNNING, 0, "agent", {"team": "billing"})
+    await store.new_attempt(NS, "run-1", 0, time.time(), "restart", True)
+    updated = await store.upsert_run(new_run("run-1", timeout_s=5.0, grace_s=1.0, max_restarts=2,
+                                             hook=None, metadata={"team": "ops", "n": [1, 2]}))
+    assert (updated.timeout_s, updated.grace_s, updated.max_restarts, updated.hook) == (5.0, 1.0, 2, None)
+    assert updated.metadata == {"team": "ops", "n": [1, 2]}
+    assert (updated.epoch, updated.state) == (1, RESTARTING)  # upsert never resets the attempt
+    await store.upsert_run(new_run("run-1", tenant="ns-b"))
+    await store.upsert_run(new_run("run-2"))
+    await store.end_run(NS, "run-2", COMPLETED, time.time())
+    assert [(r.tenant, r.epoch) for r in await store.get_run(NS, "run-1")] == [(NS, 1)]
+    assert {r.tenant for r in await store.get_run(None, "run-1")} == {NS, "ns-b"}
+    assert await store.get_run(NS, "nope") == []
+    assert {r.run_id for r in await store.list_runs(COMPLETED)} == {"run-2"}
+    assert {(r.tenant, r.run_id) for r in await store.list_runs(RESTARTING)} == {(NS, "run-1")}
+    assert len(await store.list_runs()) == 3
+    assert len(await store.list_runs(limit=2)) == 2
+
+
+async def test_observe_epoch_creates_raises_and_never_lowers(store):
+    now = time.time()
+    defaults = new_run("ignored", timeout_s=7.0, hook="agent")
+    assert await store.observe_epoch(NS, "run-1", None, defaults, now) == 0
+    [run] = await store.get_run(NS, "run-1")
+    assert (run.state, run.epoch, run.timeout_s, run.hook) == (RUNNING, 0, 7.0, "agent")
+    assert await store.observe_epoch(NS, "run-1", 2, defaults, now + 1) == 2
+    assert await store.observe_epoch(NS, "run-1", 1, defaults, now + 2) == 2
+    assert await store.observe_epoch(NS, "run-1", None, defaults, now + 3) == 2
+    [run] = await store.get_run(NS, "run-1")
+    assert run.epoch == 2 and run.started_at == pytest.approx(now + 1)
+    assert await store.observe_epoch(NS, "run-new", 4, defaults, now) == 4
+
+
+async def test_observe_epoch_concurrently_from_two_instances(store, open_store):
+    other = await open_store()
+    now = time.time()
+    seen = await asyncio.gather(*(s.observe_epoch(NS, "run-1", e, new_run(), now)
+                                  for s, e in [(store, 3), (other, 5), (store, 4), (other, 1)]))
+    assert max(seen) == 5 and all(e >= 3 for e in seen)
+    assert (await store.get_run(NS, "run-1"))[0].epoch == 5
+
+
+async def test_touch_moves_last_seen_forward_only(store):
+    await store.upsert_run(new_run("run-1", last_seen=100.0))
+    await store.new_attempt(NS, "run-1", 0, 150.0, "restart", True)
+    await store.touch({(NS, "run-1"): 200.0, (NS, "no-such-run"): 200.0})
+    [run] = await store.get_run(NS, "run-1")
+    assert (run.last_seen, run.state) == (200.0, RUNNING)  # traffic means the restart took
+    await store.touch({(NS, "run-1"): 120.0})
+    assert (await store.get_run(NS, "run-1"))[0].last_seen == 200.0
+    await store.touch({})
+
+
+async def test_end_run_once(store):
+    await store.upsert_run(new_run("run-1"))
+    ended = await store.end_run(NS, "run-1", COMPLETED, 500.0)
+    assert (ended.state, ended.ended_at) == (COMPLETED, 500.0)
+    assert ended.history[-1]["event"] == COMPLETED
+    again = await store.end_run(NS, "run-1", FAILED, 600.0)
+    assert (again.state, again.ended_at) == (COMPLETED, 500.0)
+    [run] = await store.get_run(NS, "run-1")
+    assert (run.state, run.ended_at, len(run.history)) == (COMPLETED, 500.0, 1)
+    assert await store.end_run(NS, "no-such-run", COMPLETED, 1.0) is None
+    assert await store.new_attempt(NS, "run-1", None, 700.0, "restart", True) is None
+
+
+async def test_new_attempt_is_a_compare_and_set(store):
+    await store.upsert_run(new_run("run-1"))
+    first = await store.new_attempt(NS, "run-1", 0, 100.0, "silent for 60s", True)
+    assert (first.epoch, first.restarts, first.state, first.started_at, first.last_seen) == (
+        1, 1, RESTARTING, 100.0, 100.0)
+    assert first.history[-1] == {"at": 100.0, "epoch": 1, "event": "silent for 60s"}
+    assert await store.new_attempt(NS, "run-1", 0, 101.0, "late supervisor", True) is None
+    manual = await store.new_attempt(NS, "run-1", None, 102.0, "attempt", False)
+    assert (manual.epoch, manual.restarts, manual.state) == (2, 1, RUNNING)
+    [run] = await store.get_run(NS, "run-1")
+    assert (run.epoch, run.restarts, len(run.history)) == (2, 1, 2)
+    assert await store.new_attempt(NS, "no-such-run", None, 1.0, "x", True) is None
+
+
+async def test_concurrent_new_attempts_have_one_winner(store, open_store):
+    other = await open_store()
+    await store.upsert_run(new_run("run-1"))
+    results = await asyncio.gather(*(s.new_attempt(NS, "run-1", 0, time.time(), f"by {i}", True)
+                                     for i, s in enumerate([store, other] * 4)))
+    assert len([r for r in results if r is not None]) == 1
+    [run] = await store.get_run(NS, "run-1")
+    assert (run.epoch, run.restarts) == (1, 1)
+
+
+async def test_history_keeps_the_last_fifty_events(store):
+    await store.upsert_run(new_run("run-1"))
+    for i in range(60):
+        assert await store.new_attempt(NS, "run-1", i, float(i), f"event {i}", False)
+    [run] = await store.get_run(NS, "run-1")
+    assert len(run.history) == 50
+    assert (run.history[0]["event"], run.history[-1]["event"]) == ("event 10", "event 59")
+
+
+async def test_silent_runs_by_timeout_and_grace(store):
+    now = time.time()
+    await store.upsert_run(new_run("silent", last_seen=now - 100, started_at=now - 100, timeout_s=60,
+                                   grace_s=30))
+    await store.upsert_run(new_run("alive", last_seen=now - 10, started_at=now - 100, timeout_s=60))
+    await store.upsert_run(new_run("in-grace", last_seen=now - 100, started_at=now - 10, timeout_s=60,
+                                   grace_s=30))
+    await store.upsert_run(new_run("ended", last_seen=now - 100, started_at=now - 100))
+    await store.end_run(NS, "ended", FAILED, now)
+    await store.upsert_run(new_run("backing-off", last_seen=now - 100, started_at=now - 100))
+    await store.set_run_state(NS, "backing-off", RUNNING, now, next_restart_at=now + 30)
+    assert {r.run_id for r in await store.silent_runs(now)} == {"silent"}
+    assert {r.run_id for r in await store.silent_runs(now + 31)} == {"silent", "in-grace", "backing-off"}
+
+
+async def test_set_run_state(store):
+    await store.upsert_run(new_run("run-1"))
+    await store.set_run_state(NS, "run-1", DEAD, 300.0, event={"event": "dead", "restarts": 6},
+                              ended_at=300.0, restarts=6)
+    [run] = await store.get_run(NS, "run-1")
+    assert (run.state, run.ended_at, run.restarts) == (DEAD, 300.0, 6)
+    assert run.history[-1] == {"at": 300.0, "event": "dead", "restarts": 6}
+    await store.set_run_state(NS, "run-1", DEAD, 301.0)  # no event: history unchanged
+    assert len((await store.get_run(NS, "run-1"))[0].history) == 1
+    await store.set_run_state(NS, "run-1", None, 302.0, event={"event": "note"}, next_restart_at=9.0)
+    [run] = await store.get_run(NS, "run-1")  # None keeps the state
+    assert (run.state, run.next_restart_at, run.history[-1]["event"]) == (DEAD, 9.0, "note")
+    with pytest.raises(ValueError):
+        await store.set_run_state(NS, "run-1", RUNNING, 1.0, epoch=9)
+    await store.set_run_state(NS, f"missing-{uuid.uuid4().hex}", RUNNING, 1.0)  # nothing to do
+
+
+async def test_count_runs_by_state(store):
+    assert await store.count_runs() == {}
+    for run_id in ("a", "b", "c"):
+        await store.upsert_run(new_run(run_id))
+    await store.end_run(NS, "c", COMPLETED, time.time())
+    await store.new_attempt(NS, "b", 0, time.time(), "restart", True)
+    assert await store.count_runs() == {RUNNING: 1, RESTARTING: 1, COMPLETED: 1}

@@ -1,0 +1,233 @@
+"""What only the PostgreSQL store has: migrations, NOTIFY, row locks, a server to lose."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import asyncpg
+import pytest
+
+import services
+from idemproxy.proxy.config import StoreSettings
+from idemproxy.proxy.store import StoreUnavailable, make_store
+from idemproxy.proxy.store.base import COMPLETE, Claim, Recorded, Run, Scope
+from idemproxy.proxy.store.postgres import PostgresStore
+from idemproxy.proxy.store.postgres_sql import MIGRATIONS
+
+REPLY = Recorded(200, [("content-type", "text/plain")], b"done")
+
+
+@pytest.fixture
+def schema():
+    """A fresh schema on the shared server, dropped afterwards."""
+    name = f"t_{uuid.uuid4().hex[:10]}"
+    yield name
+
+    async def drop():
+        conn = await asyncpg.connect(services.postgres_url())
+        try:
+            await conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+        finally:
+            await conn.close()
+    asyncio.run(drop())
+
+
+@pytest.fixture
+async def open_pg(schema):
+    """Factory: ``await open_pg(url=None, timeout=5.0)`` -> an open PostgresStore; closed at teardown."""
+    opened: list[PostgresStore] = []
+
+    async def make(url: str | None = None, timeout: float = 5.0) -> PostgresStore:
+        store = PostgresStore(url or f"{services.postgres_url()}?schema={schema}", timeout=timeout)
+        await store.open()
+        opened.append(store)
+        return store
+
+    yield make
+    for store in opened:
+        await store.aclose()
+
+
+async def raw(schema: str, url: str | None = None) -> asyncpg.Connection:
+    return await asyncpg.connect(url or services.postgres_url(), server_settings={"search_path": schema})
+
+
+def claim_of(key: str, owner: str = "o", epoch: int | None = None) -> Claim:
+    return Claim(Scope("tenant", "run-1", "tools", key), "fp", owner, 30.0, 3600.0, epoch=epoch,
+                 namespace="ns")
+
+
+async def test_many_replicas_migrate_at_once(schema, open_pg):
+    stores = await asyncio.gather(*(open_pg() for _ in range(8)))
+    conn = await raw(schema)
+    try:
+        versions = [r[0] for r in await conn.fetch("SELECT version FROM schema_migrations ORDER BY version")]
+    finally:
+        await conn.close()
+    assert versions == [v for v, _ in MIGRATIONS]
+    assert await stores[0].secret("s", b"1") == b"1" and await stores[7].secret("s", b"2") == b"1"
+    again = await open_pg()  # a later start finds everything done
+    await again.ping()
+
+
+async def test_our_url_parameters_are_ours(schema, open_pg):
+    store = make_store(StoreSettings(url=f"postgres://postgres@127.0.0.1:1/postgres?schema={schema}"
+                                         "&pool_size=3&sslmode=disable"))
+    assert isinstance(store, PostgresStore) and store.schema == schema
+    assert "schema" not in store._dsn and "pool_size" not in store._dsn and "sslmode=disable" in store._dsn
+    with pytest.raises(ValueError):
+        PostgresStore("postgresql://h/db?schema=x;drop")
+    assert "secret-pw" not in repr(PostgresStore("postgresql://u:secret-pw@h/db"))
+
+
+async def test_durability_is_read_from_the_server(open_pg):
+    store = await open_pg()
+    assert "fsync=on" in store.durability and "synchronous_commit=on" in store.durability
+
+
+async def test_a_waiter_is_woken_by_notify_from_another_instance(open_pg):
+    waiter_store, writer = await open_pg(), await open_pg()
+    waiter_store.poll_s = 30.0  # so only a notification can wake it in time
+    owner = (await writer.claim(claim_of("k"))).entry.owner
+    kid = claim_of("k").scope.kid
+    waiter = asyncio.create_task(waiter_store.wait(kid, 20.0))
+    await asyncio.sleep(0.1)
+    changed = time.monotonic()
+    assert await writer.complete(kid, owner, REPLY)
+    await asyncio.wait_for(waiter, 5.0)
+    assert time.monotonic() - changed < 2.0
+    assert (await waiter_store.get(kid)).state == COMPLETE
+
+
+async def test_the_listener_comes_back_when_its_connection_is_killed(schema, open_pg):
+    waiter_store, writer = await open_pg(), await open_pg()
+    waiter_store.poll_s = 30.0
+    conn = await raw(schema)
+    try:
+        killed = await conn.fetchval("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                                     "WHERE application_name = $1", f"idemproxy-listen:{schema}")
+    finally:
+        await conn.close()
+    assert killed == 2  # one listener per store instance
+    deadline = time.monotonic() + 15
+    for i in range(100):  # the listener reconnects with backoff; try until it hears us
+        key = f"k{i}"
+        owner = (await writer.claim(claim_of(key))).entry.owner
+        waiter = asyncio.create_task(waiter_store.wait(claim_of(key).scope.kid, 20.0))
+        await asyncio.sleep(0.3)
+        await writer.complete(claim_of(key).scope.kid, owner, REPLY)
+        done, _ = await asyncio.wait([waiter], timeout=1.0)
+        if done:
+            return
+        waiter.cancel()
+        assert time.monotonic() < deadline, "the listener did not come back"
+
+
+async def test_concurrent_records_share_one_commit(schema, open_pg):
+    store = await open_pg()
+    kids = []
+    for i in range(20):
+        result = await store.claim(claim_of(f"k{i}", owner=f"o{i}"))
+        kids.append((result.entry.kid, f"o{i}"))
+    kept = await asyncio.gather(*(store.complete(kid, owner, REPLY) for kid, owner in kids))
+    assert kept == [True] * 20
+    conn = await raw(schema)
+    try:  # rows written by one transaction carry its id
+        transactions = await conn.fetchval("SELECT count(DISTINCT xmin::text) FROM journal WHERE kid = ANY($1)",
+                                           [kid for kid, _ in kids])
+    finally:
+        await conn.close()
+    assert transactions <= 2
+
+
+async def test_a_claim_waits_for_a_restart_in_progress_and_sees_its_epoch(schema, open_pg):
+    store = await open_pg()
+    await store.observe_epoch("ns", "run-1", 0, Run("ns", "run-1"), time.time())
+    conn = await raw(schema)
+    try:
+        async with conn.transaction():  # a supervisor's restart, not yet committed
+            await conn.execute("UPDATE runs SET epoch = 1 WHERE tenant = 'ns' AND run_id = 'run-1'")
+            claim = asyncio.create_task(store.claim(claim_of("k", epoch=0)))
+            await asyncio.sleep(0.3)
+            assert not claim.done(), "the claim must wait for the epoch it would be fenced by"
+        result = await asyncio.wait_for(claim, 5.0)
+    finally:
+        await conn.close()
+    assert (result.won, result.stale_epoch) == (False, 1)
+    assert await store.get(claim_of("k").scope.kid) is None
+
+
+async def test_purge_skips_rows_another_transaction_holds(schema, open_pg):
+    store = await open_pg()
+    for i in range(3):
+        await store.claim(Claim(Scope("t", None, "tools", f"k{i}"), "fp", "o", 30.0, 0.05))
+    await asyncio.sleep(0.1)
+    conn = await raw(schema)
+    try:
+        async with conn.transaction():
+            await conn.execute("SELECT 1 FROM journal WHERE key = 'k0' FOR UPDATE")
+            purged = await asyncio.wait_for(store.purge(time.time(), batch=1), 3.0)  # never waits on it
+        assert purged == 2
+        assert await conn.fetchval("SELECT array_agg(key) FROM journal") == ["k0"]
+    finally:
+        await conn.close()
+
+
+async def test_open_fails_fast_when_nothing_listens():
+    store = PostgresStore(f"postgresql://postgres@127.0.0.1:{services.free_port()}/postgres", timeout=1.0)
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable):
+        await store.open()
+    assert time.monotonic() - started < 3.0
+    with pytest.raises(StoreUnavailable):
+        await store.ping()
+
+
+@pytest.fixture
+def private_postgres():
+    server = services.PrivatePostgres().start()
+    yield server
+    server.destroy()
+
+
+async def test_a_stopped_server_fails_fast_and_the_store_recovers(private_postgres, open_pg):
+    url = f"{private_postgres.url}?schema=outage"
+    store, writer = await open_pg(url, timeout=1.0), await open_pg(url, timeout=1.0)
+    store.poll_s = 30.0
+    owner = (await store.claim(claim_of("before"))).entry.owner
+    assert await store.complete(claim_of("before").scope.kid, owner, REPLY)
+
+    await asyncio.to_thread(private_postgres.stop)
+    for op in (lambda: store.claim(claim_of("during")), lambda: store.get(claim_of("before").scope.kid),
+               lambda: store.complete(claim_of("x").scope.kid, "o", REPLY), store.ping):
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            await op()
+        assert time.monotonic() - started < 2.5
+    started = time.monotonic()
+    await store.wait(claim_of("during").scope.kid, 0.5)  # waiting never hangs either
+    assert time.monotonic() - started < 1.5
+
+    await asyncio.to_thread(private_postgres.start)
+    deadline = time.monotonic() + 15
+    while True:  # the pool reconnects by itself
+        try:
+            await store.ping()
+            break
+        except StoreUnavailable:
+            assert time.monotonic() < deadline, "the store did not recover"
+            await asyncio.sleep(0.2)
+    assert (await store.get(claim_of("before").scope.kid)).response.body == b"done"  # nothing lost
+    for i in range(100):  # and the listener is back: a write elsewhere wakes a waiter here
+        key = f"after-{i}"
+        result = await writer.claim(claim_of(key))
+        waiter = asyncio.create_task(store.wait(claim_of(key).scope.kid, 20.0))
+        await asyncio.sleep(0.3)
+        await writer.complete(claim_of(key).scope.kid, result.entry.owner, REPLY)
+        done, _ = await asyncio.wait([waiter], timeout=1.0)
+        if done:
+            break
+        waiter.cancel()
+        assert time.monotonic() < deadline, "the listener did not come back"

@@ -1,0 +1,269 @@
+"""What only the Redis store has: durability read from the server, key prefixes, TTLs,
+pub/sub wake-ups, and outages of a private Redis that the tests stop and start again.
+
+The behaviour every backend shares is in ``test_store_contract.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+import uuid
+
+import pytest
+import redis.asyncio as redis_asyncio
+
+from idemproxy.proxy.store.base import Claim, Recorded, Run, Scope, StoreUnavailable
+from idemproxy.proxy.store.redis import POLL_S, RedisStore, split_url
+from services import PrivateRedis, free_port, redis_url
+
+REPLY = Recorded(200, [("content-type", "application/json")], b'{"ok": true}')
+
+
+@pytest.fixture
+def private_redis():
+    """Factory: a Redis of the test's own, destroyed at teardown."""
+    servers: list[PrivateRedis] = []
+
+    def make(**options) -> PrivateRedis:
+        server = PrivateRedis(**options)
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.destroy()
+
+
+@pytest.fixture
+async def open_store():
+    """Factory: ``await open_store(url, timeout)``; closed at teardown."""
+    stores: list[RedisStore] = []
+
+    async def make(url: str, timeout: float = 5.0) -> RedisStore:
+        store = RedisStore(url, timeout=timeout)
+        await store.open()
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        await store.aclose()
+
+
+@pytest.fixture
+def shared_url():
+    """A fresh prefix on the shared test Redis, and a raw client to look at its keys."""
+    prefix = f"t{uuid.uuid4().hex[:10]}:"
+    yield f"{redis_url()}?prefix={prefix}", prefix
+
+
+def claim(key: str = "k1", owner: str = "a", retention_s: float = 3600.0, run: str | None = "run-1",
+          lease_s: float = 30.0) -> Claim:
+    return Claim(Scope("tenant", run, "tools", key), "fp", owner, lease_s, retention_s, "POST", "/x")
+
+
+# -- configuration ---------------------------------------------------------------------------
+
+def test_prefix_is_ours_and_other_parameters_go_to_redis():
+    assert split_url("redis://h:6379/2?prefix=app1:&ssl_cert_reqs=none") == (
+        "redis://h:6379/2?ssl_cert_reqs=none", "app1:")
+    assert split_url("rediss://h/0") == ("rediss://h/0", "idem:")
+    assert "s3cret" not in repr(RedisStore("redis://:s3cret@h:6379/0?prefix=p:"))
+
+
+@pytest.mark.parametrize("appendonly, appendfsync, says, warned", [
+    (False, "everysec", "records live in memory only; a Redis restart loses them", True),
+    (True, "everysec", "up to ~1 s of acknowledged records can be lost on a crash of the Redis host", True),
+    (True, "always", "every write is fsynced before Redis answers", False),
+])
+async def test_durability_is_read_from_the_server(private_redis, open_store, caplog, appendonly,
+                                                  appendfsync, says, warned):
+    server = private_redis(appendonly=appendonly, appendfsync=appendfsync).start()
+    with caplog.at_level(logging.WARNING, logger="idemproxy.store"):
+        store = await open_store(server.url)
+    assert says in store.durability
+    assert any("durability" in r.getMessage() for r in caplog.records) == warned
+
+
+async def test_durability_is_unknown_when_config_is_disabled(private_redis, open_store):
+    server = private_redis()
+    server.args += ["--rename-command", "CONFIG", ""]
+    store = await open_store(server.start().url)
+    assert store.durability.startswith("unknown")
+    await store.ping()
+
+
+async def test_open_fails_fast_when_nothing_listens():
+    store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", timeout=1.0)
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable):
+        await store.open()
+    assert time.monotonic() - started < 2.5
+    await store.aclose()
+
+
+# -- keys ------------------------------------------------------------------------------------
+
+async def test_every_key_and_channel_starts_with_the_prefix(private_redis, open_store):
+    server = private_redis().start()
+    store = await open_store(server.url + "?prefix=app1:")
+    won = await store.claim(claim(run="run-1"))
+    await store.append_partial(won.entry.kid, "a", 0, b"{}")
+    await store.complete(won.entry.kid, "a", REPLY)
+    await store.next_occurrence("default", "run-1", 0, "fp", 60)
+    await store.secret("tenant-hmac", b"x")
+    await store.upsert_run(Run("default", "run-1", created_at=time.time()))
+    await store.end_run("default", "run-1", "completed", time.time())
+    raw = redis_asyncio.Redis.from_url(server.url)
+    try:
+        keys = await raw.keys("*")
+        channels = await raw.pubsub_channels()
+    finally:
+        await raw.aclose()
+    assert len(keys) > 5
+    assert all(k.startswith(b"app1:") for k in keys), keys
+    assert channels == [b"app1:changed"]
+
+
+async def test_entries_expire_by_ttl_and_runs_do_not(shared_url, open_store):
+    url, prefix = shared_url
+    store = await open_store(url)
+    won = await store.claim(claim(retention_s=100.0))
+    kid = won.entry.kid
+    await store.append_partial(kid, "a", 0, b"{}")
+    await store.next_occurrence("default", "run-1", 0, "fp", 100.0)
+    await store.upsert_run(Run("default", "run-1", created_at=time.time()))
+    raw = redis_asyncio.Redis.from_url(url.split("?")[0])
+    try:
+        for key in (f"entry:{kid}", f"partial:{kid}", "occ:7:default:run-1"):
+            assert 95_000 < await raw.pttl(prefix + key) <= 100_000, key
+        assert await raw.pttl(prefix + "run:7:default:run-1") == -1  # runs are kept
+        await store.complete(kid, "a", REPLY)
+        assert 95_000 < await raw.pttl(prefix + f"entry:{kid}") <= 100_000  # the record keeps it
+    finally:
+        await raw.aclose()
+
+
+# -- notifications ---------------------------------------------------------------------------
+
+async def test_a_change_on_one_instance_wakes_a_waiter_on_another(shared_url, open_store):
+    url, prefix = shared_url
+    waiter_store, writer = await open_store(url), await open_store(url)
+    elsewhere = await open_store(url.replace(prefix, "other" + prefix))  # another prefix: not told
+    won = await writer.claim(claim())
+    kid = won.entry.kid
+    waits = [asyncio.create_task(s.wait(kid, 5.0)) for s in (waiter_store, elsewhere)]
+    await asyncio.sleep(0.05)
+    changed = time.monotonic()
+    await writer.complete(kid, "a", REPLY)
+    await asyncio.wait_for(waits[0], 2.0)
+    assert time.monotonic() - changed < POLL_S / 2  # woken by the message, not the poll
+    assert not waits[1].done()
+    await waits[1]
+
+
+# -- outages ---------------------------------------------------------------------------------
+
+async def _fails_within(operation, limit: float) -> float:
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable):
+        await operation
+    elapsed = time.monotonic() - started
+    assert elapsed < limit, f"took {elapsed:.2f}s"
+    return elapsed
+
+
+async def _eventually(check, within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            if await check():
+                return
+        except StoreUnavailable:
+            pass
+        assert time.monotonic() < deadline, "the store did not recover"
+        await asyncio.sleep(0.1)
+
+
+async def test_stopped_redis_fails_fast_and_the_store_recovers_by_itself(private_redis, open_store):
+    server = private_redis().start()
+    store = await open_store(server.url, timeout=1.0)
+    other = await open_store(server.url, timeout=1.0)
+    assert (await store.claim(claim("before"))).won
+
+    server.stop()
+    for operation in (store.get(claim("before").scope.kid), store.claim(claim("during")),
+                      store.complete(claim("before").scope.kid, "a", REPLY), store.ping(),
+                      store.observe_epoch("default", "run-1", 0, Run("default", "run-1"), time.time()),
+                      store.next_occurrence("default", "run-1", 0, "fp", 60)):
+        await _fails_within(operation, 1.5)
+    started = time.monotonic()
+    await store.wait("some-kid", 0.3)  # waiting never hangs either
+    assert time.monotonic() - started < 1.0
+
+    server.start()  # same port, empty (no persistence): the same store object works again
+    await _eventually(lambda: store.claim(claim("after")))
+    assert (await store.get(claim("after").scope.kid)).owner == "a"
+
+    async def woken_by_message() -> bool:  # the notification reader resubscribed by itself
+        kid = (await other.claim(claim(f"wake-{uuid.uuid4().hex}"))).entry.kid
+        waiting = asyncio.create_task(store.wait(kid, 5.0))
+        await asyncio.sleep(0.05)
+        changed = time.monotonic()
+        await other.complete(kid, "a", REPLY)
+        await waiting
+        return time.monotonic() - changed < POLL_S / 2
+    await _eventually(woken_by_message, within=8.0)
+
+
+async def test_a_frozen_redis_never_hangs_an_operation(private_redis, open_store):
+    """A server that accepts connections but never answers: every call ends within the timeout."""
+    server = private_redis().start()
+    store = await open_store(server.url, timeout=0.5)
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        await _fails_within(store.claim(claim("frozen")), 1.5)
+        await _fails_within(store.get(claim("frozen").scope.kid), 1.5)
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+    await _eventually(lambda: store.claim(claim("thawed")))
+
+
+async def test_proxy_on_a_stopped_redis_fails_closed_and_recovers(private_redis, make_proxy, provider, http):
+    """Through a real proxy: 503 within the timeout, nothing forwarded, passthrough up, then back."""
+    server = private_redis().start()
+    proxy = await make_proxy(server.url + "?prefix=proxy:", store={"timeout": "1s"})
+    chat, body = "/openai/v1/chat/completions", {"model": "m", "messages": []}
+    async with http.post(proxy.url + chat, json=body, headers={"Idempotency-Key": "before"}) as r:
+        assert r.status == 200
+
+    server.stop()
+    for key in ("during-1", "during-2"):
+        started = time.monotonic()
+        async with http.post(proxy.url + chat, json=body, headers={"Idempotency-Key": key}) as r:
+            assert r.status == 503
+            assert (await r.json())["type"].endswith("/store-unavailable")
+        assert time.monotonic() - started < 2.5
+    assert provider.calls["chat"] == 1  # never forwarded unjournaled
+    async with http.get(proxy.url + "/raw/echo/still-up") as r:
+        assert r.status == 200  # passthrough needs no store
+    async with http.get(proxy.url + "/readyz") as r:
+        assert r.status == 503
+
+    server.start()
+
+    async def records_again() -> bool:
+        async with http.post(proxy.url + chat, json=body, headers={"Idempotency-Key": "after"}) as r:
+            return r.status == 200
+    deadline = time.monotonic() + 5.0
+    while not await records_again():
+        assert time.monotonic() < deadline, "the proxy did not recover by itself"
+        await asyncio.sleep(0.2)
+    async with http.post(proxy.url + chat, json=body, headers={"Idempotency-Key": "after"}) as r:
+        assert r.headers["Idempotent-Replayed"] == "true"
+    async with http.get(proxy.url + "/readyz") as r:
+        assert r.status == 200
+    assert provider.calls["chat"] == 2

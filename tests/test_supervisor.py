@@ -1,0 +1,290 @@
+"""The supervisor: silent runs are restarted once, fenced, backed off, buried; live ones are not."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import proxy_sections, write_config
+from idemproxy.proxy.app import METRICS, open_store
+from idemproxy.proxy.config import load_settings
+from idemproxy.proxy.store.base import Run
+from idemproxy.supervisor import supervisor_task
+from idemproxy.supervisor.hooks import Hooks
+from idemproxy.supervisor.loop import Supervisor
+
+PROBLEM = "https://idemproxy.dev/problems/"
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "work"}]}
+
+# A restarted agent that says it is alive, then completes its run (stdlib only: starts fast).
+COMPLETER = """
+import json, os, sys, urllib.request
+open(sys.argv[1], "a").write(json.dumps({k: v for k, v in os.environ.items() if k.startswith("IDEM_")}) + "\\n")
+url = os.environ["IDEM_PROXY_URL"] + "/runs/" + os.environ["IDEM_RUN_ID"] + "/complete"
+urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=10).read()
+"""
+# Writes one line per firing (run id, epoch, event) to argv[1], then exits with argv[2].
+TALLY = """
+import os, sys
+open(sys.argv[1], "a").write(" ".join(os.environ[k] for k in ("IDEM_RUN_ID", "IDEM_EPOCH", "IDEM_EVENT")) + "\\n")
+sys.exit(int(sys.argv[2]))
+"""
+
+
+def _script(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / f"{name}.py"
+    path.write_text(text)
+    return str(path)
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+@pytest.fixture
+async def supervised(make_proxy, tmp_path):
+    """``await supervised(store_url, **sections)``: a proxy with its supervisor in-process."""
+    tasks = []
+
+    async def make(store_url: str, **sections):
+        sections.setdefault("supervisor", {"enabled": True, "interval_s": 0.1})
+        proxy = await make_proxy(store_url, **sections)
+        # the test server listens on a port chosen at start: that is what hooks are told
+        settings = dataclasses.replace(proxy.settings, supervisor=dataclasses.replace(
+            proxy.settings.supervisor, proxy_url=proxy.url))
+        tasks.append(asyncio.create_task(supervisor_task(proxy.app, settings)))
+        return proxy
+
+    yield make
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _run(proxy, run_id: str) -> Run:
+    (run,) = await proxy.store.get_run("default", run_id)
+    return run
+
+
+async def _until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = await predicate()
+        if value:
+            return value
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"not within {timeout}s: {what}")
+
+
+async def test_silent_run_is_restarted_once_and_its_zombie_fenced(supervised, store_url, provider, http,
+                                                                  tmp_path):
+    seen = tmp_path / "restarted.jsonl"
+    proxy = await supervised(store_url, runs={"timeout_s": 0.5, "grace_s": 0.2, "hook": "agent"},
+                             hooks__agent={"command": [sys.executable, _script(tmp_path, "c", COMPLETER),
+                                                       str(seen)], "log_dir": str(tmp_path / "logs")})
+    zombie = f"{proxy.url}/runs/quiet/epochs/0/openai/v1/chat/completions"
+    async with http.post(zombie, json=CHAT) as resp:
+        assert resp.status == 200
+    # the agent goes quiet; the supervisor restarts it, and the new attempt completes the run
+    run = await _until(lambda: _ended(proxy, "quiet"), 10, "run restarted and completed")
+    assert (run.state, run.epoch, run.restarts) == ("completed", 1, 1)
+    (env,) = [json.loads(line) for line in _lines(seen)]
+    assert env["IDEM_EPOCH"] == "1" and env["IDEM_ATTEMPT"] == "1"
+    assert env["IDEM_RUN_BASE"] == f"{proxy.url}/runs/quiet/epochs/1"
+    assert [e["event"] for e in run.history if e["event"] == "restart"] == ["restart"]
+
+    # the old attempt wakes up: refused before anything reaches the upstream
+    async with http.post(zombie, json={**CHAT, "messages": [{"role": "user", "content": "late"}]}) as resp:
+        assert resp.status == 412
+        assert (await resp.json(content_type=None))["type"] == PROBLEM + "stale-epoch"
+    assert provider.calls["chat"] == 1
+    await asyncio.sleep(1.0)
+    assert (await _run(proxy, "quiet")).restarts == 1  # ended: never restarted again
+    assert proxy.app[METRICS].restarts._value.get() == 1
+
+
+async def _ended(proxy, run_id: str) -> Run | None:
+    runs = await proxy.store.get_run("default", run_id)
+    if runs and runs[0].state in ("completed", "failed", "dead"):
+        return runs[0]
+    return None
+
+
+async def test_two_supervisors_restart_each_silent_run_exactly_once(store_url, tmp_path):
+    fired = tmp_path / "fired.txt"
+    sections = proxy_sections("http://127.0.0.1:9", store_url, supervisor={"interval_s": 0.05},
+                              runs={"hook": "agent"}, hooks__agent={
+                                  "command": [sys.executable, _script(tmp_path, "t", TALLY), str(fired), "0"],
+                                  "log_dir": str(tmp_path / "logs")})
+    settings = load_settings(write_config(tmp_path / "two.toml", sections), env={})
+    stores = [await open_store(settings) for _ in range(2)]
+    supervisors = [Supervisor(s, settings, Hooks(settings, s)) for s in stores]
+    try:
+        long_ago = time.time() - 100
+        ids = [f"silent-{i}" for i in range(20)]
+        for run_id in ids:
+            await stores[0].upsert_run(Run("default", run_id, last_seen=long_ago, started_at=long_ago,
+                                           created_at=long_ago, timeout_s=30, grace_s=30, hook="agent"))
+        for _ in range(5):  # both tick at once, over and over
+            await asyncio.gather(*(s.tick() for s in supervisors))
+        for s in supervisors:
+            await s.hooks.wait_idle()
+        runs = {r.run_id: r for r in await stores[1].list_runs()}
+        assert all((runs[i].epoch, runs[i].restarts, runs[i].state) == (1, 1, "restarting") for i in ids)
+        assert sorted(_lines(fired)) == sorted(f"{i} 1 restart" for i in ids)  # one hook each
+        assert all(sum(e["event"] == "restart" for e in runs[i].history) == 1 for i in ids)
+    finally:
+        for s, store in zip(supervisors, stores):
+            await s.hooks.aclose()
+            await store.aclose()
+
+
+async def test_a_run_that_crashes_every_time_ends_dead(supervised, store_url, http, tmp_path):
+    fired, buried = tmp_path / "fired.txt", tmp_path / "dead.txt"
+    tally = _script(tmp_path, "t", TALLY)
+    proxy = await supervised(
+        store_url, runs={"backoff_base_s": 0.2, "on_dead": "pager", "restart_window_s": 60},
+        hooks__crasher={"command": [sys.executable, tally, str(fired), "3"], "log_dir": str(tmp_path / "logs")},
+        hooks__pager={"command": [sys.executable, tally, str(buried), "0"], "log_dir": str(tmp_path / "logs")})
+    status = (await http.post(f"{proxy.url}/runs/doomed", json={
+        "hook": "crasher", "max_restarts": 3, "timeout_s": 0.3, "grace_s": 0.3})).status
+    assert status == 201
+    run = await _until(lambda: _ended(proxy, "doomed"), 15, "run dead")
+    assert (run.state, run.epoch, run.restarts) == ("dead", 3, 3)
+    await _until(lambda: _async(buried.exists()), 5, "on_dead hook fired")
+    assert _lines(buried) == ["doomed 3 dead"]
+    assert _lines(fired) == ["doomed 1 restart", "doomed 2 restart", "doomed 3 restart"]
+
+    # restarts back off exponentially: silence (0.3s) plus 0.2s, then plus 0.4s
+    restarts = [e["at"] for e in run.history if e["event"] == "restart"]
+    gaps = [b - a for a, b in zip(restarts, restarts[1:])]
+    assert gaps[0] >= 0.3 + 0.2 - 0.01 and gaps[1] >= 0.3 + 0.4 - 0.01, gaps
+    await asyncio.sleep(1.0)
+    run = await _run(proxy, "doomed")
+    assert run.restarts == 3 and len(_lines(fired)) == 3  # dead stays dead
+    assert [e["code"] for e in run.history if e["event"] == "hook-exit" and e["hook"] == "crasher"] == [3, 3, 3]
+    assert proxy.app[METRICS].restarts._value.get() == 3
+    text = await (await http.get(f"{proxy.url}/metrics")).text()
+    assert 'idemproxy_runs{state="dead"} 1.0' in text
+
+
+async def _async(value):
+    return value
+
+
+async def test_a_hookless_silent_run_is_dead_at_once(supervised, store_url, http, tmp_path):
+    buried = tmp_path / "dead.txt"
+    proxy = await supervised(store_url, runs={"timeout_s": 0.3, "grace_s": 0.1, "on_dead": "pager"},
+                             hooks__pager={"command": [sys.executable, _script(tmp_path, "t", TALLY),
+                                                       str(buried), "0"], "log_dir": str(tmp_path / "logs")})
+    async with http.post(f"{proxy.url}/runs/orphan/epochs/0/openai/v1/chat/completions", json=CHAT) as resp:
+        assert resp.status == 200
+    run = await _until(lambda: _ended(proxy, "orphan"), 10, "run dead")
+    assert (run.state, run.epoch, run.restarts) == ("dead", 0, 0)  # nothing could start it again
+    await _until(lambda: _async(buried.exists()), 5, "on_dead hook fired")
+    assert _lines(buried) == ["orphan 0 dead"]
+
+
+async def test_completed_and_failed_runs_are_never_restarted(supervised, store_url, http, tmp_path):
+    fired = tmp_path / "fired.txt"
+    proxy = await supervised(store_url, runs={"timeout_s": 0.2, "grace_s": 0.1, "hook": "agent"},
+                             hooks__agent={"command": [sys.executable, _script(tmp_path, "t", TALLY),
+                                                       str(fired), "0"], "log_dir": str(tmp_path / "logs")})
+    for run_id, end in (("finished", "complete"), ("gave-up", "fail")):
+        await http.post(f"{proxy.url}/runs/{run_id}")
+        assert (await http.post(f"{proxy.url}/runs/{run_id}/{end}")).status == 200
+    await http.post(f"{proxy.url}/runs/control")  # a silent run that is restarted, for contrast
+    await _until(lambda: _async(fired.exists()), 10, "control run restarted")
+    await asyncio.sleep(1.0)  # many supervisor ticks, each long past timeout and grace
+    assert [line.split()[0] for line in _lines(fired)] == ["control"]
+    for run_id, state in (("finished", "completed"), ("gave-up", "failed")):
+        run = await _run(proxy, run_id)
+        assert (run.state, run.epoch, run.restarts) == (state, 0, 0)
+
+
+async def test_a_stream_keeps_its_run_alive_until_its_bytes_stop(supervised, store_url, http, tmp_path):
+    fired = tmp_path / "fired.txt"
+    proxy = await supervised(store_url, runs={"timeout_s": 1.5, "grace_s": 0.2, "hook": "agent"},
+                             hooks__agent={"command": [sys.executable, _script(tmp_path, "t", TALLY),
+                                                       str(fired), "0"], "log_dir": str(tmp_path / "logs")},
+                             server={"shutdown_timeout": 1})
+    url = f"{proxy.url}/runs/streamer/epochs/0/openai/v1/chat/completions"
+    body = {**CHAT, "stream": True}
+
+    # 4 seconds of bytes, a chunk every 0.1s: longer than timeout_s, but never silent
+    started = time.monotonic()
+    async with http.post(url, json=body, headers={"X-Fake-Chunks": "40", "X-Fake-Chunk-Delay": "0.1"}) as resp:
+        assert resp.status == 200
+        await resp.read()
+    assert time.monotonic() - started > 3.5
+    run = await _run(proxy, "streamer")
+    assert (run.epoch, run.restarts) == (0, 0) and not fired.exists()
+
+    # a stream that stalls: one chunk, then 3s of nothing; the run is restarted in the gap
+    body["messages"] = [{"role": "user", "content": "stall"}]
+    arrivals = []
+    async with http.post(url, json=body, headers={"X-Fake-Chunks": "3", "X-Fake-Chunk-Delay": "3"}) as resp:
+        await resp.content.readany()
+        arrivals.append(time.time())
+        run = await _until(lambda: _restarted(proxy, "streamer"), 4, "restart during the stall")
+        resp.close()
+    restart_at = next(e["at"] for e in run.history if e["event"] == "restart")
+    assert 1.5 <= restart_at - arrivals[0] < 3.0
+    assert run.epoch == 1
+
+
+async def _restarted(proxy, run_id: str) -> Run | None:
+    run = await _run(proxy, run_id)
+    return run if run.restarts else None
+
+
+async def test_supervise_command_restarts_alone_and_stops_on_sigterm(store_url, tmp_path):
+    fired = tmp_path / "fired.txt"
+    sections = proxy_sections("http://127.0.0.1:9", store_url, supervisor={"interval_s": 0.1},
+                              runs={"hook": "agent"}, hooks__agent={
+                                  "command": [sys.executable, _script(tmp_path, "t", TALLY), str(fired), "0"],
+                                  "log_dir": str(tmp_path / "logs")})
+    config = write_config(tmp_path / "supervise.toml", sections)
+    check = await asyncio.create_subprocess_exec(sys.executable, "-m", "idemproxy.proxy.cli", "check",
+                                                 "--config", str(config), stdout=asyncio.subprocess.PIPE,
+                                                 stderr=asyncio.subprocess.PIPE)
+    out, err = await check.communicate()
+    assert check.returncode == 0, err.decode()
+
+    settings = load_settings(config, env={})
+    store = await open_store(settings)
+    try:
+        long_ago = time.time() - 100
+        await store.upsert_run(Run("default", "lonely", last_seen=long_ago, started_at=long_ago,
+                                   created_at=long_ago, timeout_s=30, grace_s=30, hook="agent"))
+        log = open(tmp_path / "supervise.log", "wb")
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "idemproxy.proxy.cli", "supervise", "--config", str(config),
+            stdout=log, stderr=log, start_new_session=True)
+        try:
+            await _until(lambda: _async(fired.exists()), 15, "supervise restarted the run")
+            assert _lines(fired) == ["lonely 1 restart"]
+            await _until(lambda: _exit_recorded(store), 5, "hook exit recorded by supervise")
+            os.kill(proc.pid, signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), 10) == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            log.close()
+        assert "supervisor stopped" in (tmp_path / "supervise.log").read_text()
+    finally:
+        await store.aclose()
+
+
+async def _exit_recorded(store) -> bool:
+    (run,) = await store.get_run("default", "lonely")
+    return any(e["event"] == "hook-exit" for e in run.history)

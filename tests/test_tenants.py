@@ -1,0 +1,94 @@
+"""Tenants (SPEC §2): HMAC of the credential, or a trusted header from a trusted source."""
+
+from __future__ import annotations
+
+import pytest
+
+from rawhttp import problem
+
+CHAT = "/openai/v1/chat/completions"
+
+
+def body(content: str) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": content}]}
+
+
+async def call(http, url, content, **headers):
+    async with http.post(url, json=body(content), headers=headers) as r:
+        return r.status, r.headers.get("Idempotent-Replayed"), await r.read()
+
+
+@pytest.mark.parametrize("header, a, b", [
+    ("Authorization", "Bearer sk-tenant-a", "Bearer sk-tenant-b"),
+    ("x-api-key", "key-a", "key-b"),
+    ("api-key", "azure-a", "azure-b"),
+])
+async def test_two_api_keys_with_the_same_key_never_see_each_other(make_proxy, store_url, provider, http,
+                                                                  header, a, b):
+    proxy = await make_proxy(store_url)
+    url = proxy.url + CHAT
+    status_a, replayed_a, answer_a = await call(http, url, "from a", **{header: a, "Idempotency-Key": "shared"})
+    # another body under the same key is no 422 for b: b has never used "shared"
+    status_b, replayed_b, answer_b = await call(http, url, "from b", **{header: b, "Idempotency-Key": "shared"})
+    assert (status_a, replayed_a, status_b, replayed_b) == (200, "false", 200, "false")
+    assert b"from a" in answer_a and b"from b" in answer_b
+    assert await call(http, url, "from a", **{header: a, "Idempotency-Key": "shared"}) == (200, "true", answer_a)
+    assert await call(http, url, "from b", **{header: b, "Idempotency-Key": "shared"}) == (200, "true", answer_b)
+    # no credential at all is a tenant of its own too
+    assert (await call(http, url, "anon", **{"Idempotency-Key": "shared"}))[1] == "false"
+    assert provider.calls["chat"] == 3
+
+
+async def test_tenant_secret_is_kept_in_the_store_across_restarts(make_proxy, store_url, provider, http):
+    auth = {"Authorization": "Bearer sk-stable", "Idempotency-Key": "s1"}
+    first = await make_proxy(store_url)
+    _, _, answer = await call(http, first.url + CHAT, "x", **auth)
+    await first.server.close()
+    second = await make_proxy(store_url)  # a new process would generate a new secret if none were kept
+    assert await call(http, second.url + CHAT, "x", **auth) == (200, "true", answer)
+    assert provider.calls["chat"] == 1
+
+
+async def test_configured_tenant_secret_is_used(make_proxy, store_url, provider, http):
+    auth = {"Authorization": "Bearer sk-conf", "Idempotency-Key": "s2"}
+    first = await make_proxy(store_url, tenants={"secret": "configured-secret-1"})
+    _, _, answer = await call(http, first.url + CHAT, "x", **auth)
+    same = await make_proxy(store_url, tenants={"secret": "configured-secret-1"})
+    assert await call(http, same.url + CHAT, "x", **auth) == (200, "true", answer)
+    other = await make_proxy(store_url, tenants={"secret": "another-secret"})
+    assert (await call(http, other.url + CHAT, "x", **auth))[1] == "false"
+    assert provider.calls["chat"] == 2
+
+
+async def test_trusted_tenant_header_names_the_tenant(make_proxy, store_url, provider, http):
+    proxy = await make_proxy(store_url, tenants={"trusted_sources": ["127.0.0.0/8"]})
+    url = proxy.url + CHAT
+    _, _, answer = await call(http, url, "x", **{"Idem-Tenant": "acme", "Authorization": "Bearer k1",
+                                                 "Idempotency-Key": "t"})
+    # the tenant is acme whatever the credential: a second key of acme sees acme's record
+    assert await call(http, url, "x", **{"Idem-Tenant": "acme", "Authorization": "Bearer k2",
+                                         "Idempotency-Key": "t"}) == (200, "true", answer)
+    assert (await call(http, url, "x", **{"Idem-Tenant": "globex", "Authorization": "Bearer k1",
+                                          "Idempotency-Key": "t"}))[1] == "false"
+    assert (await call(http, url, "x", **{"Authorization": "Bearer k1", "Idempotency-Key": "t"}))[1] == "false"
+    assert provider.calls["chat"] == 3
+    headers = provider.seen[0]["headers"]
+    assert not any(k.lower() == "idem-tenant" for k in headers)
+
+
+@pytest.mark.parametrize("trusted", [None, ["10.0.0.0/8", "::1/128"]])
+async def test_tenant_header_from_an_untrusted_source_is_403(make_proxy, store_url, provider, http, trusted):
+    extra = {"tenants": {"trusted_sources": trusted}} if trusted else {}
+    proxy = await make_proxy(store_url, **extra)
+    for path in (CHAT, "/raw/echo/x"):
+        async with http.post(proxy.url + path, json=body("x"),
+                             headers={"Idem-Tenant": "acme", "Idempotency-Key": "u"}) as r:
+            await problem(r, "untrusted-tenant", 403)
+    assert sum(provider.calls.values()) == 0
+
+
+async def test_malformed_trusted_tenant_is_400(make_proxy, store_url, provider, http):
+    proxy = await make_proxy(store_url, tenants={"trusted_sources": ["127.0.0.1/32"]})
+    async with http.post(proxy.url + CHAT, json=body("x"), headers={"Idem-Tenant": "bad tenant!"}) as r:
+        await problem(r, "invalid-header", 400)
+    assert sum(provider.calls.values()) == 0
