@@ -37,7 +37,8 @@ def _short(path: str) -> str:
     return path
 
 
-def summarize(path: Path) -> str:
+def summarize(path: Path, requests: int | None = None, rate: int | None = None) -> str:
+    """The summary as text; with ``requests`` and the sampling ``rate``, also in µs per request."""
     self_time: Counter = Counter()
     inclusive: Counter = Counter()
     files: Counter = Counter()
@@ -59,13 +60,17 @@ def summarize(path: Path) -> str:
     if not total:
         return f"{path}: no samples\n"
 
+    per_request = 1e6 / rate / requests if requests and rate else None
+
     def table(title: str, counter: Counter, key) -> list[str]:
-        out = [f"\n## {title}", f"{'%':>6}  {'samples':>8}  what"]
+        out = [f"\n## {title}", f"{'%':>6}  {'samples':>8}  {'us/req':>7}  what"]
         for item, n in counter.most_common(TOP):
-            out.append(f"{100 * n / total:6.1f}  {n:8d}  {key(item)}")
+            us = f"{n * per_request:7.1f}" if per_request else f"{'':7}"
+            out.append(f"{100 * n / total:6.1f}  {n:8d}  {us}  {key(item)}")
         return out
 
-    lines = [f"# {Path(path).name}: {total} samples (idle excluded)"]
+    lines = [f"# {Path(path).name}: {total} samples (idle excluded)"
+             + (f", {requests} requests at {rate} Hz" if per_request else "")]
     lines += table("self (top of stack)", self_time, lambda f: f"{f[0]}  [{f[1]}]")
     lines += table("inclusive (anywhere in the stack)", inclusive, lambda f: f"{f[0]}  [{f[1]}]")
     lines += table("inclusive by file", files, str)
@@ -73,5 +78,6 @@ def summarize(path: Path) -> str:
 
 
 if __name__ == "__main__":
-    for arg in sys.argv[1:]:
-        print(summarize(Path(arg)))
+    if len(sys.argv) not in (2, 4):
+        sys.exit("usage: profile_summary.py FILE.collapsed [REQUESTS RATE]")
+    print(summarize(Path(sys.argv[1]), *(int(x) for x in sys.argv[2:])))

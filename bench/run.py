@@ -43,6 +43,7 @@ BODY = json.dumps({"model": "gpt-bench", "temperature": 0,
 # A credential, so that idemproxy derives a tenant (an HMAC) as it would in production.
 HEADERS = (("Content-Type", "application/json"), ("Authorization", "Bearer sk-bench-not-a-real-key"))
 RUN = "/runs/bench-run/epochs/0"
+PROFILE_HZ = 500
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ class Bench:
         cpu_before = (cpu_seconds(server), cpu_seconds(self.provider), _children_cpu())
         summary = loadgen.run(self.kind, load)
         cpu_after = (cpu_seconds(server), cpu_seconds(self.provider), _children_cpu())
-        profile = self.finish_profiler(profiler)
+        profile = self.finish_profiler(profiler, summary.requests * (a.duration - 1) / a.duration)
         # CPU microseconds per completed request: the server measured, the provider, and
         # the load generator (the only child reaped meanwhile), unless py-spy ran too.
         cpu = {name: round((b - a) * 1e6 / max(1, summary.requests), 1)
@@ -144,17 +145,19 @@ class Bench:
 
     def start_profiler(self, server: Server, scenario: Scenario, store: str, workers: int,
                        connections: int):
-        if not self.args.profile or scenario.name == "baseline" or connections != HIGH:
+        if not self.args.profile or connections != HIGH:
             return None
         out = Path(self.args.profile) / f"{store}-w{workers}-{scenario.name}.collapsed"
         out.parent.mkdir(parents=True, exist_ok=True)
-        argv = [self.args.py_spy, "record", "--pid", str(server.popen.pid), "--rate", "250", "--format", "raw",
+        argv = [self.args.py_spy, "record", "--pid", str(server.popen.pid), "--rate", str(PROFILE_HZ),
+                "--format", "raw",
                 "--duration", str(max(1, round(self.args.duration) - 1)), "--output", str(out),
                 "--nonblocking"] + (["--subprocesses"] if workers > 1 else [])
         return out, subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     @staticmethod
-    def finish_profiler(profiler) -> str | None:
+    def finish_profiler(profiler, requests: float) -> str | None:
+        """Wait for py-spy; summarize its samples (over ``requests``, those in its window)."""
         if profiler is None:
             return None
         out, popen = profiler
@@ -168,7 +171,7 @@ class Bench:
             print(f"  py-spy failed: {err.decode(errors='replace')[-500:]}", file=sys.stderr)
             return None
         summary = out.with_suffix(".txt")
-        summary.write_text(profile_summary.summarize(out))
+        summary.write_text(profile_summary.summarize(out, round(requests), PROFILE_HZ))
         return str(summary)
 
 

@@ -17,7 +17,8 @@ def check(settings: Settings, args=None) -> int:
         try:
             store = await asyncio.wait_for(open_store(settings), settings.store.timeout * 3)
         except Exception as exc:  # noqa: BLE001 - any failure is an unhealthy answer
-            print(f"store {mask_url(settings.store.url)}: NOT reachable: {exc}", file=sys.stderr)
+            reason = str(exc) or type(exc).__name__
+            print(f"store {mask_url(settings.store.url)}: NOT reachable: {reason}", file=sys.stderr)
             return 1
         try:
             await store.ping()

@@ -112,10 +112,10 @@ class Proxy:
                        max_restarts=runs.max_restarts, hook=runs.hook)
         current = await self.store.observe_epoch(ident.namespace, ident.run, ident.epoch, defaults,
                                                  time.time())
-        self.heartbeats.beat(ident.namespace, ident.run)
         if ident.epoch is not None and ident.epoch < current:
             raise Problem("stale-epoch", f"run {ident.run} is at epoch {current}; this attempt "
                           f"(epoch {ident.epoch}) has been superseded", epoch=current)
+        self.heartbeats.beat(ident.namespace, ident.run)  # a fenced zombie is no sign of life
 
     # -- passthrough ----------------------------------------------------------------------
 

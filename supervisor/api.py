@@ -24,12 +24,13 @@ from ..proxy.config import Settings, parse_duration
 from ..proxy.identity import parse_run
 from ..proxy.problems import Problem
 from ..proxy.store import StoreUnavailable
-from ..proxy.store.base import COMPLETED, ENDED, FAILED, RESTARTING, RUNNING, UNKNOWN, Entry, Recorded, Run
+from ..proxy.store.base import (COMPLETED, DEAD, ENDED, FAILED, RESTARTING, RUNNING, UNKNOWN, Entry,
+                                Recorded, Run)
 from .hooks import Hooks
 from .loop import restart_run
 
 HOOKS = web.AppKey("hooks", Hooks)
-STATES = (RUNNING, RESTARTING, COMPLETED, FAILED, "dead")
+STATES = (RUNNING, RESTARTING, COMPLETED, FAILED, DEAD)
 RUN_OPTIONS = ("timeout_s", "grace_s", "hook", "max_restarts", "metadata")
 MAX_METADATA_BYTES = 64 * 1024
 

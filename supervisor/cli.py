@@ -198,7 +198,8 @@ def cmd_journal_resolve(settings: Settings, args) -> int:
             raise Problem("not-found", f"no journal entry {args.kid}")
         if entry.state != UNKNOWN or not await store.resolve(args.kid, recorded):
             raise Problem("not-quarantined", f"entry {args.kid} is {entry.state}, not quarantined")
-        print(f"{args.kid}: resolved ({'the next call goes upstream' if recorded is None else f'replays {recorded.status}'})")
+        then = "the next call goes upstream" if recorded is None else f"calls replay {recorded.status}"
+        print(f"{args.kid}: resolved; {then}")
         return 0
     return _with_store(settings, work)
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from ..proxy.config import HookSettings, Settings
+from ..proxy.config import ENV_PREFIX, HookSettings, Settings
 from ..proxy.store import Store, StoreUnavailable
 
 log = logging.getLogger("idemproxy.supervisor")
@@ -63,6 +63,13 @@ class HookCall:
         return {"run_id": self.run_id, "epoch": self.epoch, "attempt": self.attempt,
                 "proxy_url": self.proxy_url, "run_base": self.run_base,
                 "namespace": self.namespace, "event": self.event}
+
+
+def hook_environment(call: HookCall) -> dict[str, str]:
+    """Ours, less our own settings (an agent has no use for the admin token or the store
+    password), plus the facts of the call."""
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    return {**inherited, **call.environment()}
 
 
 def sign(secret: str, body: bytes) -> str:
@@ -125,8 +132,7 @@ class Hooks:
         try:
             # posix_spawn rather than subprocess.Popen: the child is not ours to kill or
             # wait for when we stop, and Popen objects complain when dropped while running.
-            pid = os.posix_spawnp(hook.command[0], list(hook.command),
-                                  {**os.environ, **call.environment()},
+            pid = os.posix_spawnp(hook.command[0], list(hook.command), hook_environment(call),
                                   file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
                                                 (os.POSIX_SPAWN_DUP2, fd, 1),
                                                 (os.POSIX_SPAWN_DUP2, fd, 2)],

@@ -346,8 +346,9 @@ def test_environment_names_the_run_and_the_proxy():
 
 # -- packaging ------------------------------------------------------------------------------
 
-# Modules of the server's dependencies: none may be importable next to the client.
-SERVER_ONLY = ("aiohttp", "orjson", "asyncpg", "redis", "uvloop", "prometheus_client", "idemproxy")
+# The server's dependencies and the SDK extras: none may be importable next to the client.
+SERVER_ONLY = ("aiohttp", "orjson", "asyncpg", "redis", "uvloop", "prometheus_client", "idemproxy",
+               "openai", "anthropic")
 
 
 @pytest.mark.timeout(180)
@@ -386,7 +387,12 @@ def test_client_installs_in_a_fresh_venv_without_server_dependencies(tmp_path, p
         missing = [m for m in {SERVER_ONLY!r} if importlib.util.find_spec(m) is None]
         with Run("fresh-venv", proxy_url="{server.url}", timeout_s=5) as run:
             beat = run.heartbeat()
+            try:
+                run.openai()
+            except ImportError as exc:
+                hint = str(exc)
         print(json.dumps({{"missing": missing, "epoch": run.epoch, "state": run.info.state,
+                          "hint": hint,
                           "typed": importlib.util.find_spec("idemproxy_client").submodule_search_locations[0]}}))
     ''')
     out = subprocess.run([python, "-c", probe], capture_output=True, text=True,
@@ -395,6 +401,7 @@ def test_client_installs_in_a_fresh_venv_without_server_dependencies(tmp_path, p
     result = json.loads(out.stdout)
     assert sorted(result["missing"]) == sorted(SERVER_ONLY)
     assert (result["epoch"], result["state"]) == (0, "completed")
+    assert "pip install 'idemproxy-client[openai]'" in result["hint"]
     assert (Path(result["typed"]) / "py.typed").exists()
 
 

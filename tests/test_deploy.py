@@ -96,8 +96,7 @@ def test_dockerfile_copies_what_the_build_needs_and_dockerignore_keeps_it(docker
         copied += sources
     for source in copied:
         assert (REPO / source).exists(), f"COPY {source}: no such file"
-        assert not any(fnmatch.fnmatch(source, pattern) for pattern in ignored), \
-            f"COPY {source} is excluded by .dockerignore"
+        assert not dockerignored(Path(source), ignored), f"COPY {source} is excluded by .dockerignore"
     # The package build needs every package folder and the embedded default config.
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     for folder in setuptools["package-dir"].values():
@@ -106,6 +105,56 @@ def test_dockerfile_copies_what_the_build_needs_and_dockerignore_keeps_it(docker
     assert default.parts[0] in copied
     for heavy in ("tests", ".git", "bench", "clients"):
         assert heavy in ignored
+
+
+def dockerignored(relative: Path, patterns: list[str]) -> bool:
+    """Whether .dockerignore leaves ``relative`` out of the build context (the patterns
+    this repository uses: names, globs, and ``**/`` for any depth)."""
+    parts = relative.parts
+    for pattern in patterns:
+        if pattern.startswith("**/"):
+            if any(fnmatch.fnmatch("/".join(parts[i:j]), pattern[3:])
+                   for i in range(len(parts)) for j in range(i + 1, len(parts) + 1)):
+                return True
+        elif any(fnmatch.fnmatch("/".join(parts[:j]), pattern) for j in range(1, len(parts) + 1)):
+            return True
+    return False
+
+
+def test_package_builds_from_exactly_what_the_dockerfile_copies(dockerfile, tmp_path):
+    """Lay out /build as the image does (COPY sources, minus .dockerignore), build the
+    wheel there, and check it carries the embedded default config."""
+    patterns = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    build = tmp_path / "build"
+    build.mkdir()
+    for copy_args in instructions(dockerfile, "COPY"):
+        *sources, dest = copy_args.split()
+        if not dest.startswith("./"):
+            continue  # copied after the install, into the final image
+        for source in sources:
+            for path in [REPO / source, *sorted((REPO / source).rglob("*"))]:
+                relative = path.relative_to(REPO)
+                if dockerignored(relative, patterns):
+                    continue
+                target = build / relative
+                if path.is_symlink():
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.symlink_to(os.readlink(path))
+                elif path.is_dir():
+                    target.mkdir(parents=True, exist_ok=True)
+                else:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(path.read_bytes())
+    assert not list(build.rglob("__pycache__")) and not list(build.rglob("*.egg-info"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "--quiet", "--wheel-dir", str(tmp_path / "dist"), str(build)], check=True,
+                   cwd=tmp_path)
+    wheel = next((tmp_path / "dist").glob("idemproxy-*.whl"))
+    import zipfile
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "idemproxy/proxy/default.toml" in names
+    assert "idemproxy/supervisor/loop.py" in names and "idemproxy/proxy/store/sqlite.py" in names
 
 
 def test_image_config_is_where_idemproxy_config_points_and_loads(dockerfile):

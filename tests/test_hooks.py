@@ -21,7 +21,7 @@ from idemproxy.supervisor.hooks import HookCall, Hooks
 # Writes its environment, session and pid to argv[1], talks on both streams, exits 7.
 REPORTER = """
 import json, os, sys
-json.dump({"env": {k: v for k, v in os.environ.items() if k.startswith("IDEM_")},
+json.dump({"env": {k: v for k, v in os.environ.items() if k.startswith("IDEM")},
            "pid": os.getpid(), "sid": os.getsid(0), "stdin": sys.stdin.read()}, open(sys.argv[1], "w"))
 print("to stdout", flush=True)
 print("to stderr", file=sys.stderr, flush=True)
@@ -59,7 +59,8 @@ async def _history(store) -> list[dict]:
     return (await store.get_run("default", "r1"))[0].history
 
 
-async def test_command_hook_runs_detached_with_env_and_a_log_per_attempt(hooks_on, tmp_path):
+async def test_command_hook_runs_detached_with_env_and_a_log_per_attempt(hooks_on, tmp_path, monkeypatch):
+    monkeypatch.setenv("IDEMPROXY_ADMIN_TOKEN", "not-for-agents")  # our settings stay ours
     out, script = tmp_path / "reported.json", tmp_path / "reporter.py"
     script.write_text(REPORTER)
     logs = tmp_path / "logs"

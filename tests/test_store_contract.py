@@ -101,6 +101,15 @@ async def test_first_claim_wins_and_the_next_one_sees_it(store):
     assert (entry.method, entry.path, entry.namespace, entry.response) == ("POST", "/charge", NS, None)
 
 
+async def test_a_lost_claim_carries_the_record_to_replay(store):
+    sc = scope()
+    owner = await claimed(store, sc)
+    await store.complete(sc.kid, owner, REPLY)
+    lost = await store.claim(claim_of(sc, owner="b"))
+    assert not lost.won and lost.entry.state == COMPLETE
+    assert (lost.entry.response.status, lost.entry.response.body) == (REPLY.status, REPLY.body)
+
+
 async def test_a_claim_with_another_fingerprint_keeps_the_first(store):
     sc = scope()
     await claimed(store, sc, fingerprint="fp-1")
@@ -138,6 +147,16 @@ async def test_expired_lease_is_taken_over_under_retry(store):
     assert takeover.won and takeover.entry.owner == "b"
     assert not await store.complete(sc.kid, "dead", REPLY)  # the dead proxy's record is refused
     assert await store.complete(sc.kid, "b", REPLY)
+
+
+async def test_a_takeover_drops_the_partials_of_the_dead_call(store):
+    sc = scope()
+    await claimed(store, sc, owner="dead", lease_s=0.05)
+    await store.append_partial(sc.kid, "dead", 0, b'{"status": 200}')
+    await store.append_partial(sc.kid, "dead", 1, b"data: half")
+    await asyncio.sleep(0.15)
+    assert (await store.claim(claim_of(sc, owner="b"))).won
+    assert await store.read_partial(sc.kid, -1) == []  # nobody joins the dead call's bytes
 
 
 async def test_expired_lease_with_another_fingerprint_is_not_taken_over(store):
@@ -383,6 +402,15 @@ async def test_expired_occurrence_counters_are_purged(store):
     await asyncio.sleep(0.4)
     await store.purge(time.time())
     assert await store.next_occurrence(NS, "run-1", 0, "fp", 3600) == 0
+
+
+async def test_each_occurrence_extends_the_counters_retention(store):
+    assert await store.next_occurrence(NS, "run-1", 0, "fp", 0.4) == 0
+    await asyncio.sleep(0.25)
+    assert await store.next_occurrence(NS, "run-1", 0, "fp", 0.4) == 1
+    await asyncio.sleep(0.25)  # past the first call's retention, within the second's
+    await store.purge(time.time())
+    assert await store.next_occurrence(NS, "run-1", 0, "fp", 3600) == 2
 
 
 async def test_journal_lists_a_runs_entries_without_bodies(store):

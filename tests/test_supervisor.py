@@ -288,3 +288,25 @@ async def test_supervise_command_restarts_alone_and_stops_on_sigterm(store_url, 
 async def _exit_recorded(store) -> bool:
     (run,) = await store.get_run("default", "lonely")
     return any(e["event"] == "hook-exit" for e in run.history)
+
+
+async def test_a_fenced_zombie_does_not_keep_its_run_alive(supervised, store_url, provider, http, tmp_path):
+    fired = tmp_path / "fired.txt"
+    # timeout_s above the heartbeat flush period (1s), so steady traffic always looks alive
+    proxy = await supervised(store_url, runs={"timeout_s": 1.5, "grace_s": 0.2, "hook": "agent",
+                                              "backoff_base_s": 0.1},
+                             hooks__agent={"command": [sys.executable, _script(tmp_path, "t", TALLY),
+                                                       str(fired), "0"], "log_dir": str(tmp_path / "logs")})
+    zombie = f"{proxy.url}/runs/haunted/epochs/0/openai/v1/chat/completions"
+    async with http.post(zombie, json=CHAT) as resp:
+        assert resp.status == 200
+    await _until(lambda: _restarted(proxy, "haunted"), 5, "first restart")
+    # the new attempt never shows up (its hook exits at once); the old one keeps calling,
+    # refused each time: that is no sign of life, so the run is restarted again
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (await _run(proxy, "haunted")).restarts < 2:
+        async with http.post(zombie, json=CHAT) as resp:
+            assert resp.status == 412
+        await asyncio.sleep(0.05)
+    assert (await _run(proxy, "haunted")).restarts >= 2
+    assert provider.calls["chat"] == 1

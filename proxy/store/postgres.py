@@ -309,16 +309,15 @@ class PostgresStore:
             run_epoch = fence["run_epoch"]
             if run_epoch is not None and claim.epoch is not None and run_epoch > claim.epoch:
                 return ClaimResult(False, None, stale_epoch=run_epoch)
-            row = None
             if claim.on_expired == "quarantine":  # its proxy died mid-call: outcome unknown
                 row = await c.fetchrow(sql.QUARANTINE_EXPIRED, kid, now,
                                        "the proxy holding the claim stopped mid-call",
                                        claim.fingerprint, self._channel)
                 if row is not None:
                     self._wake(kid)
-            if row is None:
-                row = await c.fetchrow(sql.GET_LIVE_ENTRY, kid, now)
-            return None if row is None else ClaimResult(False, _entry(row))
+                    return ClaimResult(False, _entry(row))
+            row = await c.fetchrow(sql.GET, kid, now)  # the loser may replay what it finds
+            return None if row is None else ClaimResult(False, _entry(row, _recorded(row)))
 
         for _ in range(3):
             result = await self._use("claim", attempt)

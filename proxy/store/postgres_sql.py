@@ -98,7 +98,9 @@ claimed AS (
     -- an expired entry runs as new; a dead proxy's claim is taken over under "retry"
     WHERE journal.expires_at <= $12 OR ($14 AND journal.state = '{IN_FLIGHT}'
           AND journal.lease_until <= $12 AND journal.fingerprint = excluded.fingerprint)
-    RETURNING kid)
+    RETURNING kid),
+-- a new claim, or a takeover: bytes a dead call left behind must not be joined
+dropped AS (DELETE FROM partials WHERE kid IN (SELECT kid FROM claimed))
 SELECT (SELECT max(epoch) FROM fence) AS run_epoch, (SELECT count(*) FROM claimed) AS won"""
 
 # $1 kid, $2 now, $3 detail, $4 fingerprint, $5 channel: a dead proxy's claim under "quarantine"
@@ -197,13 +199,12 @@ WHERE tenant = $2 AND run_id = $3"""
 # -- short statements, named so the store reads as what it does ---------------------------
 GET = (f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing FROM journal "
        "WHERE kid = $1 AND expires_at > $2")
-GET_LIVE_ENTRY = f"SELECT {ENTRY_COLUMNS} FROM journal WHERE kid = $1 AND expires_at > $2"
 # The no-op update makes RETURNING give the value that was there first.
 SECRET = ("INSERT INTO secrets (name, value) VALUES ($1, $2) "
           "ON CONFLICT (name) DO UPDATE SET value = secrets.value RETURNING value")
 NEXT_OCCURRENCE = ("INSERT INTO occurrences (tenant, run, epoch, fingerprint, n, expires_at) "
                    "VALUES ($1, $2, $3, $4, 1, $5) ON CONFLICT (tenant, run, epoch, fingerprint) "
-                   "DO UPDATE SET n = occurrences.n + 1 RETURNING n")
+                   "DO UPDATE SET n = occurrences.n + 1, expires_at = excluded.expires_at RETURNING n")
 RENEW = f"UPDATE journal SET lease_until = $1 WHERE kid = $2 AND owner = $3 AND state = '{IN_FLIGHT}'"
 READ_PARTIAL = "SELECT seq, data FROM partials WHERE kid = $1 AND seq > $2 ORDER BY seq"
 COUNT_REPLAYS = "UPDATE journal SET replays = replays + $1 WHERE kid = $2"

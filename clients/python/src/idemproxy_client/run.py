@@ -19,9 +19,10 @@ from .keys import KeyPart, step_key
 from .launch import DEFAULT_NAMESPACE, DEFAULT_PROXY_URL, Launch
 
 if TYPE_CHECKING:
-    import aiohttp
-    import anthropic
-    import openai
+    # Imported by name: Run's own methods are called openai and anthropic.
+    from aiohttp import ClientSession
+    from anthropic import Anthropic, AsyncAnthropic
+    from openai import AsyncOpenAI, OpenAI
 
 log = logging.getLogger("idemproxy_client")
 
@@ -178,24 +179,24 @@ class Run:
         headers = {**(kwargs.pop("headers", None) or {}), **self._sdk_headers()}
         return httpx.AsyncClient(base_url=self.url(upstream), headers=headers, **kwargs)
 
-    def openai(self, upstream: str = "openai", **kwargs: Any) -> openai.OpenAI:
+    def openai(self, upstream: str = "openai", **kwargs: Any) -> OpenAI:
         """An ``openai.OpenAI`` client on ``run.url(upstream, "/v1")`` (extra ``openai``)."""
         return sdk.openai_client(self.url(upstream, "/v1"), self._sdk_headers(), **kwargs)
 
-    def async_openai(self, upstream: str = "openai", **kwargs: Any) -> openai.AsyncOpenAI:
+    def async_openai(self, upstream: str = "openai", **kwargs: Any) -> AsyncOpenAI:
         """An ``openai.AsyncOpenAI`` client, like :meth:`openai`."""
         return sdk.async_openai_client(self.url(upstream, "/v1"), self._sdk_headers(), **kwargs)
 
-    def anthropic(self, upstream: str = "anthropic", **kwargs: Any) -> anthropic.Anthropic:
+    def anthropic(self, upstream: str = "anthropic", **kwargs: Any) -> Anthropic:
         """An ``anthropic.Anthropic`` client on ``run.url(upstream)`` (extra ``anthropic``)."""
         return sdk.anthropic_client(self.url(upstream), self._sdk_headers(), **kwargs)
 
     def async_anthropic(self, upstream: str = "anthropic",
-                        **kwargs: Any) -> anthropic.AsyncAnthropic:
+                        **kwargs: Any) -> AsyncAnthropic:
         """An ``anthropic.AsyncAnthropic`` client, like :meth:`anthropic`."""
         return sdk.async_anthropic_client(self.url(upstream), self._sdk_headers(), **kwargs)
 
-    def aiohttp_session(self, upstream: str, **kwargs: Any) -> aiohttp.ClientSession:
+    def aiohttp_session(self, upstream: str, **kwargs: Any) -> ClientSession:
         """An ``aiohttp.ClientSession`` for ``upstream`` (extra ``aiohttp``): request
         relative paths without a leading slash (``session.post("email/send")``)."""
         return sdk.aiohttp_session(self.url(upstream), self._sdk_headers(), **kwargs)

@@ -6,25 +6,28 @@ The SDKs are optional extras (``idemproxy-client[openai]``, ``[anthropic]``,
 
 from __future__ import annotations
 
-import importlib
 import os
-from typing import TYPE_CHECKING, Any, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 if TYPE_CHECKING:
-    import aiohttp
-    import anthropic
-    import openai
+    from aiohttp import ClientSession
+    from anthropic import Anthropic, AsyncAnthropic
+    from openai import AsyncOpenAI, OpenAI
 
 # Sent when the agent holds no key because the proxy injects the real credential
 # (an upstream's ``set_headers``): the SDKs refuse to start without one.
 PLACEHOLDER_API_KEY = "idemproxy-injected"
 
 
-def _require(module: str, extra: str) -> Any:
+@contextmanager
+def _extra(extra: str) -> Iterator[None]:
+    """Turn a missing optional SDK into an error that says which extra installs it."""
     try:
-        return importlib.import_module(module)
+        yield
     except ImportError as exc:
-        raise ImportError(f"{module} is not installed: pip install 'idemproxy-client[{extra}]'") from exc
+        raise ImportError(f"{exc.name or extra} is not installed: "
+                          f"pip install 'idemproxy-client[{extra}]'") from exc
 
 
 def _sdk_kwargs(kwargs: dict[str, Any], base_url: str, headers: Mapping[str, str],
@@ -37,37 +40,39 @@ def _sdk_kwargs(kwargs: dict[str, Any], base_url: str, headers: Mapping[str, str
     return kwargs
 
 
-def openai_client(base_url: str, headers: Mapping[str, str], **kwargs: Any) -> openai.OpenAI:
+def openai_client(base_url: str, headers: Mapping[str, str], **kwargs: Any) -> OpenAI:
     """``openai.OpenAI`` with ``base_url`` and extra default headers; other kwargs pass through."""
-    sdk = _require("openai", "openai")
-    return sdk.OpenAI(**_sdk_kwargs(kwargs, base_url, headers, "OPENAI_API_KEY"))
+    with _extra("openai"):
+        from openai import OpenAI
+    return OpenAI(**_sdk_kwargs(kwargs, base_url, headers, "OPENAI_API_KEY"))
 
 
-def async_openai_client(base_url: str, headers: Mapping[str, str],
-                        **kwargs: Any) -> openai.AsyncOpenAI:
+def async_openai_client(base_url: str, headers: Mapping[str, str], **kwargs: Any) -> AsyncOpenAI:
     """``openai.AsyncOpenAI``, like :func:`openai_client`."""
-    sdk = _require("openai", "openai")
-    return sdk.AsyncOpenAI(**_sdk_kwargs(kwargs, base_url, headers, "OPENAI_API_KEY"))
+    with _extra("openai"):
+        from openai import AsyncOpenAI
+    return AsyncOpenAI(**_sdk_kwargs(kwargs, base_url, headers, "OPENAI_API_KEY"))
 
 
-def anthropic_client(base_url: str, headers: Mapping[str, str],
-                     **kwargs: Any) -> anthropic.Anthropic:
+def anthropic_client(base_url: str, headers: Mapping[str, str], **kwargs: Any) -> Anthropic:
     """``anthropic.Anthropic`` with ``base_url`` and extra default headers."""
-    sdk = _require("anthropic", "anthropic")
-    return sdk.Anthropic(**_sdk_kwargs(kwargs, base_url, headers, "ANTHROPIC_API_KEY"))
+    with _extra("anthropic"):
+        from anthropic import Anthropic
+    return Anthropic(**_sdk_kwargs(kwargs, base_url, headers, "ANTHROPIC_API_KEY"))
 
 
 def async_anthropic_client(base_url: str, headers: Mapping[str, str],
-                           **kwargs: Any) -> anthropic.AsyncAnthropic:
+                           **kwargs: Any) -> AsyncAnthropic:
     """``anthropic.AsyncAnthropic``, like :func:`anthropic_client`."""
-    sdk = _require("anthropic", "anthropic")
-    return sdk.AsyncAnthropic(**_sdk_kwargs(kwargs, base_url, headers, "ANTHROPIC_API_KEY"))
+    with _extra("anthropic"):
+        from anthropic import AsyncAnthropic
+    return AsyncAnthropic(**_sdk_kwargs(kwargs, base_url, headers, "ANTHROPIC_API_KEY"))
 
 
-def aiohttp_session(base_url: str, headers: Mapping[str, str],
-                    **kwargs: Any) -> aiohttp.ClientSession:
+def aiohttp_session(base_url: str, headers: Mapping[str, str], **kwargs: Any) -> ClientSession:
     """``aiohttp.ClientSession`` whose relative URLs (``"charge"``, no leading slash) join
     ``base_url``; call it inside a running event loop and close it when done."""
-    sdk = _require("aiohttp", "aiohttp")
+    with _extra("aiohttp"):
+        from aiohttp import ClientSession
     merged = {**(kwargs.pop("headers", None) or {}), **headers}
-    return sdk.ClientSession(base_url=base_url.rstrip("/") + "/", headers=merged, **kwargs)
+    return ClientSession(base_url=base_url.rstrip("/") + "/", headers=merged, **kwargs)
