@@ -18,6 +18,7 @@ from .heartbeats import Heartbeats
 from .identity import TenantResolver
 from .metrics import Metrics
 from .problems import Problem
+from .replay import server_timing
 from .store import Store, StoreUnavailable, make_store
 
 log = logging.getLogger("idemproxy.proxy")
@@ -123,8 +124,10 @@ async def _origin_form_only(request: web.Request, handler) -> web.StreamResponse
     # Targets no route can take (`CONNECT host:port`, `OPTIONS *`) never reach the proxy
     # handler; refuse them as problems too, not with aiohttp's plain-text 404.
     if request.match_info.http_exception is not None:
-        return Problem("invalid-request", "only origin-form request targets are accepted; "
-                       "this is not an open proxy").response()
+        response = Problem("invalid-request", "only origin-form request targets are accepted; "
+                           "this is not an open proxy").response()
+        response.headers["Server-Timing"] = server_timing(0.0)
+        return response
     return await handler(request)
 
 

@@ -125,3 +125,30 @@ async def test_store_failure_fails_closed_and_passthrough_still_works(make_proxy
         assert r.status == 200 and r.headers["Idempotent-Replayed"] == "false"
     async with http.get(proxy.url + "/readyz") as r:
         assert r.status == 200
+
+
+async def test_a_write_answered_as_store_unavailable_never_commits_later(make_proxy, sqlite_url, provider, http):
+    """A claim whose request got 503 must not appear once the store recovers: nobody would
+    own it, and on a quarantine upstream it would turn into outcome-unknown for good."""
+    proxy = await make_proxy(sqlite_url, store={"timeout": "1s"})
+    async with http.get(proxy.url + "/readyz") as r:
+        assert r.status == 200
+
+    async def send(key: str) -> int:
+        async with http.post(proxy.url + "/tools/send", json=BODY, headers={"Idempotency-Key": key}) as r:
+            return r.status
+
+    blocker = sqlite3.connect(sqlite_url[len("sqlite:///"):], isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")
+    try:
+        first = asyncio.create_task(send("a"))  # keeps the writer busy-waiting for the lock
+        await asyncio.sleep(0.5)
+        second = asyncio.create_task(send("b"))  # queued behind it; its caller gives up first
+        assert (await first, await second) == (503, 503)
+    finally:
+        blocker.execute("ROLLBACK")  # the writer may still hold b's write: it must drop it
+        blocker.close()
+    await asyncio.sleep(0.3)
+    for key in ("a", "b"):  # the keys are free: a retry goes upstream at once
+        assert await asyncio.wait_for(send(key), 2.0) == 200
+    assert provider.calls["tool:send"] == 2

@@ -7,6 +7,7 @@ itself (problem+json) with nothing reaching the fake provider.
 
 from __future__ import annotations
 
+import asyncio
 from urllib.parse import urlsplit
 
 import pytest
@@ -204,3 +205,26 @@ async def test_problem_body_is_json_with_instance(echo_proxy, http):
     async with http.get(echo_proxy.url + "/nope/x") as resp:
         body = await problem(resp, "unknown-upstream", 404)
     assert body["instance"] == "/nope/x"
+
+
+async def test_every_answer_carries_server_timing(echo_proxy, provider, http):
+    body = {"model": "m", "messages": [{"role": "user", "content": "t"}]}
+    chat = echo_proxy.url + "/openai/v1/chat/completions"
+    answers = []
+    first = asyncio.create_task(http.post(chat, json=body, headers={"Idempotency-Key": "st", "X-Fake-Delay": "0.3"}))
+    while provider.calls["chat"] < 1:
+        await asyncio.sleep(0.01)
+    async with http.post(chat, json=body, headers={"Idempotency-Key": "st"}) as joined:
+        answers.append(("joined", joined.status, joined.headers.get("Server-Timing")))
+    async with await first as recorded:
+        answers.append(("recorded", recorded.status, recorded.headers.get("Server-Timing")))
+    async with http.post(chat, json=body, headers={"Idempotency-Key": "st"}) as replayed:
+        answers.append(("replayed", replayed.status, replayed.headers.get("Server-Timing")))
+    async with http.get(echo_proxy.url + "/echo/x") as passed:
+        answers.append(("passthrough", passed.status, passed.headers.get("Server-Timing")))
+    async with http.get(echo_proxy.url + "/nope/x") as refused:
+        answers.append(("refused", refused.status, refused.headers.get("Server-Timing")))
+    connect = await raw_request(echo_proxy.url, "CONNECT example.com:443 HTTP/1.1\nHost: example.com:443")
+    answers.append(("connect", connect.status, connect.headers.get("Server-Timing")))
+    for what, status, timing in answers:
+        assert timing and timing.startswith("idemproxy;dur="), (what, status, timing)

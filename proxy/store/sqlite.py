@@ -84,6 +84,7 @@ class SQLiteStore:
         self.timeout = timeout
         self.durability = "SQLite WAL with synchronous=FULL: every answer is fsynced first"
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._handover = threading.Lock()  # decides, per write, writer-took-it vs caller-gave-up
         self._writer: threading.Thread | None = None
         self._reader: sqlite3.Connection | None = None
         self._waiters: dict[str, asyncio.Event] = {}
@@ -147,10 +148,15 @@ class SQLiteStore:
         results: list[tuple[Any, BaseException | None]] = []
         try:
             conn.execute("BEGIN IMMEDIATE")
-            for fn, _ in batch:
+            for op in batch:
+                with self._handover:
+                    op.taken = not op.abandoned
+                if not op.taken:  # its caller already answered store-unavailable
+                    results.append((None, None))
+                    continue
                 conn.execute("SAVEPOINT op")
                 try:
-                    results.append((fn(conn), None))
+                    results.append((op.fn(conn), None))
                     conn.execute("RELEASE op")
                 except sqlite3.Error:
                     raise
@@ -164,18 +170,27 @@ class SQLiteStore:
                 conn.execute("ROLLBACK")
             failure = StoreUnavailable(f"sqlite write failed: {exc}")
             results = [(None, failure)] * len(batch)
-        for (_, future), (value, exc) in zip(batch, results):
-            self._loop.call_soon_threadsafe(_settle, future, value, exc)
+        for op, (value, exc) in zip(batch, results):
+            self._loop.call_soon_threadsafe(_settle, op.future, value, exc)
 
     async def _write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
         if self._writer is None:
             raise StoreUnavailable("store is closed")
-        future = self._loop.create_future()
-        self._queue.put((fn, future))
+        op = _Write(fn, self._loop.create_future())
+        self._queue.put(op)
         try:
-            return await asyncio.wait_for(asyncio.shield(future), self.timeout)
+            return await asyncio.wait_for(asyncio.shield(op.future), self.timeout)
         except asyncio.TimeoutError:
-            raise StoreUnavailable(f"sqlite write took longer than {self.timeout}s") from None
+            with self._handover:
+                op.abandoned = not op.taken
+            if op.abandoned:
+                raise StoreUnavailable(f"sqlite write took longer than {self.timeout}s") from None
+        # The writer took it before we gave up: its outcome, committed or not, is the truth.
+        # (This second bound only guards against a disk that never returns.)
+        try:
+            return await asyncio.wait_for(asyncio.shield(op.future), self.timeout)
+        except asyncio.TimeoutError:
+            raise StoreUnavailable(f"sqlite commit took longer than {self.timeout}s") from None
 
     def _read(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
         if self._reader is None:
@@ -512,6 +527,16 @@ class SQLiteStore:
 
     async def count_runs(self) -> dict[str, int]:
         return {state: n for state, n in self._read("SELECT state, count(*) FROM runs GROUP BY state")}
+
+
+class _Write:
+    """A queued write: taken by the writer or abandoned by its caller, never both, so a
+    write whose caller already answered 503 cannot commit later (a claim nobody owns)."""
+    __slots__ = ("fn", "future", "taken", "abandoned")
+
+    def __init__(self, fn: Callable[[sqlite3.Connection], Any], future: asyncio.Future):
+        self.fn, self.future = fn, future
+        self.taken = self.abandoned = False
 
 
 def _settle(future: asyncio.Future, value: Any, exc: BaseException | None) -> None:
