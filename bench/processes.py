@@ -171,6 +171,16 @@ def cpu_seconds(server: Server) -> float | None:
     return total if found else None
 
 
+def machine_busy_seconds() -> float | None:
+    """CPU time all cores spent busy since boot (everyone's: ours, the stores', others')."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / CLOCK_TICKS
+
+
 def _listening(server: Server) -> bool:
     with socket.create_connection(("127.0.0.1", server.port), timeout=0.5):
         return True

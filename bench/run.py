@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import platform
@@ -27,6 +28,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -34,7 +36,7 @@ import loadgen  # noqa: E402
 import profile_summary  # noqa: E402
 import report  # noqa: E402
 from processes import (REPO, BenchError, Processes, Server, cpu_seconds, http,  # noqa: E402
-                       make_store)
+                       machine_busy_seconds, make_store)
 
 LOW, HIGH = 1, 32  # connections
 BODY = json.dumps({"model": "gpt-bench", "temperature": 0,
@@ -76,6 +78,7 @@ class Bench:
     procs: Processes
     provider: Server
     tag: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:8])
+    serial: Iterator[int] = dataclasses.field(default_factory=itertools.count)  # fresh keys stay fresh
 
     def upstream_calls(self) -> int:
         status, _, body = http("GET", self.provider.url + "/_calls")
@@ -89,8 +92,7 @@ class Bench:
         return loadgen.Load(
             server.url + scenario.path, connections, duration, BODY, headers,
             key=self.replay_key(server) if scenario.key == "same" else "",
-            key_prefix=f"bench-{self.tag}-{server.name}-{scenario.name}-{phase}{connections}-"
-            if scenario.key == "fresh" else "")
+            key_prefix=f"bench-{self.tag}-{next(self.serial)}-" if scenario.key == "fresh" else "")
 
     def replay_key(self, server: Server) -> str:
         return f"bench-{self.tag}-{server.name}-replay"
@@ -103,9 +105,11 @@ class Bench:
         before = self.upstream_calls()
         load = self.load(server, scenario, connections, a.duration, "run")
         profiler = self.start_profiler(server, scenario, store, workers, connections)
+        busy_before = machine_busy_seconds()
         cpu_before = (cpu_seconds(server), cpu_seconds(self.provider), _children_cpu())
         summary = loadgen.run(self.kind, load)
         cpu_after = (cpu_seconds(server), cpu_seconds(self.provider), _children_cpu())
+        busy_after = machine_busy_seconds()
         profile = self.finish_profiler(profiler, summary.requests * (a.duration - 1) / a.duration)
         # CPU microseconds per completed request: the server measured, the provider, and
         # the load generator (the only child reaped meanwhile), unless py-spy ran too.
@@ -129,6 +133,9 @@ class Bench:
             "cpu_us_per_request": cpu,
             "cpu_cores_busy": round(sum(v for v in cpu.values() if v) * summary.requests / 1e6
                                     / max(summary.seconds, 1e-9), 2),
+            # Every process on the machine, the store servers and other people's work included.
+            "machine_cores_busy": round((busy_after - busy_before) / max(summary.seconds, 1e-9), 2)
+            if busy_before is not None and busy_after is not None else None,
             "profiled": profile is not None,
         }
         if profile:
@@ -138,7 +145,8 @@ class Bench:
         print(f"  {store:8} w{workers} {scenario.name:16} c{connections:<3} {summary.rps:8.0f} req/s  "
               f"p50 {summary.p50_ms:6.3f} ms  p99 {summary.p99_ms:6.3f} ms  "
               f"cpu/req {cpu['server'] or 0:5.0f} us (provider {cpu['provider'] or 0:4.0f}, "
-              f"loadgen {cpu['loadgen'] or 0:4.0f}){flag}", flush=True)
+              f"loadgen {cpu['loadgen'] or 0:4.0f}), machine {result['machine_cores_busy']} cores busy{flag}",
+              flush=True)
         return result
 
     # -- profiling (optional: py-spy samples the idemproxy process under load) --------------

@@ -27,6 +27,7 @@ import httpx
 from langchain_core.messages import HumanMessage, SystemMessage
 from langchain_openai import ChatOpenAI
 from langgraph.graph import END, START, StateGraph
+from pydantic import SecretStr
 
 from idemproxy_client import Run
 
@@ -98,7 +99,7 @@ def main() -> int:
         llm = ChatOpenAI(model="gpt-4o-mini", base_url=run.url("openai", "/v1"),
                          # The credential decides the journal's tenant: every attempt
                          # must send the same one (or none, when the proxy injects it).
-                         api_key=os.environ.get("OPENAI_API_KEY") or "idemproxy-injected",
+                         api_key=SecretStr(os.environ.get("OPENAI_API_KEY") or "idemproxy-injected"),
                          include_response_headers=True)
         with run.client("tools", timeout=30) as tools:
             agent = build_graph(run, llm, tools, args.crash_at)

@@ -77,8 +77,10 @@ def _rows(status: str) -> int:
 
 
 def _unreachable(exc: BaseException) -> bool:
-    if isinstance(exc, (OSError, TimeoutError, asyncpg.InterfaceError)):
-        return True  # ConnectionError is an OSError
+    # ConnectionError is an OSError. InternalClientError: a pooled link caught mid-error by a
+    # server going away ("cannot switch to state ..."), seen under load on a fast shutdown.
+    if isinstance(exc, (OSError, TimeoutError, asyncpg.InterfaceError, asyncpg.InternalClientError)):
+        return True
     if isinstance(exc, asyncpg.PostgresError):
         state = getattr(exc, "sqlstate", None) or ""
         return state[:2] in UNAVAILABLE_CLASSES or state == "25006"
@@ -262,7 +264,15 @@ class PostgresStore:
         with _translated(what, self.timeout):
             async with asyncio.timeout(self.timeout):
                 async with pool.acquire() as conn:
-                    return await work(conn)
+                    try:
+                        return await work(conn)
+                    except BaseException as exc:
+                        # Cut short by the timeout, or the link failed: drop the connection.
+                        # Released politely it would wait for the server to confirm the cancel
+                        # (a second timeout), or go back to the pool half-dead for the next user.
+                        if isinstance(exc, asyncio.CancelledError) or _unreachable(exc):
+                            conn.terminate()
+                        raise
 
     async def _tx(self, what: str, work: Callable[[asyncpg.Connection], Awaitable[Any]]) -> Any:
         async def in_transaction(conn: asyncpg.Connection) -> Any:
