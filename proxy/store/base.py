@@ -14,6 +14,7 @@ its :class:`Scope`, so tenants and runs can never collide.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -121,6 +122,46 @@ class Run:
     ended_at: float | None = None
     next_restart_at: float = 0.0
     history: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Waiters:
+    """Callers waiting in this process for a journal entry to change.
+
+    A backend calls :meth:`wake` when it learns of a change (its own write, a NOTIFY, a
+    pub/sub message); :meth:`wait` also returns after ``poll_s``, so a lost notification
+    costs a poll, never a hang. An event lives only while someone waits on it.
+    """
+
+    def __init__(self, poll_s: float):
+        self.poll_s = poll_s
+        self._events: dict[str, asyncio.Event] = {}
+        self._waiting: dict[str, int] = {}
+
+    def wake(self, kid: str) -> None:
+        event = self._events.pop(kid, None)
+        if event is not None:
+            event.set()
+
+    def wake_all(self) -> None:
+        events, self._events = self._events, {}
+        for event in events.values():
+            event.set()
+
+    async def wait(self, kid: str, timeout: float) -> None:
+        event = self._events.get(kid)
+        if event is None:
+            event = self._events[kid] = asyncio.Event()
+        self._waiting[kid] = self._waiting.get(kid, 0) + 1
+        try:
+            await asyncio.wait_for(event.wait(), min(timeout, self.poll_s))
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            left = self._waiting.pop(kid) - 1
+            if left:
+                self._waiting[kid] = left
+            elif self._events.get(kid) is event:
+                del self._events[kid]
 
 
 @runtime_checkable

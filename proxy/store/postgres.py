@@ -36,7 +36,7 @@ import orjson
 from ..config import mask_url
 from . import postgres_sql as sql
 from .base import (ENDED, IN_FLIGHT, RESTARTING, RUNNING, UNKNOWN, UNRECORDABLE, Claim, ClaimResult,
-                   Entry, Recorded, Run, StoreUnavailable)
+                   Entry, Recorded, Run, StoreUnavailable, Waiters)
 
 log = logging.getLogger("idemproxy.store")
 
@@ -143,8 +143,6 @@ def _describe(sync: str, fsync: str) -> str:
 class PostgresStore:
     """The journal, the runs and the secrets in PostgreSQL; see the module docstring."""
 
-    poll_s = POLL_S
-
     def __init__(self, url: str, timeout: float = 5.0):
         self.url = url
         self.timeout = timeout
@@ -154,7 +152,7 @@ class PostgresStore:
         self.durability = "unknown until the store is open"
         self._pool: asyncpg.Pool | None = None
         self._listener: asyncio.Task | None = None
-        self._waiters: dict[str, asyncio.Event] = {}
+        self._waiters = Waiters(POLL_S)
         self._pending: list[tuple[str, str, Recorded, asyncio.Future]] = []
         self._flusher: asyncio.Task | None = None
 
@@ -246,15 +244,20 @@ class PostgresStore:
     def _on_notify(self, _conn: Any, _pid: int, _channel: str, kid: str) -> None:
         self._wake(kid)
 
+    @property
+    def poll_s(self) -> float:
+        """How long a waiter waits for a notification before it looks for itself."""
+        return self._waiters.poll_s
+
+    @poll_s.setter
+    def poll_s(self, value: float) -> None:
+        self._waiters.poll_s = value
+
     def _wake(self, kid: str) -> None:
-        event = self._waiters.pop(kid, None)
-        if event is not None:
-            event.set()
+        self._waiters.wake(kid)
 
     def _wake_all(self) -> None:
-        waiters, self._waiters = self._waiters, {}
-        for event in waiters.values():
-            event.set()
+        self._waiters.wake_all()
 
     async def _use(self, what: str, work: Callable[[asyncpg.Connection], Awaitable[Any]]) -> Any:
         """Run ``work`` on a pooled connection, bounded by the timeout, errors translated."""
@@ -422,12 +425,7 @@ class PostgresStore:
         return [(r[0], r[1]) for r in rows]
 
     async def wait(self, kid: str, timeout: float) -> None:
-        event = self._waiters.get(kid)
-        if event is None:
-            event = self._waiters[kid] = asyncio.Event()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(min(timeout, self.poll_s)):
-                await event.wait()
+        await self._waiters.wait(kid, timeout)
 
     async def count_replays(self, counts: dict[str, int]) -> None:
         if counts:  # sorted, so two proxies updating the same rows lock them in one order

@@ -39,7 +39,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from ..config import mask_url
 from .base import (COMPLETE, COMPLETED, DEAD, FAILED, IN_FLIGHT, RESTARTING, RUNNING, UNKNOWN,
-                   UNRECORDABLE, Claim, ClaimResult, Entry, Recorded, Run, StoreUnavailable)
+                   UNRECORDABLE, Claim, ClaimResult, Entry, Recorded, Run, StoreUnavailable, Waiters)
 from .redis_scripts import HISTORY_LIMIT, SCRIPTS
 
 log = logging.getLogger("idemproxy.store")
@@ -148,7 +148,7 @@ class RedisStore:
         self._client: redis_asyncio.Redis | None = None
         self._scripts: dict[str, Any] = {}
         self._listener: asyncio.Task | None = None
-        self._waiters: dict[str, asyncio.Event] = {}
+        self._waiters = Waiters(POLL_S)
 
     def __repr__(self) -> str:
         return f"RedisStore({mask_url(self.url)!r}, prefix={self.prefix!r})"
@@ -261,23 +261,13 @@ class RedisStore:
                     await pubsub.aclose()
 
     def _notify(self, kid: str) -> None:
-        event = self._waiters.pop(kid, None)
-        if event is not None:
-            event.set()
+        self._waiters.wake(kid)
 
     def _wake_all(self) -> None:
-        waiters, self._waiters = self._waiters, {}
-        for event in waiters.values():
-            event.set()
+        self._waiters.wake_all()
 
     async def wait(self, kid: str, timeout: float) -> None:
-        event = self._waiters.get(kid)
-        if event is None:
-            event = self._waiters[kid] = asyncio.Event()
-        try:
-            await asyncio.wait_for(event.wait(), min(timeout, POLL_S))
-        except asyncio.TimeoutError:
-            pass
+        await self._waiters.wait(kid, timeout)
 
     async def ping(self) -> None:
         await self._do(self._redis.ping())

@@ -21,7 +21,8 @@ from typing import Any, Callable
 import orjson
 
 from .base import (COMPLETE, ENDED, IN_FLIGHT, RESTARTING, RUNNING, UNKNOWN,
-                   UNRECORDABLE, Claim, ClaimResult, Entry, Recorded, Run, StoreUnavailable)
+                   UNRECORDABLE, Claim, ClaimResult, Entry, Recorded, Run, StoreUnavailable,
+                   Waiters)
 
 log = logging.getLogger("idemproxy.store")
 
@@ -87,7 +88,7 @@ class SQLiteStore:
         self._handover = threading.Lock()  # decides, per write, writer-took-it vs caller-gave-up
         self._writer: threading.Thread | None = None
         self._reader: sqlite3.Connection | None = None
-        self._waiters: dict[str, asyncio.Event] = {}
+        self._waiters = Waiters(POLL_S)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def __repr__(self) -> str:
@@ -201,9 +202,7 @@ class SQLiteStore:
             raise StoreUnavailable(f"sqlite read failed: {exc}") from exc
 
     def _notify(self, kid: str) -> None:
-        event = self._waiters.pop(kid, None)
-        if event is not None:
-            event.set()
+        self._waiters.wake(kid)
 
     async def ping(self) -> None:
         self._read("SELECT 1")
@@ -354,13 +353,7 @@ class SQLiteStore:
         return [(r[0], r[1]) for r in rows]
 
     async def wait(self, kid: str, timeout: float) -> None:
-        event = self._waiters.get(kid)
-        if event is None:
-            event = self._waiters[kid] = asyncio.Event()
-        try:
-            await asyncio.wait_for(event.wait(), min(timeout, POLL_S))
-        except asyncio.TimeoutError:
-            pass
+        await self._waiters.wait(kid, timeout)
 
     async def count_replays(self, counts: dict[str, int]) -> None:
         await self._write(lambda c: c.executemany(
