@@ -209,12 +209,19 @@ def require_loopback(url: str) -> str:
     return url
 
 
-def make_store(kind: str, workdir: Path, postgres: str, redis: str) -> tuple[str, Callable[[], None]]:
-    """A fresh, empty store of ``kind``: its URL and how to remove it afterwards."""
+def check_store(kind: str, postgres: str, redis: str) -> None:
+    """The store can be benchmarked: its module exists, its server answers on loopback."""
     if kind not in STORE_MODULES:
         raise BenchError(f"unknown store {kind!r} (sqlite, postgres or redis)")
     if importlib.util.find_spec(f"idemproxy.proxy.store.{STORE_MODULES[kind]}") is None:
         raise BenchError(f"proxy/store/{STORE_MODULES[kind]}.py does not exist (yet)")
+    if kind != "sqlite":
+        _require_reachable(postgres if kind == "postgres" else redis)
+
+
+def make_store(kind: str, workdir: Path, postgres: str, redis: str) -> tuple[str, Callable[[], None]]:
+    """A fresh, empty store of ``kind``: its URL and how to remove it afterwards."""
+    check_store(kind, postgres, redis)
     tag = uuid.uuid4().hex[:10]
     if kind == "sqlite":
         return f"sqlite:///{workdir}/bench-{tag}.db", lambda: None
@@ -223,6 +230,15 @@ def make_store(kind: str, workdir: Path, postgres: str, redis: str) -> tuple[str
         return f"{require_loopback(postgres)}?schema={schema}", lambda: _drop_schema(postgres, schema)
     prefix = f"bench{tag}:"
     return f"{require_loopback(redis)}?prefix={prefix}", lambda: _drop_prefix(redis, prefix)
+
+
+def _require_reachable(url: str) -> None:
+    parts = urlsplit(require_loopback(url))
+    try:
+        with socket.create_connection((parts.hostname, parts.port or 0), timeout=2):
+            return
+    except OSError as exc:
+        raise BenchError(f"{url}: not reachable ({exc})") from None
 
 
 def _drop_schema(url: str, schema: str) -> None:

@@ -76,7 +76,7 @@ def _num(value, fmt: str) -> str:
     return "–" if value is None else format(value, fmt)
 
 
-def markdown(rows: list[dict], meta: dict) -> str:
+def markdown(rows: list[dict], meta: dict, errors: dict[str, str] | None = None) -> str:
     lines = [
         f"idemproxy benchmark, {meta.get('started')}, git {meta.get('git')}, {meta.get('cpus')} CPUs, "
         f"load generator {meta.get('loadgen')}, {meta.get('duration_s'):g}s per measurement; "
@@ -101,6 +101,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines.append("Latencies in milliseconds. × baseline: throughput at 32 connections over the baseline's, "
                  "measured just before the same store's rows. CPU µs/req: CPU time of the proxy "
                  "measured (all its processes) per request. Δp50: p50 at 1 connection minus the baseline's.")
+    for store, error in (errors or {}).items():
+        lines.append(f"\n**{store} not measured:** {error.splitlines()[0] if error else ''}")
     return "\n".join(lines)
 
 

@@ -36,7 +36,7 @@ import loadgen  # noqa: E402
 import profile_summary  # noqa: E402
 import report  # noqa: E402
 from processes import (REPO, BenchError, Processes, Server, cpu_seconds, http,  # noqa: E402
-                       machine_busy_seconds, make_store)
+                       check_store, machine_busy_seconds, make_store)
 
 LOW, HIGH = 1, 32  # connections
 BODY = json.dumps({"model": "gpt-bench", "temperature": 0,
@@ -86,8 +86,7 @@ class Bench:
             raise BenchError(f"provider /_calls answered {status}")
         return json.loads(body).get("small", 0)
 
-    def load(self, server: Server, scenario: Scenario, connections: int, duration: float,
-             phase: str) -> loadgen.Load:
+    def load(self, server: Server, scenario: Scenario, connections: int, duration: float) -> loadgen.Load:
         headers = HEADERS + ((("Idem-Policy", scenario.policy),) if scenario.policy else ())
         return loadgen.Load(
             server.url + scenario.path, connections, duration, BODY, headers,
@@ -97,32 +96,28 @@ class Bench:
     def replay_key(self, server: Server) -> str:
         return f"bench-{self.tag}-{server.name}-replay"
 
+    def cpu(self, server: Server) -> dict[str, float | None]:
+        """CPU seconds used so far by the server measured, the provider, the load generator
+        (the only child reaped during a measurement) and the whole machine."""
+        return {"server": cpu_seconds(server), "provider": cpu_seconds(self.provider),
+                "loadgen": _children_cpu(), "machine": machine_busy_seconds()}
+
     def measure(self, store: str, workers: int, server: Server, scenario: Scenario,
                 connections: int) -> dict:
-        a = self.args
-        loadgen.run(self.kind, self.load(server, scenario, connections, a.warmup, "warm"))
+        loadgen.run(self.kind, self.load(server, scenario, connections, self.args.warmup))
         time.sleep(0.3)  # let calls the warm-up left in flight reach the provider
-        before = self.upstream_calls()
-        load = self.load(server, scenario, connections, a.duration, "run")
+        calls_before = self.upstream_calls()
         profiler = self.start_profiler(server, scenario, store, workers, connections)
-        busy_before = machine_busy_seconds()
-        cpu_before = (cpu_seconds(server), cpu_seconds(self.provider), _children_cpu())
-        summary = loadgen.run(self.kind, load)
-        cpu_after = (cpu_seconds(server), cpu_seconds(self.provider), _children_cpu())
-        busy_after = machine_busy_seconds()
-        profile = self.finish_profiler(profiler, summary.requests * (a.duration - 1) / a.duration)
-        # CPU microseconds per completed request: the server measured, the provider, and
-        # the load generator (the only child reaped meanwhile), unless py-spy ran too.
-        cpu = {name: round((b - a) * 1e6 / max(1, summary.requests), 1)
-               if a is not None and b is not None else None
-               for name, a, b in zip(("server", "provider", "loadgen"), cpu_before, cpu_after)}
-        if profile is not None:
-            cpu["loadgen"] = None
+        cpu_before = self.cpu(server)
+        summary = loadgen.run(self.kind, self.load(server, scenario, connections, self.args.duration))
+        cpu_after = self.cpu(server)
+        profile = self.finish_profiler(profiler, summary.requests)
         time.sleep(0.3)
-        calls = self.upstream_calls() - before
+        calls = self.upstream_calls() - calls_before
         # Closed loop: every completed request made its call, plus at most one call per
         # connection whose answer came after the load generator stopped counting.
         expected = (summary.requests, summary.requests + connections) if scenario.upstream else (0, 0)
+        used = {k: _delta(cpu_before[k], cpu_after[k]) for k in cpu_before}
         result = {
             "store": store, "workers": workers, "scenario": scenario.name, "connections": connections,
             "rps": round(summary.rps, 1), "p50_ms": round(summary.p50_ms, 3),
@@ -130,24 +125,26 @@ class Bench:
             "max_ms": round(summary.max_ms, 3), "requests": summary.requests,
             "seconds": round(summary.seconds, 3), "errors": summary.errors,
             "upstream_calls": calls, "calls_ok": expected[0] <= calls <= expected[1],
-            "cpu_us_per_request": cpu,
-            "cpu_cores_busy": round(sum(v for v in cpu.values() if v) * summary.requests / 1e6
-                                    / max(summary.seconds, 1e-9), 2),
-            # Every process on the machine, the store servers and other people's work included.
-            "machine_cores_busy": round((busy_after - busy_before) / max(summary.seconds, 1e-9), 2)
-            if busy_before is not None and busy_after is not None else None,
+            "cpu_us_per_request": {k: _per(used[k], summary.requests / 1e6, 1)
+                                   for k in ("server", "provider", "loadgen")},
+            # Every process on the machine: the store servers' and other people's work included.
+            "machine_cores_busy": _per(used["machine"], summary.seconds, 2),
             "profiled": profile is not None,
         }
         if profile:
             result["profile"] = profile
-        flag = "" if result["calls_ok"] and not summary.failed else \
-            f"  !! errors={summary.errors} upstream_calls={calls} expected {expected}"
-        print(f"  {store:8} w{workers} {scenario.name:16} c{connections:<3} {summary.rps:8.0f} req/s  "
-              f"p50 {summary.p50_ms:6.3f} ms  p99 {summary.p99_ms:6.3f} ms  "
-              f"cpu/req {cpu['server'] or 0:5.0f} us (provider {cpu['provider'] or 0:4.0f}, "
-              f"loadgen {cpu['loadgen'] or 0:4.0f}), machine {result['machine_cores_busy']} cores busy{flag}",
-              flush=True)
+        self.show(result, expected)
         return result
+
+    @staticmethod
+    def show(r: dict, expected: tuple[int, int]) -> None:
+        cpu = {k: v or 0 for k, v in r["cpu_us_per_request"].items()}
+        flag = "" if r["calls_ok"] and not r["errors"] else \
+            f"  !! errors={r['errors']} upstream_calls={r['upstream_calls']} expected {expected}"
+        print(f"  {r['store']:8} w{r['workers']} {r['scenario']:16} c{r['connections']:<3} {r['rps']:8.0f} req/s  "
+              f"p50 {r['p50_ms']:6.3f} ms  p99 {r['p99_ms']:7.3f} ms  cpu/req {cpu['server']:5.0f} us "
+              f"(provider {cpu['provider']:4.0f}, loadgen {cpu['loadgen']:3.0f}); "
+              f"machine {r['machine_cores_busy']} cores busy{flag}", flush=True)
 
     # -- profiling (optional: py-spy samples the idemproxy process under load) --------------
 
@@ -163,9 +160,8 @@ class Bench:
                 "--nonblocking"] + (["--subprocesses"] if workers > 1 else [])
         return out, subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
-    @staticmethod
-    def finish_profiler(profiler, requests: float) -> str | None:
-        """Wait for py-spy; summarize its samples (over ``requests``, those in its window)."""
+    def finish_profiler(self, profiler, requests: int) -> str | None:
+        """Wait for py-spy; summarize its samples per request (those in its shorter window)."""
         if profiler is None:
             return None
         out, popen = profiler
@@ -179,8 +175,17 @@ class Bench:
             print(f"  py-spy failed: {err.decode(errors='replace')[-500:]}", file=sys.stderr)
             return None
         summary = out.with_suffix(".txt")
-        summary.write_text(profile_summary.summarize(out, round(requests), PROFILE_HZ))
+        in_window = round(requests * (self.args.duration - 1) / self.args.duration)
+        summary.write_text(profile_summary.summarize(out, in_window, PROFILE_HZ))
         return str(summary)
+
+
+def _delta(before: float | None, after: float | None) -> float | None:
+    return None if before is None or after is None else after - before
+
+
+def _per(value: float | None, divisor: float, digits: int) -> float | None:
+    return None if value is None else round(value / max(divisor, 1e-9), digits)
 
 
 def _children_cpu() -> float:
@@ -209,6 +214,7 @@ def probe(bench: Bench, server: Server) -> None:
 
 def run_store(bench: Bench, store: str, baseline: Server, results: list[dict]) -> None:
     a = bench.args
+    check_store(store, a.postgres_url, a.redis_url)
     for connections in (LOW, HIGH):  # a baseline next to each store's figures
         results.append(bench.measure(store, 0, baseline, SCENARIOS["baseline"], connections))
     for workers in a.workers:
@@ -232,7 +238,7 @@ def _csv(value: str) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--duration", type=float, default=5.0, help="seconds per measurement (default 5)")
+    p.add_argument("--duration", type=float, default=4.0, help="seconds per measurement (default 4)")
     p.add_argument("--warmup", type=float, default=1.0, help="seconds of warm-up before each (default 1)")
     p.add_argument("--stores", type=_csv, default=["sqlite", "postgres", "redis"])
     p.add_argument("--workers", type=lambda v: [int(x) for x in _csv(v)], default=[1],
@@ -300,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(doc, indent=2) + "\n")
             print()
-            print(report.markdown(rows, meta))
+            print(report.markdown(rows, meta, errors))
             print(f"\nwritten: {out}")
     missed = [r for r in rows if r["ok"] is False]
     return 1 if errors or (args.strict and missed) else 0

@@ -12,6 +12,7 @@ end of an answer that a crash could lose.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -114,9 +115,13 @@ class Call:
                 self.status = resp.status
                 self.headers = response_headers(resp.headers)
                 self.streamed = is_stream(resp.headers)
+                if (resp.content_length or 0) > self.max_record_bytes:
+                    self.streamed = True  # unrecordable anyway: pass it on without buffering it whole
                 self._publish()
                 first_byte = None
-                flusher = (asyncio.create_task(self._share(store)) if self.streamed else None)
+                line_start = b""  # the unfinished last line passed so far, while it is short
+                sharing = asyncio.Event()
+                flusher = asyncio.create_task(self._share(store, sharing)) if self.streamed else None
                 try:
                     while True:
                         chunk = await resp.content.readany()
@@ -132,15 +137,21 @@ class Call:
                             else:
                                 timing.append((len(recorded), round(now - first_byte, 4)))
                                 recorded += chunk
+                        # Look for a terminal event across reads: "data: [DO" + "NE]" is one.
+                        window = line_start + chunk
+                        terminal = TERMINAL_EVENT.search(window) is not None
+                        rest = window[window.rfind(b"\n") + 1:]
+                        line_start = rest if len(rest) <= 32 else b"\0"  # too long to be one
                         if (self.streamed and not self._held and not resp.content.is_eof()
-                                and not TERMINAL_EVENT.search(chunk)):
+                                and not terminal):
                             self.chunks.append(chunk)
                             self._publish()
                         else:  # the last bytes (and what follows them) wait for the commit
                             self._held.append(chunk)
                 finally:
                     if flusher is not None:
-                        flusher.cancel()
+                        sharing.set()  # stopped before the record: no shared bytes land after it
+                        await asyncio.gather(flusher, return_exceptions=True)
         except Exception as exc:
             if never_sent(exc):
                 await store.release(self.kid, self.owner)
@@ -169,8 +180,11 @@ class Call:
             return CallResult("unsaved", ("store-unavailable", "the upstream answered but the journal "
                                           "could not record it; the key stays claimed until its lease ends"))
         if not kept:
-            log.warning("lease on %s was lost before its record; the answer is passed on unrecorded",
-                        self.kid[:12])
+            # Another proxy took the key over (our lease lapsed): its outcome is the journal's,
+            # and the agent must not act on one the journal does not hold (rule 1).
+            log.warning("lease on %s was lost before its record; the answer is withheld", self.kid[:12])
+            return CallResult("unsaved", ("in-flight", "this proxy lost its claim on the key before "
+                                          "it could record the answer; retry to get the journal's outcome"))
         return self._release_held("recorded")
 
     def _release_held(self, fate: str) -> CallResult:
@@ -188,15 +202,16 @@ class Call:
             fate = "ambiguous"
         return CallResult(fate, (slug, detail) if slug else None)
 
-    async def _share(self, store: Store) -> None:
+    async def _share(self, store: Store, done: asyncio.Event) -> None:
         """Copy the stream to the store as it passes, so another proxy can join it."""
         seq, sent = 0, 0
         try:
             await store.append_partial(self.kid, self.owner, 0, orjson.dumps(
                 {"status": self.status, "headers": storable_headers(self.headers, self.upstream)}))
-            while True:
-                await asyncio.sleep(PARTIAL_FLUSH_S)
-                if len(self.chunks) > sent:
+            while not done.is_set():
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(done.wait(), PARTIAL_FLUSH_S)
+                if len(self.chunks) > sent and not done.is_set():
                     seq += 1
                     data = b"".join(self.chunks[sent:])
                     sent = len(self.chunks)

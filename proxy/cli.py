@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = _settings(args)
     except ConfigError as exc:
         print(f"idemproxy: configuration error: {exc}", file=sys.stderr)
-        return 2
+        return 1 if args.command == "check" else 2  # 2 means something else to a HEALTHCHECK
     return args.handler(settings, args)
 
 

@@ -27,7 +27,7 @@ def check(settings: Settings, args=None) -> int:
         print(f"store {mask_url(settings.store.url)}: ok")
         print(f"durability: {store.durability}")
         for up in settings.upstreams.values():
-            print(f"upstream {up.name}: {up.url}")
+            print(f"upstream {up.name}: {mask_url(up.url)}")
         return 0
 
     return run(probe)

@@ -49,12 +49,16 @@ def parse_duration(value: Any) -> float:
     return float(m.group(1)) * unit
 
 
+SECRET_QUERY = re.compile(r"(?i)((?:^|&)(?:password|passwd|pass|token|secret|key|api[_-]?key)=)[^&]*")
+
+
 def mask_url(url: str) -> str:
+    """The URL with its password and secret-looking query values replaced by ``***``."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc, query=SECRET_QUERY.sub(r"\1***", parts.query)))
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,10 @@ class UpstreamSettings:
     connect_timeout: float = 10.0
     read_timeout: float = 300.0  # longest silence between two bytes of the response
     max_connections: int = 256
+
+    def __repr__(self) -> str:
+        return (f"UpstreamSettings(name={self.name!r}, url={mask_url(self.url)!r}, kind={self.kind!r}, "
+                f"on_ambiguous={self.on_ambiguous!r})")
 
 
 @dataclass(frozen=True)
@@ -316,6 +324,7 @@ def _coerce(hint, value):
 
 def _validate(s: Settings) -> None:
     from .policy import POLICIES  # the one list of policy names
+    from .routing import RESERVED  # path words with a meaning of their own
 
     for up in s.upstreams.values():
         parts = urlsplit(up.url)
@@ -328,8 +337,9 @@ def _validate(s: Settings) -> None:
         for rule in up.rules:
             if rule.policy not in POLICIES:
                 raise ConfigError(f"upstreams.{up.name}.rules: unknown policy {rule.policy!r}")
-        if not re.fullmatch(r"[A-Za-z0-9_.~-]+", up.name) or up.name in ("runs", "admin"):
-            raise ConfigError(f"upstream name {up.name!r} is not usable in a path")
+        if not re.fullmatch(r"[A-Za-z0-9_.~-]+", up.name) or up.name in RESERVED:
+            raise ConfigError(f"upstream name {up.name!r} is not usable in a path "
+                              f"(reserved: {', '.join(sorted(RESERVED))})")
     for hook in s.hooks.values():
         if bool(hook.command) == bool(hook.url):
             raise ConfigError(f"hooks.{hook.name}: set exactly one of command or url")

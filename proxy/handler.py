@@ -20,7 +20,7 @@ from .heartbeats import Heartbeats
 from .identity import Identity, TenantResolver, parse_epoch, parse_key, parse_policy, parse_run
 from .metrics import Metrics
 from .problems import Problem
-from .replay import join_remote, listen, send_record, server_timing
+from .replay import STREAM, cut_short, join_remote, listen, send_record, server_timing, start_stream
 from .routing import Route, parse_route, upstream_url
 from .store import Store, StoreUnavailable
 from .store.base import COMPLETE, IN_FLIGHT, UNKNOWN, UNRECORDABLE, Claim, Entry, Run, Scope
@@ -29,6 +29,8 @@ log = logging.getLogger("idemproxy.proxy")
 
 OUTCOME = web.RequestKey("outcome", str)  # what the proxy did: metrics and the access log
 UPSTREAM_S = web.RequestKey("upstream_s", object)  # upstream time to headers, when forwarded
+# A duplicate that waited on a call ending like this goes upstream itself, as a retry would.
+GIVEN_BACK = frozenset({"released", "ambiguous"})
 
 
 @dataclass
@@ -54,12 +56,14 @@ class Proxy:
             chosen = policy.decide(upstream, request.method, route.path, override=ident.policy,
                                    has_key=ident.key is not None, has_run=ident.run is not None)
             if ident.run:
-                await self._fence(ident)
+                await self._fence(ident, fail_open=chosen == policy.PASSTHROUGH)
             if chosen == policy.PASSTHROUGH:
                 request[OUTCOME] = "passthrough"
                 return await self._passthrough(request, route, body, started)
             return await self._record(request, route, ident, body, started)
         except Problem as problem:
+            if STREAM in request:  # the head is sent: a refusal can only cut the stream short
+                return cut_short(request)
             if problem.slug == "stale-epoch":
                 request[OUTCOME] = "fenced"
             elif problem.slug in ("key-reused", "in-flight", "outcome-unknown", "not-replayable"):
@@ -67,8 +71,13 @@ class Proxy:
             return self._refuse(request, problem, started)
         except StoreUnavailable as exc:
             log.error("store unavailable: %s", exc)
+            if STREAM in request:
+                return cut_short(request)
             return self._refuse(request, Problem("store-unavailable", "the journal store did not "
                                                  "answer; nothing was forwarded"), started)
+        except ConnectionResetError:  # the agent went away; a recorded call goes on without it
+            request[OUTCOME] = "disconnected"
+            return request.get(STREAM) or web.Response(status=499)
         finally:
             self.metrics.observe(request.get(OUTCOME, "rejected"), time.perf_counter() - started,
                                  request.get(UPSTREAM_S))
@@ -105,13 +114,23 @@ class Proxy:
                 raise Problem("too-large", f"request body over {limit} bytes", max_request_bytes=limit)
         return bytes(body)
 
-    async def _fence(self, ident: Identity) -> None:
-        """Refuse a superseded attempt (a zombie) before anything is forwarded."""
+    async def _fence(self, ident: Identity, fail_open: bool) -> None:
+        """Refuse a superseded attempt (a zombie) before anything is forwarded.
+
+        A passthrough request records nothing, so when the store is down it goes on
+        unfenced (SPEC §7: passthrough still works); a record request fails closed.
+        """
         runs = self.settings.runs
         defaults = Run(ident.namespace, ident.run, timeout_s=runs.timeout_s, grace_s=runs.grace_s,
                        max_restarts=runs.max_restarts, hook=runs.hook)
-        current = await self.store.observe_epoch(ident.namespace, ident.run, ident.epoch, defaults,
-                                                 time.time())
+        try:
+            current = await self.store.observe_epoch(ident.namespace, ident.run, ident.epoch, defaults,
+                                                     time.time())
+        except StoreUnavailable:
+            if not fail_open:
+                raise
+            log.warning("store unavailable: passthrough for run %s forwarded unfenced", ident.run)
+            return
         if ident.epoch is not None and ident.epoch < current:
             raise Problem("stale-epoch", f"run {ident.run} is at epoch {current}; this attempt "
                           f"(epoch {ident.epoch}) has been superseded", epoch=current)
@@ -134,8 +153,7 @@ class Proxy:
                                                            upstream_s)))
                 if not is_stream(resp.headers):
                     return web.Response(status=resp.status, body=await resp.read(), headers=out)
-                stream = web.StreamResponse(status=resp.status, headers=out)
-                await stream.prepare(request)
+                stream = await start_stream(request, resp.status, out)
                 async for chunk in resp.content.iter_any():
                     await stream.write(chunk)
                 await stream.write_eof()
@@ -153,24 +171,27 @@ class Proxy:
                          request.headers.get("Content-Type", ""),
                          policy.ignored_fields(upstream, request.method, route.path))
         if ident.key is not None:
-            key = ident.key
+            scope = Scope.of_key(ident.tenant, ident.run, upstream.name, ident.key)
         elif ident.run is not None:
             n = await self.store.next_occurrence(ident.namespace, ident.run, ident.epoch, fp,
                                                  self.settings.store.retention)
-            key = f"derived:{fp}:{n}"
+            scope = Scope(ident.tenant, ident.run, upstream.name, f"derived:{fp}:{n}")
         else:  # `Idem-Policy: record` with neither key nor run: the request is its own key
-            key = f"fingerprint:{fp}"
-        scope = Scope(ident.tenant, ident.run, upstream.name, key)
+            scope = Scope(ident.tenant, None, upstream.name, f"fingerprint:{fp}")
         kid = scope.kid
         deadline = time.monotonic() + self.settings.server.in_flight_wait
         paced = request.headers.get("Idem-Replay", "").lower() == "paced"
         while True:
             call = self.calls.get(kid)
+            if call is not None and call.result is not None and call.result.fate in GIVEN_BACK:
+                call = None  # it ended and gave the key back: claim it like any retry
             if call is not None:  # in flight here: join it
                 if call.fingerprint != fp:
                     raise Problem("key-reused", "this Idempotency-Key is in use with a different "
                                   "request (method, path or body)")
                 await self._until_joinable(call, deadline)
+                if call.result is not None and call.result.fate in GIVEN_BACK:
+                    continue
                 request[OUTCOME] = "joined"
                 return await listen(request, call, started, replayed=True)
             entry = await self.store.get(kid)
@@ -184,7 +205,10 @@ class Proxy:
                 if result.won:
                     request[OUTCOME] = "recorded"
                     call = self._start(request, route, result.entry, body, ident.namespace)
-                    return await listen(request, call, started, replayed=False)
+                    try:
+                        return await listen(request, call, started, replayed=False)
+                    finally:
+                        request[UPSTREAM_S] = call.upstream_s if call.status else None
                 entry = result.entry
             if entry.fingerprint != fp:
                 raise Problem("key-reused", "this Idempotency-Key was first used with a different "
@@ -240,7 +264,6 @@ class Proxy:
             self.tasks.discard(task)
             self.calls.pop(entry.kid, None)
         task.add_done_callback(done)
-        request[UPSTREAM_S] = None
         return call
 
     # -- background work ------------------------------------------------------------------

@@ -19,7 +19,7 @@ from .problems import Problem
 
 MAX_KEY_LENGTH = 255
 RUN_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-EPOCH = re.compile(r"[0-9]{1,18}")
+EPOCH = re.compile(r"[0-9]{1,15}")  # exact in every store, Redis's Lua doubles included
 TENANT_NAME = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")
 BARE_KEY = re.compile(r"[\x21-\x7e]+")  # visible ASCII; a comma means a list, refused below
 

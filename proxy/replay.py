@@ -14,6 +14,22 @@ from .store import Store
 from .store.base import COMPLETE, IN_FLIGHT, Entry, Recorded
 
 REPLAYED = "Idempotent-Replayed"
+STREAM = web.RequestKey("stream", web.StreamResponse)  # the answer, once its head is sent
+
+
+async def start_stream(request: web.Request, status: int, headers) -> web.StreamResponse:
+    """Send the head of a streamed answer; from here on, a failure can only cut it short."""
+    resp = web.StreamResponse(status=status, headers=headers)
+    await resp.prepare(request)
+    request[STREAM] = resp
+    return resp
+
+
+def cut_short(request: web.Request) -> web.StreamResponse:
+    """End a streamed answer without its terminating chunk, so no client takes it for whole."""
+    if request.transport is not None:
+        request.transport.close()
+    return request[STREAM]
 
 
 def server_timing(own_s: float, upstream_s: float | None = None) -> str:
@@ -33,8 +49,7 @@ async def send_record(request: web.Request, recorded: Recorded, started: float,
     headers = _headers(recorded.headers, True, server_timing(time.perf_counter() - started))
     if not recorded.streamed:
         return web.Response(status=recorded.status, body=recorded.body, headers=headers)
-    resp = web.StreamResponse(status=recorded.status, headers=headers)
-    await resp.prepare(request)
+    resp = await start_stream(request, recorded.status, headers)
     if paced and recorded.timing:
         clock = time.perf_counter()
         bounds = [offset for offset, _ in recorded.timing[1:]] + [len(recorded.body)]
@@ -60,8 +75,7 @@ async def listen(request: web.Request, call: Call, started: float, replayed: boo
         if result.problem:
             raise Problem(*result.problem)
         return web.Response(status=call.status, body=b"".join(call.chunks), headers=headers)
-    resp = web.StreamResponse(status=call.status, headers=headers)
-    await resp.prepare(request)
+    resp = await start_stream(request, call.status, headers)
     index, done = 0, False
     while not done:
         chunks, done = await call.chunks_from(index)
@@ -69,8 +83,7 @@ async def listen(request: web.Request, call: Call, started: float, replayed: boo
         for chunk in chunks:
             await resp.write(chunk)
     if call.result.problem:  # the stream broke: the agent must not take it for complete
-        request.transport and request.transport.close()
-        return resp
+        return cut_short(request)
     await resp.write_eof()
     return resp
 
@@ -86,9 +99,8 @@ async def join_remote(request: web.Request, store: Store, kid: str,
     if not head or head[0][0] != 0:
         return None
     meta = orjson.loads(head[0][1])
-    resp = web.StreamResponse(status=meta["status"], headers=_headers(
+    resp = await start_stream(request, meta["status"], _headers(
         meta["headers"], True, server_timing(time.perf_counter() - started)))
-    await resp.prepare(request)
     seq, sent = 0, 0
     for s, data in head[1:]:
         await resp.write(data)
@@ -99,9 +111,8 @@ async def join_remote(request: web.Request, store: Store, kid: str,
             await resp.write(entry.response.body[sent:])
             await resp.write_eof()
             return resp
-        if entry is None or entry.state != IN_FLIGHT:
-            request.transport and request.transport.close()  # the stream broke upstream
-            return resp
+        if entry is None or entry.state != IN_FLIGHT or entry.lease_until < time.time():
+            return cut_short(request)  # the stream broke upstream, or its proxy died
         for s, data in await store.read_partial(kid, seq):
             await resp.write(data)
             seq, sent = s, sent + len(data)

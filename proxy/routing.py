@@ -70,7 +70,8 @@ def _refuse_escapes(path: str) -> None:
     seen = path
     for _ in range(4):  # decode until stable: double encoding is a classic escape
         for segment in seen.replace("\\", "/").split("/"):
-            if segment in ("..", "."):
+            # "..;x" is ".." to servlet containers, which drop ;matrix parameters
+            if segment.partition(";")[0] in ("..", "."):
                 raise Problem("invalid-request", "path segments '.' and '..' are refused")
         decoded = unquote(seen)
         if decoded == seen:

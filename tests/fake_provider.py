@@ -11,6 +11,7 @@ can ask for a status, a delay, a broken stream:
 - ``X-Fake-Chunks: 20``        number of content chunks in a stream
 - ``X-Fake-Break: 3``          close the connection after that many chunks
 - ``X-Fake-Size: 1000000``     body of that many bytes (``/blob``)
+- ``X-Fake-Split: 0.3``        send each event in two writes, that many seconds apart
 
 Run alone: ``python tests/fake_provider.py --port 9100``.
 """
@@ -52,10 +53,15 @@ async def _stream(request: web.Request, events: list[bytes]) -> web.StreamRespon
     await resp.prepare(request)
     brk = int(request.headers.get("X-Fake-Break", "-1"))
     gap = _delay(request, "X-Fake-Chunk-Delay")
+    split = _delay(request, "X-Fake-Split")
     for i, event in enumerate(events):
         if i == brk:
             request.transport.close()  # a broken upstream stream
             return resp
+        if split:  # an event cut across two network reads, as TCP may deliver it
+            await resp.write(event[:len(event) // 2])
+            await asyncio.sleep(split)
+            event = event[len(event) // 2:]
         await resp.write(event)
         if gap:
             await asyncio.sleep(gap)

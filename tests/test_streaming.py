@@ -21,7 +21,7 @@ def stream_body(content: str = "tell me") -> dict:
 
 def kid_of(proxy, key: str, upstream: str = "openai", run: str | None = None, **credentials) -> str:
     tenant = proxy.proxy.tenants.of_credential(CIMultiDict(credentials))
-    return Scope(tenant, run, upstream, key).kid
+    return Scope.of_key(tenant, run, upstream, key).kid
 
 
 async def read_timed(resp: aiohttp.ClientResponse, t0: float) -> tuple[bytes, list[float]]:

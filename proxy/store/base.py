@@ -40,6 +40,12 @@ class Scope:
     upstream: str
     key: str
 
+    @classmethod
+    def of_key(cls, tenant: str, run: str | None, upstream: str, idempotency_key: str) -> "Scope":
+        """The scope of an agent's own ``Idempotency-Key``; prefixed, so that no agent key can
+        pose as a derived one (``derived:<fingerprint>:<n>``)."""
+        return cls(tenant, run, upstream, "key:" + idempotency_key)
+
     @property
     def kid(self) -> str:
         raw = "\0".join((self.tenant, self.run or "", self.upstream, self.key))
