@@ -1,6 +1,6 @@
 """Benchmark idemproxy against a plain aiohttp pass-through proxy, in one command.
 
-    python bench/run.py [--duration 5] [--stores sqlite,postgres,redis] [--workers 1,2]
+    python bench/run.py [--duration 4] [--stores sqlite,postgres,redis] [--workers 1,2]
                         [--out bench/results/latest.json] [--loadgen auto|wrk|python]
                         [--scenarios ...] [--profile DIR]
 
@@ -45,7 +45,7 @@ BODY = json.dumps({"model": "gpt-bench", "temperature": 0,
 # A credential, so that idemproxy derives a tenant (an HMAC) as it would in production.
 HEADERS = (("Content-Type", "application/json"), ("Authorization", "Bearer sk-bench-not-a-real-key"))
 RUN = "/runs/bench-run/epochs/0"
-PROFILE_HZ = 500
+PROFILE_HZ = 250
 
 
 @dataclass(frozen=True)

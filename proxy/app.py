@@ -111,6 +111,8 @@ async def _every(interval: float, work: Callable[[], Awaitable[object]]) -> None
             await work()
         except StoreUnavailable as exc:
             log.warning("background work skipped: %s", exc)
+        except Exception:  # noqa: BLE001 - keep the loop alive; the next round may succeed
+            log.exception("background work failed")
 
 
 async def _purge(store: Store) -> None:

@@ -124,6 +124,9 @@ class UpstreamSettings:
     connect_timeout: float = 10.0
     read_timeout: float = 300.0  # longest silence between two bytes of the response
     max_connections: int = 256
+    # model -> [USD per million input tokens, per million output tokens] ("*" for any model),
+    # for the cost that replays saved (idemproxy_cost_saved_usd_total)
+    prices: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
 
     def __repr__(self) -> str:
         return (f"UpstreamSettings(name={self.name!r}, url={mask_url(self.url)!r}, kind={self.kind!r}, "
@@ -334,6 +337,10 @@ def _validate(s: Settings) -> None:
             raise ConfigError(f"upstreams.{up.name}.kind must be 'model' or 'tool'")
         if up.on_ambiguous not in ("", "retry", "quarantine"):
             raise ConfigError(f"upstreams.{up.name}.on_ambiguous must be 'retry' or 'quarantine'")
+        for model, price in up.prices.items():
+            if len(price) != 2:
+                raise ConfigError(f"upstreams.{up.name}.prices.{model} must be [input, output] USD per "
+                                  "million tokens")
         for rule in up.rules:
             if rule.policy not in POLICIES:
                 raise ConfigError(f"upstreams.{up.name}.rules: unknown policy {rule.policy!r}")

@@ -216,7 +216,7 @@ class Proxy:
             if entry.state == COMPLETE:
                 request[OUTCOME] = "replayed"
                 self.replays[kid] = self.replays.get(kid, 0) + 1
-                self.metrics.saved(upstream.name, entry.response)
+                self.metrics.saved(upstream, entry.response)
                 return await send_record(request, entry.response, started, paced)
             if entry.state == UNKNOWN:
                 raise Problem("outcome-unknown", "the first call's outcome is unknown (" +
@@ -279,6 +279,8 @@ class Proxy:
                         log.warning("lost the lease on %s", call.kid[:12])
                 except StoreUnavailable as exc:
                     log.warning("lease renewal failed: %s", exc)
+                except Exception:  # noqa: BLE001 - a dead renewer would let claims lapse mid-call
+                    log.exception("lease renewal of %s failed", call.kid[:12])
 
     async def flush_replay_counts(self) -> None:
         if self.replays:

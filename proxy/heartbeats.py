@@ -35,4 +35,7 @@ class Heartbeats:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self._interval)
-            await self.flush()
+            try:
+                await self.flush()
+            except Exception:  # noqa: BLE001 - without heartbeats, live runs look dead
+                log.exception("heartbeat flush failed")

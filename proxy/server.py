@@ -108,15 +108,27 @@ def _serve_workers(settings: Settings) -> int:
         return p
 
     workers = [start(i) for i in range(settings.server.workers)]
+    started = [time.monotonic()] * len(workers)
+    failures = [0] * len(workers)
     log.info("started %d workers", len(workers))
     while not stopping:
         time.sleep(0.2)
         for i, p in enumerate(workers):
-            if not p.is_alive() and not stopping:
-                log.warning("worker %d exited with %s; starting it again", i, p.exitcode)
-                workers[i] = start(i)
+            if p.is_alive() or stopping:
+                continue
+            # A worker that dies at once (a bind error, a bad store) is retried with backoff,
+            # and the pool gives up rather than spin.
+            failures[i] = failures[i] + 1 if time.monotonic() - started[i] < 10 else 1
+            if failures[i] > 5:
+                log.error("worker %d keeps exiting (%s); stopping", i, p.exitcode)
+                stopping = True
+                break
+            delay = min(0.5 * 2 ** (failures[i] - 1), 10.0)
+            log.warning("worker %d exited with %s; starting it again in %.1fs", i, p.exitcode, delay)
+            time.sleep(delay)
+            workers[i], started[i] = start(i), time.monotonic()
     for p in workers:
         p.terminate()  # SIGTERM: each worker drains its calls in flight
     for p in workers:
         p.join(settings.server.shutdown_timeout + 5)
-    return 0
+    return 0 if all(f <= 5 for f in failures) else 1

@@ -140,3 +140,15 @@ async def test_waiters_leave_nothing_behind():
     waiters = Waiters(poll_s=0.01)
     await asyncio.gather(*(waiters.wait("k", 0.05) for _ in range(5)))
     assert waiters._events == {} and waiters._waiting == {}
+
+
+async def test_replays_count_the_tokens_and_cost_they_saved(make_proxy, sqlite_url, http):
+    proxy = await make_proxy(sqlite_url, upstreams__openai={"prices": {"m": [2.0, 8.0]}})
+    for _ in range(3):  # one recorded call, two replays
+        async with http.post(proxy.url + CHAT, json=BODY, headers={"Idempotency-Key": "paid"}) as r:
+            assert r.status == 200
+    async with http.get(proxy.url + "/metrics") as r:
+        text = await r.text()
+    # the fake provider reports 10 prompt and 5 completion tokens: 2 x (10*2 + 5*8) / 1e6 USD
+    assert 'idemproxy_tokens_saved_total{kind="prompt_tokens",upstream="openai"} 20.0' in text
+    assert 'idemproxy_cost_saved_usd_total{upstream="openai"} 0.00012' in text

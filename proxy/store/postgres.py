@@ -179,6 +179,8 @@ class PostgresStore:
                     if sync == "off":
                         self._session = {"synchronous_commit": "on"}
                     self.durability = _describe(sync, fsync)
+                    if fsync != "on":  # SPEC §7 promises fsynced records; say loudly that they are not
+                        log.error("postgres durability: %s", self.durability)
                     self._pool = await asyncpg.create_pool(
                         self._dsn, min_size=1, max_size=self._pool_size, init=_init_connection,
                         reset=_keep_session, **self._connect_args("idemproxy"))
