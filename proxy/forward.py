@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 
 import aiohttp
@@ -19,28 +20,34 @@ OUR_HEADERS = ("idem-run", "idem-epoch", "idem-policy", "idem-replay")
 NEVER_STORED = frozenset({"set-cookie", "set-cookie2", "content-length", "date"})
 
 
-def _connection_tokens(headers: CIMultiDictProxy[str]) -> set[str]:
-    tokens = set()
-    for value in headers.getall("Connection", ()):
-        tokens.update(t.strip().lower() for t in value.split(",") if t.strip())
-    return tokens
+def _dropped(headers: CIMultiDictProxy[str], always: frozenset[str]) -> frozenset[str]:
+    """``always``, plus the headers this message's ``Connection`` names as hop-by-hop."""
+    if "Connection" not in headers:
+        return always
+    tokens = {t.strip().lower() for value in headers.getall("Connection") for t in value.split(",")}
+    return always | tokens
+
+
+@functools.lru_cache(maxsize=8)
+def _not_forwarded(tenant_header: str) -> frozenset[str]:
+    return NOT_FORWARDED | {tenant_header.lower(), *OUR_HEADERS}
 
 
 def request_headers(incoming: CIMultiDictProxy[str], upstream: UpstreamSettings,
-                    tenant_header: str, forwarded_key: str | None) -> CIMultiDict[str]:
+                    tenant_header: str, forwarded_key: str | None) -> list[tuple[str, str]]:
     """What the upstream sees: the agent's headers minus hop-by-hop and ours, plus config."""
-    drop = NOT_FORWARDED | _connection_tokens(incoming) | {tenant_header.lower(), *OUR_HEADERS}
-    out = CIMultiDict((k, v) for k, v in incoming.items() if k.lower() not in drop)
-    for name, value in upstream.set_headers.items():
-        out[name] = str(value)
+    drop = _dropped(incoming, _not_forwarded(tenant_header))
+    added = [(name, str(value)) for name, value in upstream.set_headers.items()]
     if upstream.idempotency_header and forwarded_key:
-        out[upstream.idempotency_header] = forwarded_key
-    return out
+        added.append((upstream.idempotency_header, forwarded_key))
+    if added:  # configured headers replace the agent's
+        drop = drop | {name.lower() for name, _ in added}
+    return [(k, v) for k, v in incoming.items() if k.lower() not in drop] + added
 
 
 def response_headers(incoming: CIMultiDictProxy[str]) -> list[tuple[str, str]]:
     """What the agent sees of the upstream's answer."""
-    drop = NOT_FORWARDED | _connection_tokens(incoming)
+    drop = _dropped(incoming, NOT_FORWARDED)
     return [(k, v) for k, v in incoming.items() if k.lower() not in drop]
 
 
@@ -61,6 +68,17 @@ def is_stream(headers: CIMultiDictProxy[str]) -> bool:
     return ctype.startswith("text/event-stream") or "Content-Length" not in headers
 
 
+class ForwardedRequest(aiohttp.ClientRequest):
+    """A request that carries the agent's headers as they are: aiohttp adds none of its
+    defaults (Accept, Accept-Encoding, User-Agent, Content-Type). Cheaper than the
+    session's ``skip_auto_headers``, which builds its skip list anew for every request."""
+
+    _skip_auto_headers = CIMultiDict({"Content-Type": ""})
+
+    def update_auto_headers(self, skip_auto_headers) -> None:
+        return None
+
+
 def make_session(upstream: UpstreamSettings) -> aiohttp.ClientSession:
     connector = aiohttp.TCPConnector(limit=upstream.max_connections, limit_per_host=0,
                                      keepalive_timeout=30, ttl_dns_cache=300)
@@ -68,8 +86,7 @@ def make_session(upstream: UpstreamSettings) -> aiohttp.ClientSession:
                                     sock_read=upstream.read_timeout)
     # auto_decompress=False: bytes pass, and are recorded, exactly as the upstream sent them.
     return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
-                                 skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
-                                 cookie_jar=aiohttp.DummyCookieJar())
+                                 request_class=ForwardedRequest, cookie_jar=aiohttp.DummyCookieJar())
 
 
 def never_sent(exc: BaseException) -> bool:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-import uuid
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -44,6 +44,10 @@ class Proxy:
     calls: dict[str, Call] = field(default_factory=dict)  # recorded calls in flight here
     tasks: set[asyncio.Task] = field(default_factory=set)
     replays: dict[str, int] = field(default_factory=dict)  # replay counts not yet stored
+    on_ambiguous: dict[str, str] = field(init=False)  # per upstream, worked out once
+
+    def __post_init__(self) -> None:
+        self.on_ambiguous = {name: ambiguous_policy(up) for name, up in self.settings.upstreams.items()}
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
@@ -96,10 +100,9 @@ class Proxy:
         epoch = route.epoch if route.epoch is not None else parse_epoch(headers.get("Idem-Epoch"))
         if epoch is not None and run is None:
             raise Problem("invalid-header", "Idem-Epoch needs a run (Idem-Run or /runs/{run_id}/...)")
-        tenant, namespace = self.tenants.resolve(headers, request.remote)
-        return Identity(key=parse_key(headers.getall("Idempotency-Key", [])), run=run, epoch=epoch,
-                        policy=parse_policy(headers.get("Idem-Policy")), tenant=tenant,
-                        namespace=namespace)
+        return Identity(key=parse_key(headers.getall("Idempotency-Key", ())), run=run, epoch=epoch,
+                        policy=parse_policy(headers.get("Idem-Policy")),
+                        namespace=self.tenants.namespace(headers, request.remote))
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.settings.server.max_request_bytes
@@ -107,6 +110,8 @@ class Proxy:
             raise Problem("too-large", f"request body over {limit} bytes", max_request_bytes=limit)
         if not request.body_exists:
             return b""
+        if request.content_length is not None:  # bounded above: read it in one go
+            return await request.read()
         body = bytearray()
         async for chunk in request.content.iter_any():
             body += chunk
@@ -170,14 +175,15 @@ class Proxy:
         fp = fingerprint(request.method, upstream.name, route.path_qs, body,
                          request.headers.get("Content-Type", ""),
                          policy.ignored_fields(upstream, request.method, route.path))
+        tenant = self.tenants.tenant(request.headers, ident.namespace)
         if ident.key is not None:
-            scope = Scope.of_key(ident.tenant, ident.run, upstream.name, ident.key)
+            scope = Scope.of_key(tenant, ident.run, upstream.name, ident.key)
         elif ident.run is not None:
             n = await self.store.next_occurrence(ident.namespace, ident.run, ident.epoch, fp,
                                                  self.settings.store.retention)
-            scope = Scope(ident.tenant, ident.run, upstream.name, f"derived:{fp}:{n}")
+            scope = Scope(tenant, ident.run, upstream.name, f"derived:{fp}:{n}")
         else:  # `Idem-Policy: record` with neither key nor run: the request is its own key
-            scope = Scope(ident.tenant, None, upstream.name, f"fingerprint:{fp}")
+            scope = Scope(tenant, None, upstream.name, f"fingerprint:{fp}")
         kid = scope.kid
         deadline = time.monotonic() + self.settings.server.in_flight_wait
         paced = request.headers.get("Idem-Replay", "").lower() == "paced"
@@ -197,8 +203,8 @@ class Proxy:
             entry = await self.store.get(kid)
             if entry is None or (entry.state == IN_FLIGHT and entry.lease_until < time.time()):
                 result = await self.store.claim(Claim(
-                    scope, fp, uuid.uuid4().hex, self.settings.store.lease, self.settings.store.retention,
-                    request.method, route.path, ident.epoch, ambiguous_policy(upstream), ident.namespace))
+                    scope, fp, os.urandom(16).hex(), self.settings.store.lease, self.settings.store.retention,
+                    request.method, route.path, ident.epoch, self.on_ambiguous[upstream.name], ident.namespace))
                 if result.stale_epoch is not None:
                     raise Problem("stale-epoch", f"run {ident.run} is at epoch {result.stale_epoch}",
                                   epoch=result.stale_epoch)
@@ -253,7 +259,7 @@ class Proxy:
         call = Call(entry.kid, entry.owner, entry.fingerprint, upstream,
                     self.settings.server.max_record_bytes)
         headers = request_headers(request.headers, upstream, self.settings.tenants.header,
-                                  forwarded_key(entry.kid))
+                                  forwarded_key(entry.kid) if upstream.idempotency_header else None)
         beat = (lambda: self.heartbeats.beat(namespace, entry.run)) if entry.run else (lambda: None)
         task = asyncio.create_task(call.run(self.sessions[upstream.name], self.store, request.method,
                                             upstream_url(upstream, route), headers, body, beat))

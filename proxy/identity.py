@@ -30,8 +30,8 @@ class Identity:
     run: str | None
     epoch: int | None
     policy: str | None
-    tenant: str     # whose journal entries these are
-    namespace: str  # whose runs these are
+    namespace: str  # whose runs these are (the tenant, whose journal entries, is worked
+                    # out only for recorded calls: passthrough does not pay for the HMAC)
 
 
 def parse_key(values: list[str]) -> str | None:
@@ -124,12 +124,11 @@ class TenantResolver:
         self._header = header
         self._trusted = tuple(ipaddress.ip_network(s, strict=False) for s in trusted_sources)
 
-    def resolve(self, headers: CIMultiDictProxy[str], peer: str | None) -> tuple[str, str]:
-        """(tenant, namespace) of a request."""
-        named = self.namespace(headers, peer)
-        if named != DEFAULT_NAMESPACE:
-            return "t:" + named, named
-        return self.of_credential(headers), DEFAULT_NAMESPACE
+    def tenant(self, headers: CIMultiDictProxy[str], namespace: str) -> str:
+        """Whose journal entries a request's are: its trusted tenant, else its credential's."""
+        if namespace != DEFAULT_NAMESPACE:
+            return "t:" + namespace
+        return self.of_credential(headers)
 
     def namespace(self, headers: CIMultiDictProxy[str], peer: str | None) -> str:
         """The run namespace: the trusted tenant header, or ``default``."""

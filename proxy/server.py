@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import multiprocessing
 import signal
@@ -62,6 +63,9 @@ async def serve_app(settings: Settings, *, supervise: bool, reuse_port: bool = F
     site = web.TCPSite(runner, settings.server.host, settings.server.port, reuse_port=reuse_port,
                        shutdown_timeout=settings.server.shutdown_timeout, backlog=1024)
     await site.start()
+    # Everything allocated so far lives as long as the process: keep the cyclic GC from
+    # walking it again on every full collection (~13 ms each under load, measured in bench/).
+    gc.freeze()
     log.info("idemproxy listening on http://%s:%d (upstreams: %s)", settings.server.host,
              settings.server.port, ", ".join(settings.upstreams) or "none")
     sup = asyncio.create_task(supervisor_task(app, settings)) if supervise else None

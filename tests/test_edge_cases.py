@@ -11,7 +11,7 @@ from idemproxy.proxy.config import ConfigError, load_settings, mask_url
 from idemproxy.proxy.store.base import COMPLETE, Scope, Waiters
 
 from conftest import write_config
-from rawhttp import problem
+from rawhttp import problem, raw_request
 
 CHAT = "/openai/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -152,3 +152,12 @@ async def test_replays_count_the_tokens_and_cost_they_saved(make_proxy, sqlite_u
     # the fake provider reports 10 prompt and 5 completion tokens: 2 x (10*2 + 5*8) / 1e6 USD
     assert 'idemproxy_tokens_saved_total{kind="prompt_tokens",upstream="openai"} 20.0' in text
     assert 'idemproxy_cost_saved_usd_total{upstream="openai"} 0.00012' in text
+
+
+async def test_the_upstream_gets_the_agents_headers_and_no_client_defaults(make_proxy, sqlite_url):
+    proxy = await make_proxy(sqlite_url)
+    resp = await raw_request(proxy.url, "POST /raw/echo/h HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+                             "X-Agent: yes\r\n", b"{}")
+    seen = {k.lower() for k in resp.json()["headers"]}
+    assert "x-agent" in seen
+    assert not seen & {"accept", "accept-encoding", "user-agent", "content-type"}  # none added
