@@ -160,15 +160,31 @@ def cpu_seconds(server: Server) -> float | None:
     request of the process under test does much less, so the benchmark reports both.
     """
     total, found = 0.0, False
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:
-            continue  # exited meanwhile
-        if int(fields[2]) == server.popen.pid:  # pgrp; fields[0] is the state
-            total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+    for _, pgrp, cpu in _processes():
+        if pgrp == server.popen.pid:
+            total += cpu
             found = True
     return total if found else None
+
+
+def store_server_seconds() -> float:
+    """CPU time used so far by the PostgreSQL and Redis servers (by process name)."""
+    return sum(cpu for comm, _, cpu in _processes() if comm in STORE_SERVERS)
+
+
+STORE_SERVERS = frozenset({"postgres", "redis-server"})
+
+
+def _processes():
+    """(command name, process group, CPU seconds) of every process we may read."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue  # exited meanwhile
+        comm = text[text.find("(") + 1:text.rfind(")")]
+        fields = text.rpartition(")")[2].split()  # fields[0] is the state, [2] the pgrp
+        yield comm, int(fields[2]), (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 def machine_busy_seconds() -> float | None:
@@ -227,9 +243,13 @@ def make_store(kind: str, workdir: Path, postgres: str, redis: str) -> tuple[str
         return f"sqlite:///{workdir}/bench-{tag}.db", lambda: None
     if kind == "postgres":
         schema = f"bench_{tag}"
-        return f"{require_loopback(postgres)}?schema={schema}", lambda: _drop_schema(postgres, schema)
+        return _with(postgres, "schema", schema), lambda: _drop_schema(postgres, schema)
     prefix = f"bench{tag}:"
-    return f"{require_loopback(redis)}?prefix={prefix}", lambda: _drop_prefix(redis, prefix)
+    return _with(redis, "prefix", prefix), lambda: _drop_prefix(redis, prefix)
+
+
+def _with(url: str, name: str, value: str) -> str:
+    return f"{url}{'&' if '?' in url else '?'}{name}={value}"
 
 
 def _require_reachable(url: str) -> None:

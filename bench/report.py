@@ -1,7 +1,8 @@
 """From measurements to rows, targets and the markdown table.
 
-Throughput is compared at 32 connections, to the baseline measured just before the
-same store's figures; latency at 1 connection, as the p50 difference to the baseline.
+Throughput is compared at 32 connections, to the baseline measured just before and just
+after the same store's figures; latency at 1 connection, as the p50 difference to the
+baseline measured just before.
 The targets are those of issues 2 and 3.
 """
 
@@ -19,22 +20,43 @@ WORKERS_GAIN = 0.8     # N workers: at least 0.8 * N times one worker's throughp
 RUN_SCOPED_SHARE = 0.9  # a run-scoped request costs no more than one without (within noise)
 
 
+NOISY_CORES = 0.3     # other processes busier than this during a measurement: flagged
+DRIFT = 0.15          # the baseline's two measurements further apart than this: flagged
+
+
 def rows(results: list[dict]) -> list[dict]:
-    """One row per (store, workers, scenario): both connection counts, ratios, targets."""
+    """One row per (store, workers, scenario): both connection counts, ratios, targets.
+
+    A measurement repeated (the baseline at 32 connections, before and after a store's
+    rows) counts with the mean of its runs; how far they differ is its drift.
+    """
     by: dict[tuple, dict] = {}
+    runs: dict[tuple, list[dict]] = {}
     for m in results:
-        row = by.setdefault((m["store"], m["workers"], m["scenario"]), {
-            "store": m["store"], "workers": m["workers"], "scenario": m["scenario"], "problems": []})
-        c = m["connections"]
+        key = (m["store"], m["workers"], m["scenario"])
+        by.setdefault(key, {"store": m["store"], "workers": m["workers"], "scenario": m["scenario"],
+                            "problems": []})
+        runs.setdefault(key + (m["connections"],), []).append(m)
+    for (store, workers, scenario, c), ms in runs.items():
+        row = by[(store, workers, scenario)]
         for field in ("rps", "p50_ms", "p99_ms"):
-            row[f"{field}_c{c}"] = m[field]
-        row[f"cpu_us_c{c}"] = (m.get("cpu_us_per_request") or {}).get("server")
-        if m["errors"]:
-            row["problems"].append(f"c{c}: errors {m['errors']}")
-        if not m["calls_ok"]:
-            row["problems"].append(f"c{c}: {m['upstream_calls']} upstream calls for {m['requests']} requests")
-        if m.get("profiled"):
-            row["problems"].append(f"c{c}: measured under py-spy")
+            row[f"{field}_c{c}"] = round(sum(m[field] for m in ms) / len(ms), 3)
+        cpus = [(m.get("cpu_us_per_request") or {}).get("server") for m in ms]
+        known = [x for x in cpus if x is not None]
+        row[f"cpu_us_c{c}"] = round(sum(known) / len(known), 1) if len(known) == len(cpus) else None
+        if len(ms) > 1 and ms[0]["rps"]:
+            row[f"drift_c{c}"] = drift = round(ms[-1]["rps"] / ms[0]["rps"] - 1, 3)
+            if abs(drift) > DRIFT:
+                row["problems"].append(f"c{c}: {drift:+.0%} between its runs (the machine's load changed)")
+        for m in ms:
+            if m["errors"]:
+                row["problems"].append(f"c{c}: errors {m['errors']}")
+            if not m["calls_ok"]:
+                row["problems"].append(f"c{c}: {m['upstream_calls']} upstream calls for {m['requests']} requests")
+            if m.get("profiled"):
+                row["problems"].append(f"c{c}: measured under py-spy")
+            if (m.get("other_cores_busy") or 0) > NOISY_CORES:
+                row["problems"].append(f"c{c}: other processes kept {m['other_cores_busy']:.1f} cores busy")
     out = list(by.values())
     for row in out:
         _compare(row, by)
@@ -98,9 +120,11 @@ def markdown(rows: list[dict], meta: dict, errors: dict[str, str] | None = None)
             f"| {_num(r.get('p99_ms_c32'), '.2f')} | {_num(r.get('p50_ms_c1'), '.3f')} "
             f"| {_num(r.get('p50_delta_ms'), '+.3f')} | {_num(r.get('p99_ms_c1'), '.3f')} | {targets} |")
     lines.append("")
-    lines.append("Latencies in milliseconds. × baseline: throughput at 32 connections over the baseline's, "
-                 "measured just before the same store's rows. CPU µs/req: CPU time of the proxy "
-                 "measured (all its processes) per request. Δp50: p50 at 1 connection minus the baseline's.")
+    lines.append("Latencies in milliseconds. × baseline: throughput at 32 connections over the baseline's "
+                 "(the mean of its runs just before and just after the same store's rows). CPU µs/req: CPU "
+                 "time of the proxy measured (all its processes) per request. Δp50: p50 at 1 connection "
+                 "minus the baseline's. !! marks figures to distrust: errors, wrong upstream call counts, "
+                 "a busy machine, a drifting baseline.")
     for store, error in (errors or {}).items():
         lines.append(f"\n**{store} not measured:** {error.splitlines()[0] if error else ''}")
     return "\n".join(lines)

@@ -36,7 +36,7 @@ import loadgen  # noqa: E402
 import profile_summary  # noqa: E402
 import report  # noqa: E402
 from processes import (REPO, BenchError, Processes, Server, cpu_seconds, http,  # noqa: E402
-                       check_store, machine_busy_seconds, make_store)
+                       check_store, machine_busy_seconds, make_store, store_server_seconds)
 
 LOW, HIGH = 1, 32  # connections
 BODY = json.dumps({"model": "gpt-bench", "temperature": 0,
@@ -100,19 +100,20 @@ class Bench:
         """CPU seconds used so far by the server measured, the provider, the load generator
         (the only child reaped during a measurement) and the whole machine."""
         return {"server": cpu_seconds(server), "provider": cpu_seconds(self.provider),
-                "loadgen": _children_cpu(), "machine": machine_busy_seconds()}
+                "loadgen": _children_cpu(), "store_server": store_server_seconds(),
+                "machine": machine_busy_seconds()}
 
     def measure(self, store: str, workers: int, server: Server, scenario: Scenario,
                 connections: int) -> dict:
         loadgen.run(self.kind, self.load(server, scenario, connections, self.args.warmup))
-        time.sleep(0.3)  # let calls the warm-up left in flight reach the provider
+        time.sleep(0.2)  # let calls the warm-up left in flight reach the provider
         calls_before = self.upstream_calls()
         profiler = self.start_profiler(server, scenario, store, workers, connections)
         cpu_before = self.cpu(server)
         summary = loadgen.run(self.kind, self.load(server, scenario, connections, self.args.duration))
         cpu_after = self.cpu(server)
         profile = self.finish_profiler(profiler, summary.requests)
-        time.sleep(0.3)
+        time.sleep(0.2)
         calls = self.upstream_calls() - calls_before
         # Closed loop: every completed request made its call, plus at most one call per
         # connection whose answer came after the load generator stopped counting.
@@ -126,9 +127,10 @@ class Bench:
             "seconds": round(summary.seconds, 3), "errors": summary.errors,
             "upstream_calls": calls, "calls_ok": expected[0] <= calls <= expected[1],
             "cpu_us_per_request": {k: _per(used[k], summary.requests / 1e6, 1)
-                                   for k in ("server", "provider", "loadgen")},
-            # Every process on the machine: the store servers' and other people's work included.
+                                   for k in ("server", "provider", "loadgen", "store_server")},
             "machine_cores_busy": _per(used["machine"], summary.seconds, 2),
+            # Cores busy with none of the above: someone else's work, competing with ours.
+            "other_cores_busy": _per(_others(used), summary.seconds, 2),
             "profiled": profile is not None,
         }
         if profile:
@@ -143,8 +145,8 @@ class Bench:
             f"  !! errors={r['errors']} upstream_calls={r['upstream_calls']} expected {expected}"
         print(f"  {r['store']:8} w{r['workers']} {r['scenario']:16} c{r['connections']:<3} {r['rps']:8.0f} req/s  "
               f"p50 {r['p50_ms']:6.3f} ms  p99 {r['p99_ms']:7.3f} ms  cpu/req {cpu['server']:5.0f} us "
-              f"(provider {cpu['provider']:4.0f}, loadgen {cpu['loadgen']:3.0f}); "
-              f"machine {r['machine_cores_busy']} cores busy{flag}", flush=True)
+              f"(provider {cpu['provider']:4.0f}, loadgen {cpu['loadgen']:3.0f}, store {cpu['store_server']:4.0f}); "
+              f"others {r['other_cores_busy']} cores{flag}", flush=True)
 
     # -- profiling (optional: py-spy samples the idemproxy process under load) --------------
 
@@ -178,6 +180,12 @@ class Bench:
         in_window = round(requests * (self.args.duration - 1) / self.args.duration)
         summary.write_text(profile_summary.summarize(out, in_window, PROFILE_HZ))
         return str(summary)
+
+
+def _others(used: dict[str, float | None]) -> float | None:
+    if used["machine"] is None or any(v is None for v in used.values()):
+        return None
+    return max(0.0, used["machine"] - sum(v for k, v in used.items() if k != "machine" and v))
 
 
 def _delta(before: float | None, after: float | None) -> float | None:
@@ -230,6 +238,9 @@ def run_store(bench: Bench, store: str, baseline: Server, results: list[dict]) -
             if server is not None:
                 bench.procs.stop(server)
             drop()
+    # Again after the store's rows: ratios use the mean, and a drift says the machine's
+    # load changed meanwhile (other work on a shared machine), so they are unreliable.
+    results.append(bench.measure(store, 0, baseline, SCENARIOS["baseline"], HIGH))
 
 
 def _csv(value: str) -> list[str]:

@@ -6,7 +6,8 @@
 # Points the agent's OPENAI_BASE_URL (and its own TOOLS_URL) at the proxy's run-scoped
 # URL, $IDEM_PROXY_URL/runs/$IDEM_RUN_ID/epochs/$EPOCH, runs it, and marks the run
 # completed when it exits 0. Any other exit leaves the run running: a crash, and the
-# supervisor starts the run again after its timeout.
+# supervisor starts the run again after its timeout. The completion carries the epoch
+# (Idem-Epoch), so an attempt that was superseded meanwhile cannot end the run.
 #
 # As the supervisor's hook (examples/config.toml) it is handed IDEM_RUN_BASE:
 #   command = ["sh", "examples/only_env.sh", "python", "examples/plain_agent.py"]
@@ -27,9 +28,16 @@ if [ -z "${IDEM_RUN_BASE:-}" ]; then
     IDEM_RUN_BASE=$(printf '%s\n' "$answer" | sed -n 's/.*"base_url":"\([^"]*\)".*/\1/p')
     [ -n "$IDEM_RUN_BASE" ] || { echo "only_env.sh: no attempt: $answer" >&2; exit 1; }
 fi
+epoch=${IDEM_RUN_BASE##*/epochs/}  # the base URL ends in /epochs/$EPOCH
 echo "only_env.sh: run $IDEM_RUN_ID at $IDEM_RUN_BASE" >&2
 
 OPENAI_BASE_URL="$IDEM_RUN_BASE/openai/v1" TOOLS_URL="$IDEM_RUN_BASE/tools" "$@" || exit $?
 
-curl -fsS -o /dev/null -X POST "$IDEM_PROXY_URL/runs/$IDEM_RUN_ID/complete"
-echo "only_env.sh: run $IDEM_RUN_ID completed" >&2
+status=$(curl -sS -o /dev/null -w '%{http_code}' -X POST -H "Idem-Epoch: $epoch" \
+    "$IDEM_PROXY_URL/runs/$IDEM_RUN_ID/complete") || true
+case $status in
+    200) echo "only_env.sh: run $IDEM_RUN_ID completed" >&2 ;;
+    412) echo "only_env.sh: epoch $epoch was superseded by a newer attempt; the run is not ours to end" >&2
+         exit 1 ;;
+    *) echo "only_env.sh: completing run $IDEM_RUN_ID answered $status" >&2; exit 1 ;;
+esac

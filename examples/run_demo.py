@@ -188,8 +188,9 @@ class Demo:
         wait_until_up(f"{self.proxy_url}/healthz", proxy, self.workdir / "proxy.log")
 
     def run_state(self, run_id: str) -> dict[str, Any] | None:
+        """The run as operators see it (admin API): with its history of hook starts and exits."""
         try:
-            return get_json(f"{self.proxy_url}/runs/{run_id}")
+            return get_json(f"{self.proxy_url}/admin/runs/{run_id}", self.admin_token)
         except urllib.error.HTTPError as exc:
             if exc.code == 404:
                 return None

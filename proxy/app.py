@@ -28,6 +28,7 @@ STORE = web.AppKey("store", Store)
 PROXY = web.AppKey("proxy", Proxy)
 METRICS = web.AppKey("metrics", Metrics)
 OPEN_ATTEMPTS = 8
+RUNS_COUNT_TTL_S = 1.0  # scrapes closer together than this show the same count of runs
 
 
 def create_app(settings: Settings, *, extra_routes: Callable[[web.Application], None] | None = None
@@ -151,5 +152,22 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    await _count_runs(request.app)
     return web.Response(body=request.app[METRICS].exposition(),
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def _count_runs(app: web.Application) -> None:
+    """Runs by state, counted in the store when scraped: every process that answers
+    /metrics shows them (every worker, with or without the supervisor)."""
+    m = app[METRICS]
+    now = time.monotonic()
+    if now - m.runs_counted_at < RUNS_COUNT_TTL_S:
+        return
+    m.runs_counted_at = now
+    try:
+        counts = await asyncio.wait_for(app[STORE].count_runs(), app[SETTINGS].store.timeout)
+    except (StoreUnavailable, asyncio.TimeoutError) as exc:  # the other metrics still answer
+        log.warning("runs not counted for /metrics: %s", exc)
+        return
+    m.set_runs(counts)

@@ -153,6 +153,9 @@ class HookSettings:
     secret: Secret | None = None
     log_dir: str = "idemproxy-logs"
     retries: int = 5
+    env: Mapping[str, Secret] = field(default_factory=dict)  # added to a command hook's environment
+    # When set, the only variables a command hook inherits (IDEM_* and `env` are still given).
+    pass_env: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -222,7 +222,7 @@ class Proxy:
             if entry.state == COMPLETE:
                 request[OUTCOME] = "replayed"
                 self.replays[kid] = self.replays.get(kid, 0) + 1
-                self.metrics.saved(upstream, entry.response)
+                self.metrics.saved(upstream, kid, entry.response)
                 return await send_record(request, entry.response, started, paced)
             if entry.state == UNKNOWN:
                 raise Problem("outcome-unknown", "the first call's outcome is unknown (" +

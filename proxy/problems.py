@@ -26,6 +26,7 @@ PROBLEMS: dict[str, tuple[int, str]] = {
     "not-replayable": (409, "The recorded response was too large to keep"),
     "run-ended": (409, "The run has ended"),
     "not-quarantined": (409, "The journal entry is not quarantined"),
+    "ambiguous-run": (409, "The run id exists in several namespaces"),
     "stale-epoch": (412, "Superseded attempt"),
     "too-large": (413, "Request body too large"),
     "key-reused": (422, "Idempotency-Key reused with a different request"),

@@ -1,10 +1,43 @@
 """The runs API (for agents) and the admin API (for operators), SPEC §8–§9.
 
-The contract is /work/notes/RUNS_API.md: agents register runs, beat, complete, fail and
-start attempts under ``/runs/{run_id}``; operators list, show, restart and complete runs,
-delete a run's journal, resolve quarantined keys and purge under ``/admin/``, with the
-admin bearer token. Runs live in the caller's namespace (the trusted tenant header, or
-``default``). Every refusal is a :class:`Problem`.
+Runs live in the caller's namespace: the tenant named by the ``Idem-Tenant`` header from
+a trusted source, else ``default``. Every refusal is a problem+json :class:`Problem`.
+Times are UNIX seconds.
+
+Agents (no token; the run JSON they get has no ``history``, which is for operators)::
+
+    POST /runs/{id}            register: {timeout_s, grace_s, hook, max_restarts, metadata},
+                               all optional -> 201 new, 200 updated
+    GET  /runs/{id}            the run                                       404 if none
+    POST /runs/{id}/heartbeat  alive now (work outside the proxy)            404, 412
+    POST /runs/{id}/complete   ended for good: never restarted               404, 409, 412
+    POST /runs/{id}/fail       likewise, as failed                           404, 409, 412
+    POST /runs/{id}/attempts   a new attempt: epoch + 1, fencing the last -> 201 (creates
+                               the run at epoch 0 if unknown)                409 run-ended
+
+Heartbeat, complete and fail take the caller's epoch (``Idem-Epoch``, or ``{"epoch": n}``
+as the body): from a superseded attempt they change nothing and answer **412**
+``stale-epoch``, so a zombie can neither keep its run alive nor end it.
+
+The run JSON: ``run_id, namespace, state, epoch, restarts, last_seen, started_at,
+timeout_s, grace_s, max_restarts, hook, metadata, created_at, ended_at, next_restart_at,
+base_url`` (= ``{proxy}/runs/{id}/epochs/{epoch}``).
+
+Operators (``Authorization: Bearer <[admin] token>``; no token configured: always 401)::
+
+    GET    /admin/runs?state=&limit=        {"runs": [run JSON + history + steps (a count)]}
+    GET    /admin/runs/{id}[?namespace=][&bodies=1]
+                                            run JSON + history + steps (the journal entries;
+                                            bodies in base64 with bodies=1)
+    POST   /admin/runs/{id}/restart         a new attempt now, its hook fired
+    POST   /admin/runs/{id}/complete        marked completed
+    DELETE /admin/runs/{id}/journal         {"deleted": n}
+    POST   /admin/journal/{kid}/resolve     {"action": "retry"} or {"action": "respond",
+                                            "status", "headers": [[name, value]], "body" |
+                                            "body_base64"}
+    POST   /admin/purge                     {"purged": n}
+
+A run id found in several namespaces needs ``?namespace=`` (409 ``ambiguous-run``).
 """
 
 from __future__ import annotations
@@ -13,6 +46,7 @@ import base64
 import binascii
 import functools
 import hmac
+import re
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -20,19 +54,21 @@ import orjson
 from aiohttp import web
 
 from ..proxy.app import METRICS, PROXY, SETTINGS, STORE
-from ..proxy.config import Settings, parse_duration
-from ..proxy.identity import parse_run
+from ..proxy.config import Settings, UpstreamSettings, parse_duration
+from ..proxy.forward import NEVER_STORED, NOT_FORWARDED, storable_headers
+from ..proxy.identity import parse_epoch, parse_run
 from ..proxy.problems import Problem
-from ..proxy.store import StoreUnavailable
-from ..proxy.store.base import (COMPLETED, DEAD, ENDED, FAILED, RESTARTING, RUNNING, UNKNOWN, Entry,
-                                Recorded, Run)
+from ..proxy.store import Store, StoreUnavailable
+from ..proxy.store.base import (COMPLETED, ENDED, FAILED, RUN_STATES, RUNNING, UNKNOWN, Entry, Recorded,
+                                Run)
 from .hooks import Hooks
 from .loop import restart_run
 
 HOOKS = web.AppKey("hooks", Hooks)
-STATES = (RUNNING, RESTARTING, COMPLETED, FAILED, DEAD)
 RUN_OPTIONS = ("timeout_s", "grace_s", "hook", "max_restarts", "metadata")
 MAX_METADATA_BYTES = 64 * 1024
+HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an RFC 9110 token
+CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # never in a field value (RFC 9110 §5.5; HTAB may be)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -66,20 +102,33 @@ async def _hooks_lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 # -- views (shared with the CLI) --------------------------------------------------------------
 
-def run_json(run: Run, proxy_url: str) -> dict[str, Any]:
-    """A run as the API and ``idemproxy runs --json`` show it."""
-    return {"run_id": run.run_id, "namespace": run.tenant, "state": run.state, "epoch": run.epoch,
+def run_json(run: Run, proxy_url: str, *, history: bool = False) -> dict[str, Any]:
+    """A run as the API and ``idemproxy runs --json`` show it. ``history`` (hook errors,
+    pids, log paths) is for operators only: the admin API and the CLI."""
+    body = {"run_id": run.run_id, "namespace": run.tenant, "state": run.state, "epoch": run.epoch,
             "restarts": run.restarts, "last_seen": run.last_seen, "started_at": run.started_at,
             "timeout_s": run.timeout_s, "grace_s": run.grace_s, "max_restarts": run.max_restarts,
             "hook": run.hook, "metadata": run.metadata, "created_at": run.created_at,
             "ended_at": run.ended_at, "next_restart_at": run.next_restart_at,
-            "history": run.history,
             "base_url": f"{proxy_url}/runs/{run.run_id}/epochs/{run.epoch}"}
+    if history:
+        body["history"] = run.history
+    return body
+
+
+async def runs_listing(store: Store, runs: list[Run], proxy_url: str) -> dict[str, Any]:
+    """``GET /admin/runs`` and ``idemproxy runs list --json``: each run with its number of
+    journal entries as ``steps`` (``GET /admin/runs/{id}`` lists them)."""
+    steps = await store.count_steps([(r.tenant, r.run_id) for r in runs])
+    return {"runs": [{**run_json(r, proxy_url, history=True), "steps": steps.get((r.tenant, r.run_id), 0)}
+                     for r in runs]}
 
 
 def step_json(entry: Entry) -> dict[str, Any]:
-    """A journal entry of a run: metadata, no body."""
-    return {"key": entry.key, "kid": entry.kid, "upstream": entry.upstream, "method": entry.method,
+    """A journal entry of a run: metadata, no body. ``key`` is the agent's own
+    Idempotency-Key as it sent it (see ``Scope.of_key``), or the key the proxy derived."""
+    return {"key": entry.key.removeprefix("key:"), "kid": entry.kid, "upstream": entry.upstream,
+            "method": entry.method,
             "path": entry.path, "state": entry.state,
             "status": entry.response.status if entry.response else None,
             "created_at": entry.created_at, "recorded_at": entry.completed_at,
@@ -121,8 +170,8 @@ def _proxy_url(request: web.Request) -> str:
     return configured.rstrip("/") if configured else f"{request.scheme}://{request.host}"
 
 
-def _answer(request: web.Request, run: Run, status: int = 200) -> web.Response:
-    return _json(run_json(run, _proxy_url(request)), status)
+def _answer(request: web.Request, run: Run, status: int = 200, *, history: bool = False) -> web.Response:
+    return _json(run_json(run, _proxy_url(request), history=history), status)
 
 
 def _json(body: Any, status: int = 200) -> web.Response:
@@ -156,8 +205,12 @@ async def _body(request: web.Request) -> dict[str, Any]:
 async def _own_run(request: web.Request) -> Run:
     runs = await request.app[STORE].get_run(_namespace(request), _run_id(request))
     if not runs:
-        raise Problem("not-found", f"no run {request.match_info['run_id']!r} in this namespace")
+        raise _no_such_run(request)
     return runs[0]
+
+
+def _no_such_run(request: web.Request) -> Problem:
+    return Problem("not-found", f"no run {request.match_info['run_id']!r} in this namespace")
 
 
 async def _any_run(request: web.Request) -> Run:
@@ -167,10 +220,33 @@ async def _any_run(request: web.Request) -> Run:
     if not runs:
         raise Problem("not-found", f"no run {run_id!r}")
     if len(runs) > 1:
-        names = ", ".join(sorted(r.tenant for r in runs))
-        raise Problem("invalid-request", f"run {run_id!r} exists in several namespaces ({names}); "
-                      "add ?namespace=", namespaces=sorted(r.tenant for r in runs))
+        names = sorted(r.tenant for r in runs)
+        raise Problem("ambiguous-run", f"run {run_id!r} exists in several namespaces "
+                      f"({', '.join(names)}); add ?namespace=", namespaces=names)
     return runs[0]
+
+
+async def _attempt_epoch(request: web.Request) -> int | None:
+    """The epoch the caller works in: ``Idem-Epoch``, or ``{"epoch": n}`` as the body."""
+    header = parse_epoch(request.headers.get("Idem-Epoch"))
+    body = await _body(request)
+    if set(body) - {"epoch"}:
+        raise Problem("invalid-body", f"unknown field(s): {', '.join(sorted(set(body) - {'epoch'}))}; "
+                      "known: epoch")
+    given = body.get("epoch")
+    if given is not None and (isinstance(given, bool) or not isinstance(given, int)
+                              or not 0 <= given < 10 ** 18):  # as Idem-Epoch: at most 18 digits
+        raise Problem("invalid-body", "epoch must be a non-negative integer")
+    if header is not None and given is not None and header != given:
+        raise Problem("invalid-request", f"Idem-Epoch ({header}) and the body's epoch ({given}) differ")
+    return header if header is not None else given
+
+
+def _not_superseded(run: Run, epoch: int | None) -> None:
+    """Refuse a caller from an attempt older than the run's (the store changed nothing)."""
+    if epoch is not None and run.epoch > epoch:
+        raise Problem("stale-epoch", f"run {run.run_id} is at epoch {run.epoch}; this attempt "
+                      f"(epoch {epoch}) has been superseded", epoch=run.epoch)
 
 
 def run_options(body: dict[str, Any], settings: Settings) -> dict[str, Any]:
@@ -218,13 +294,16 @@ def new_run(namespace: str, run_id: str, settings: Settings, now: float) -> Run:
                created_at=now)
 
 
-async def _end(request: web.Request, run: Run, state: str) -> web.Response:
-    ended = await request.app[STORE].end_run(run.tenant, run.run_id, state, time.time())
+async def _end(request: web.Request, namespace: str, run_id: str, state: str,
+               epoch: int | None = None) -> Run:
+    """End the run as ``state``, atomically fenced by ``epoch``; idempotent."""
+    ended = await request.app[STORE].end_run(namespace, run_id, state, time.time(), epoch)
     if ended is None:
-        raise Problem("not-found", f"no run {run.run_id!r}")
+        raise _no_such_run(request)
+    _not_superseded(ended, epoch)
     if ended.state != state:
-        raise Problem("run-ended", f"run {run.run_id} already ended as {ended.state}", state=ended.state)
-    return _answer(request, ended)
+        raise Problem("run-ended", f"run {run_id} already ended as {ended.state}", state=ended.state)
+    return ended
 
 
 # -- agent-facing -------------------------------------------------------------------------------
@@ -248,20 +327,25 @@ async def show_run(request: web.Request) -> web.Response:
 
 @_endpoint()
 async def heartbeat(request: web.Request) -> web.Response:
-    run = await _own_run(request)
-    store = request.app[STORE]
-    await store.touch({(run.tenant, run.run_id): time.time()})
-    return _answer(request, (await store.get_run(run.tenant, run.run_id))[0])
+    namespace, run_id = _namespace(request), _run_id(request)
+    epoch = await _attempt_epoch(request)
+    run = await request.app[STORE].heartbeat(namespace, run_id, time.time(), epoch)
+    if run is None:
+        raise _no_such_run(request)
+    _not_superseded(run, epoch)
+    return _answer(request, run)
 
 
 @_endpoint()
 async def complete(request: web.Request) -> web.Response:
-    return await _end(request, await _own_run(request), COMPLETED)
+    namespace, run_id = _namespace(request), _run_id(request)
+    return _answer(request, await _end(request, namespace, run_id, COMPLETED, await _attempt_epoch(request)))
 
 
 @_endpoint()
 async def fail(request: web.Request) -> web.Response:
-    return await _end(request, await _own_run(request), FAILED)
+    namespace, run_id = _namespace(request), _run_id(request)
+    return _answer(request, await _end(request, namespace, run_id, FAILED, await _attempt_epoch(request)))
 
 
 @_endpoint()
@@ -284,24 +368,23 @@ async def new_attempt(request: web.Request) -> web.Response:
 @_endpoint(admin=True)
 async def admin_list(request: web.Request) -> web.Response:
     state = request.query.get("state") or None
-    if state is not None and state not in STATES:
-        raise Problem("invalid-request", f"state must be one of {', '.join(STATES)}")
+    if state is not None and state not in RUN_STATES:
+        raise Problem("invalid-request", f"state must be one of {', '.join(RUN_STATES)}")
     try:
         limit = int(request.query.get("limit", "100"))
     except ValueError:
         limit = 0
     if not 1 <= limit <= 10000:
         raise Problem("invalid-request", "limit must be an integer from 1 to 10000")
-    runs = await request.app[STORE].list_runs(state, limit)
-    url = _proxy_url(request)
-    return _json({"runs": [run_json(r, url) for r in runs]})
+    store = request.app[STORE]
+    return _json(await runs_listing(store, await store.list_runs(state, limit), _proxy_url(request)))
 
 
 @_endpoint(admin=True)
 async def admin_show(request: web.Request) -> web.Response:
     store = request.app[STORE]
     run = await _any_run(request)
-    body = run_json(run, _proxy_url(request))
+    body = run_json(run, _proxy_url(request), history=True)
     entries = await store.journal(run.tenant, run.run_id)
     body["steps"] = [step_json(e) for e in entries]
     if request.query.get("bodies") in ("1", "true", "yes"):
@@ -324,36 +407,50 @@ async def admin_restart(request: web.Request) -> web.Response:
     if new is None:
         raise Problem("run-ended", f"run {run.run_id} ended meanwhile")
     app[METRICS].restarts.inc()
-    return _answer(request, new)
+    return _answer(request, new, history=True)
 
 
 @_endpoint(admin=True)
 async def admin_complete(request: web.Request) -> web.Response:
-    return await _end(request, await _any_run(request), COMPLETED)
+    run = await _any_run(request)
+    return _answer(request, await _end(request, run.tenant, run.run_id, COMPLETED), history=True)
 
 
 @_endpoint(admin=True)
 async def admin_delete_journal(request: web.Request) -> web.Response:
-    run_id = _run_id(request)
-    namespace = request.query.get("namespace")
-    if namespace is None:
-        runs = await request.app[STORE].get_run(None, run_id)
-        namespace = runs[0].tenant if len(runs) == 1 else "default"
-    deleted = await request.app[STORE].delete_journal(namespace, run_id)
-    return _json({"deleted": deleted, "namespace": namespace, "run_id": run_id})
+    run = await _any_run(request)
+    deleted = await request.app[STORE].delete_journal(run.tenant, run.run_id)
+    return _json({"deleted": deleted, "namespace": run.tenant, "run_id": run.run_id})
 
 
 @_endpoint(admin=True)
 async def admin_resolve(request: web.Request) -> web.Response:
-    store, kid = request.app[STORE], request.match_info["kid"]
+    app, kid = request.app, request.match_info["kid"]
     recorded = resolution(await _body(request))
+    await resolve_quarantined(app[STORE], app[SETTINGS], kid, recorded)
+    return _json({"resolved": True, "kid": kid, "action": "retry" if recorded is None else "respond"})
+
+
+async def resolve_quarantined(store: Store, settings: Settings, kid: str, recorded: Recorded | None) -> Entry:
+    """Settle an outcome-unknown entry with the operator's decision (see :func:`resolution`).
+    The answer's headers are kept as the proxy keeps an upstream's: no hop-by-hop or framing
+    headers, no cookies, none of its upstream's ``redact_headers``."""
     entry = await store.get(kid)
     if entry is None:
         raise Problem("not-found", f"no journal entry {kid}")
-    if entry.state != UNKNOWN or not await store.resolve(kid, recorded):
-        raise Problem("not-quarantined", f"entry {kid} is {entry.state}, not quarantined",
-                      state=entry.state)
-    return _json({"resolved": True, "kid": kid, "action": "retry" if recorded is None else "respond"})
+    if entry.state == UNKNOWN:
+        if recorded is not None:
+            recorded.headers = _storable(recorded.headers, settings.upstreams.get(entry.upstream))
+        if await store.resolve(kid, recorded):
+            return entry
+    raise Problem("not-quarantined", f"entry {kid} is {entry.state}, not quarantined", state=entry.state)
+
+
+def _storable(headers: list[tuple[str, str]], upstream: UpstreamSettings | None) -> list[tuple[str, str]]:
+    kept = [(k, v) for k, v in headers if k.lower() not in NOT_FORWARDED]
+    if upstream is None:  # no longer configured: its redactions are unknown, ours still hold
+        return [(k, v) for k, v in kept if k.lower() not in NEVER_STORED]
+    return storable_headers(kept, upstream)
 
 
 def resolution(body: dict[str, Any]) -> Recorded | None:
@@ -370,6 +467,10 @@ def resolution(body: dict[str, Any]) -> Recorded | None:
     if not (isinstance(headers, list) and all(isinstance(h, list) and len(h) == 2
                                               and all(isinstance(x, str) for x in h) for h in headers)):
         raise Problem("invalid-body", 'headers must be a list of ["Name", "value"] pairs')
+    for name, value in headers:
+        if not HEADER_NAME.fullmatch(name) or CONTROL.search(value):
+            raise Problem("invalid-body", f"header {name!r}: a name is a token (letters, digits, "
+                          "!#$%&'*+.^_`|~-) and a value holds no control characters (CR, LF, NUL...)")
     if "body_base64" in body:
         try:
             content = base64.b64decode(str(body["body_base64"]), validate=True)

@@ -21,8 +21,8 @@ from ..proxy.config import Settings
 from ..proxy.problems import Problem
 from ..proxy.server import run
 from ..proxy.store import Store
-from ..proxy.store.base import COMPLETED, ENDED, UNKNOWN, Run
-from .api import STATES, resolution, run_json, step_json
+from ..proxy.store.base import COMPLETED, ENDED, RUN_STATES, Run
+from .api import resolution, resolve_quarantined, run_json, runs_listing, step_json
 from .hooks import Hooks
 from .loop import Supervisor, restart_run
 
@@ -36,7 +36,7 @@ def add_subcommands(sub, command) -> None:
     runs = command("runs", "list, show, restart and complete runs").add_subparsers(
         dest="runs_command", required=True, metavar="{list,show,restart,complete}")
     listing = _leaf(runs, "list", "runs, newest first")
-    listing.add_argument("--state", choices=STATES)
+    listing.add_argument("--state", choices=RUN_STATES)
     listing.add_argument("--limit", type=int, default=100)
     listing.set_defaults(handler=cmd_runs_list)
     for name, handler, help in (("show", cmd_runs_show, "one run, its history and its journal"),
@@ -111,7 +111,7 @@ def cmd_runs_list(settings: Settings, args) -> int:
     async def work(store: Store) -> int:
         runs = await store.list_runs(args.state, args.limit)
         if args.json:
-            _print_json({"runs": [run_json(r, settings.proxy_url) for r in runs]})
+            _print_json(await runs_listing(store, runs, settings.proxy_url))
             return 0
         now = time.time()
         print(table(["RUN", "NAMESPACE", "STATE", "EPOCH", "RESTARTS", "LAST SEEN", "HOOK"],
@@ -124,7 +124,7 @@ def cmd_runs_list(settings: Settings, args) -> int:
 def cmd_runs_show(settings: Settings, args) -> int:
     async def work(store: Store) -> int:
         found = await _find(store, args)
-        body = run_json(found, settings.proxy_url)
+        body = run_json(found, settings.proxy_url, history=True)
         body["steps"] = [step_json(e) for e in await store.journal(found.tenant, found.run_id)]
         if args.json:
             _print_json(body)
@@ -147,7 +147,7 @@ def cmd_runs_restart(settings: Settings, args) -> int:
             await hooks.aclose(timeout=30.0)
         if new is None:
             raise Problem("run-ended", f"run {found.run_id} ended meanwhile")
-        return _report(args, run_json(new, settings.proxy_url),
+        return _report(args, run_json(new, settings.proxy_url, history=True),
                        f"run {new.run_id}: restarted at epoch {new.epoch} (restart {new.restarts}); "
                        f"hook {new.hook or '-'}")
     return _with_store(settings, work)
@@ -160,7 +160,8 @@ def cmd_runs_complete(settings: Settings, args) -> int:
         if ended is None or ended.state != COMPLETED:
             raise Problem("run-ended", f"run {found.run_id} already ended as "
                           f"{ended.state if ended else 'unknown'}")
-        return _report(args, run_json(ended, settings.proxy_url), f"run {ended.run_id}: completed")
+        return _report(args, run_json(ended, settings.proxy_url, history=True),
+                       f"run {ended.run_id}: completed")
     return _with_store(settings, work)
 
 
@@ -169,7 +170,7 @@ async def _find(store: Store, args) -> Run:
     if not runs:
         raise Problem("not-found", f"no run {args.run_id!r}")
     if len(runs) > 1:
-        raise Problem("invalid-request", f"run {args.run_id!r} exists in namespaces "
+        raise Problem("ambiguous-run", f"run {args.run_id!r} exists in namespaces "
                       f"{', '.join(sorted(r.tenant for r in runs))}; pass --namespace")
     return runs[0]
 
@@ -193,11 +194,7 @@ def cmd_journal_resolve(settings: Settings, args) -> int:
         return 2
 
     async def work(store: Store) -> int:
-        entry = await store.get(args.kid)
-        if entry is None:
-            raise Problem("not-found", f"no journal entry {args.kid}")
-        if entry.state != UNKNOWN or not await store.resolve(args.kid, recorded):
-            raise Problem("not-quarantined", f"entry {args.kid} is {entry.state}, not quarantined")
+        await resolve_quarantined(store, settings, args.kid, recorded)
         then = "the next call goes upstream" if recorded is None else f"calls replay {recorded.status}"
         print(f"{args.kid}: resolved; {then}")
         return 0

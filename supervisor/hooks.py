@@ -2,7 +2,8 @@
 
 ``command`` hooks start an argv detached: its own session (a supervisor that stops or
 dies takes no agent with it), stdin from /dev/null, stdout and stderr appended to one log
-file per attempt, and the exit code written into the run's history when it ends.
+file per attempt, and the exit code written into the run's history when it ends. Its
+environment is described at :func:`hook_environment`.
 ``http`` hooks POST the same facts as JSON, signed with HMAC-SHA256 over the raw body in
 ``Idem-Signature: sha256=<hex>``, retried with exponential backoff.
 
@@ -23,6 +24,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 import aiohttp
 import orjson
@@ -37,6 +39,13 @@ HTTP_TIMEOUT_S = 10.0     # per delivery try
 HTTP_BACKOFF_S = 0.5      # first wait between tries; doubles each time
 HTTP_BACKOFF_MAX_S = 30.0
 SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
+# Credentials of the supervisor's own stores and cloud account, by their well-known names.
+# Agents have no use for them; provider keys (OPENAI_API_KEY, ...) are not among them,
+# since agents need those. A hook's `pass_env` or `env` can still hand any of them on.
+INFRA_SECRETS = frozenset({
+    "PGPASSWORD", "PGPASSFILE", "PGSERVICEFILE", "DATABASE_URL", "REDIS_URL", "REDISCLI_AUTH",
+    "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AZURE_CLIENT_SECRET",
+    "GOOGLE_APPLICATION_CREDENTIALS"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,11 +74,22 @@ class HookCall:
                 "namespace": self.namespace, "event": self.event}
 
 
-def hook_environment(call: HookCall) -> dict[str, str]:
-    """Ours, less our own settings (an agent has no use for the admin token or the store
-    password), plus the facts of the call."""
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
-    return {**inherited, **call.environment()}
+def hook_environment(hook: HookSettings, call: HookCall,
+                     environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """A command hook's environment, in three layers, later ones winning:
+
+    1. inherited from ours: with ``pass_env`` set, exactly the variables it names; else all
+       but our own settings (``IDEMPROXY_*``: the admin token, the store URL) and
+       :data:`INFRA_SECRETS`;
+    2. the hook's ``env``;
+    3. the facts of the call (``IDEM_RUN_ID``, ``IDEM_EPOCH``, ...), which nothing overrides.
+    """
+    if hook.pass_env is not None:
+        inherited = {k: environ[k] for k in hook.pass_env if k in environ}
+    else:
+        inherited = {k: v for k, v in environ.items()
+                     if not k.startswith(ENV_PREFIX) and k not in INFRA_SECRETS}
+    return {**inherited, **{k: str(v) for k, v in hook.env.items()}, **call.environment()}
 
 
 def sign(secret: str, body: bytes) -> str:
@@ -132,12 +152,12 @@ class Hooks:
         try:
             # posix_spawn rather than subprocess.Popen: the child is not ours to kill or
             # wait for when we stop, and Popen objects complain when dropped while running.
-            pid = os.posix_spawnp(hook.command[0], list(hook.command), hook_environment(call),
+            pid = os.posix_spawnp(hook.command[0], list(hook.command), hook_environment(hook, call),
                                   file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
                                                 (os.POSIX_SPAWN_DUP2, fd, 1),
                                                 (os.POSIX_SPAWN_DUP2, fd, 2)],
                                   setsid=True)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: an `env` name the OS refuses
             return f"cannot start {hook.command[0]!r}: {exc}"
         finally:
             os.close(fd)

@@ -10,7 +10,9 @@ than their ``timeout_s`` (and past the ``grace_s`` that follows each start), and
   ``backoff_base_s * 2**(k-2)`` (at most ``backoff_max_s``) beyond the silence itself;
 - gives up after ``max_restarts`` restarts within the window (OTP-style intensity): the
   run becomes ``dead`` and the ``on_dead`` hook fires. So does a silent run that has no
-  hook at all, since nothing could start it again.
+  hook at all, since nothing could start it again. The restarts are counted from the
+  run's ``restart_times``, which the store keeps to the window, not from its history,
+  which hook and backoff events would push them out of.
 
 Signal handlers only set an event; a tick in progress always finishes, so a claimed
 restart is never left without its hook.
@@ -22,7 +24,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
 
 from aiohttp import web
 
@@ -34,19 +35,21 @@ from .hooks import HookCall, Hooks
 
 log = logging.getLogger("idemproxy.supervisor")
 
-RESTART = "restart"  # the history event of a supervisor's restart; what intensity counts
-GAUGE_INTERVAL_S = 5.0  # how often the runs-by-state gauge is refreshed from the store
+RESTART = "restart"  # the history event of a supervisor's restart
 
 
 async def restart_run(store: Store, hooks: Hooks, run: Run, proxy_url: str, *, reason: str,
-                      expected_epoch: int | None, now: float | None = None) -> Run | None:
+                      expected_epoch: int | None, now: float | None = None,
+                      window_s: float | None = None) -> Run | None:
     """Start a new attempt of ``run`` and fire its hook; None if the claim was lost.
 
     ``expected_epoch`` makes the claim a compare-and-set (the supervisor's case); None
-    restarts whatever the current epoch is (an operator's restart).
+    restarts whatever the current epoch is (an operator's restart). ``window_s`` counts
+    the restart towards ``max_restarts`` (the supervisor's restarts do; an operator's do not).
     """
     now = time.time() if now is None else now
-    new = await store.new_attempt(run.tenant, run.run_id, expected_epoch, now, reason, restart=True)
+    new = await store.new_attempt(run.tenant, run.run_id, expected_epoch, now, reason, restart=True,
+                                  window_s=window_s)
     if new is None:
         return None
     log.info("run %s/%s restarted (%s): epoch %d, restart %d", new.tenant, new.run_id, reason,
@@ -65,7 +68,6 @@ class Supervisor:
         self.settings = settings
         self.hooks = hooks
         self.metrics = metrics
-        self._gauge_at = 0.0
 
     async def run(self, stop: asyncio.Event) -> None:
         """Tick every ``interval_s`` until ``stop`` is set."""
@@ -90,16 +92,15 @@ class Supervisor:
             action = await self._handle_silent(run, now)
             if action:
                 done.append((run.run_id, action))
-        await self._refresh_gauge(now, changed=bool(done))
         return done
 
     async def _handle_silent(self, run: Run, now: float) -> str | None:
         if not run.hook:
             return await self._bury(run, now, "silent, and no hook can start it again")
-        restarts = recent_restarts(run.history, now, self.settings.runs.restart_window_s)
+        window = self.settings.runs.restart_window_s
+        restarts = recent_restarts(run.restart_times, now, window)
         if len(restarts) >= run.max_restarts:
-            return await self._bury(run, now, f"{len(restarts)} restarts within "
-                                    f"{self.settings.runs.restart_window_s:g}s")
+            return await self._bury(run, now, f"{len(restarts)} restarts within {window:g}s")
         delay = self.backoff(len(restarts))
         if delay and run.next_restart_at <= max(restarts):  # not yet scheduled since the last one
             await self.store.set_run_state(run.tenant, run.run_id, None, now,
@@ -107,7 +108,7 @@ class Supervisor:
                                            next_restart_at=now + delay)
             return "backoff"
         new = await restart_run(self.store, self.hooks, run, self.settings.proxy_url, reason=RESTART,
-                                expected_epoch=run.epoch, now=now)
+                                expected_epoch=run.epoch, now=now, window_s=window)
         if new is None:
             return None  # another supervisor restarted it, or it ended meanwhile
         if self.metrics is not None:
@@ -122,7 +123,8 @@ class Supervisor:
         return min(runs.backoff_base_s * 2 ** (restarts - 1), runs.backoff_max_s)
 
     async def _bury(self, run: Run, now: float, why: str) -> str | None:
-        ended = await self.store.end_run(run.tenant, run.run_id, DEAD, now)
+        # Fenced by the epoch found silent: an attempt started meanwhile is not buried.
+        ended = await self.store.end_run(run.tenant, run.run_id, DEAD, now, epoch=run.epoch)
         # end_run is idempotent: the run carries our ``now`` only if this call ended it,
         # so among several supervisors exactly one fires on_dead.
         if ended is None or ended.state != DEAD or ended.ended_at != now:
@@ -136,40 +138,23 @@ class Supervisor:
                                                     run.restarts, self.settings.proxy_url))
         return "dead"
 
-    async def _refresh_gauge(self, now: float, changed: bool) -> None:
-        count = getattr(self.store, "count_runs", None)
-        if self.metrics is None or count is None or (not changed and now - self._gauge_at < GAUGE_INTERVAL_S):
-            return
-        self._gauge_at = now
-        update_runs_gauge(self.metrics, await count())
 
-
-def update_runs_gauge(metrics: Metrics, counts: dict[str, int]) -> None:
-    for state in ("running", "restarting", "completed", "failed", "dead"):
-        metrics.runs.labels(state).set(counts.get(state, 0))
-
-
-def recent_restarts(history: list[dict[str, Any]], now: float, window: float) -> list[float]:
-    """Times of the supervisor's restarts within ``window`` seconds before ``now``."""
-    return [e["at"] for e in history if e.get("event") == RESTART and e.get("at", 0) > now - window]
+def recent_restarts(restart_times: list[float], now: float, window: float) -> list[float]:
+    """The restart times within ``window`` seconds before ``now``."""
+    return [at for at in restart_times if at > now - window]
 
 
 async def supervisor_task(app: web.Application, settings: Settings) -> None:
-    """The supervisor in-process in ``idemproxy serve``, on the app's store; stops on cancel."""
+    """The supervisor in-process in ``idemproxy serve``, on the app's store and the hooks of
+    its runs API (:func:`supervisor.routes`); stops on cancel."""
     from ..proxy.app import METRICS, STORE
     from .api import HOOKS
 
-    store = app[STORE]
-    own_hooks = HOOKS not in app  # an app without the runs API has no hooks of its own
-    hooks = Hooks(settings, store) if own_hooks else app[HOOKS]
     stop = asyncio.Event()
-    loop = asyncio.create_task(Supervisor(store, settings, hooks, app.get(METRICS)).run(stop))
+    loop = asyncio.create_task(Supervisor(app[STORE], settings, app[HOOKS], app.get(METRICS)).run(stop))
     try:
         await asyncio.shield(loop)
     except asyncio.CancelledError:
         stop.set()  # graceful: the tick in progress finishes, claims get their hooks
         await loop
         raise
-    finally:
-        if own_hooks:
-            await hooks.aclose()

@@ -69,7 +69,10 @@ async def test_list_and_show_runs_with_their_journal(make_proxy, store_url, prov
     await _call(http, "POST", f"{proxy.url}/runs/other/complete")
 
     _, listed = await _call(http, "GET", f"{proxy.url}/admin/runs", headers=ADMIN)
-    assert {r["run_id"] for r in listed["runs"]} == {"shown", "other"}
+    assert {r["run_id"]: r["steps"] for r in listed["runs"]} == {"shown": 2, "other": 0}  # SPEC §9
+    for run in listed["runs"]:
+        for field in ("run_id", "state", "epoch", "restarts", "last_seen", "steps", "history"):
+            assert field in run
     _, listed = await _call(http, "GET", f"{proxy.url}/admin/runs?state=completed", headers=ADMIN)
     assert [r["run_id"] for r in listed["runs"]] == ["other"]
     status, _ = await _call(http, "GET", f"{proxy.url}/admin/runs?state=sleeping", headers=ADMIN)
@@ -220,3 +223,54 @@ async def test_cli_runs_and_journal_commands(make_proxy, store_url, provider, ht
     assert code == 0 and "completed" in out, err
     code, _, err = await _cli(config, "runs", "restart", "cli-run")
     assert code == 1 and "ended" in err
+
+
+async def test_a_resolved_answer_keeps_only_headers_fit_to_store(make_proxy, store_url, provider, http):
+    proxy = await make_proxy(store_url, upstreams__tools={"redact_headers": ["X-Secret"]})
+    kid = await _quarantine(http, proxy, "q-headers", "email-4")
+    resolve = f"{proxy.url}/admin/journal/{kid}/resolve"
+    for name, value in (("X-Ok", "yes\r\nSet-Cookie: sid=stolen"), ("X-Ok", "a\nb"), ("X-Ok", "nul\x00"),
+                        ("Bad Name", "x"), ("X-Ok:", "x"), ("", "x")):
+        status, problem = await _call(http, "POST", resolve, headers=ADMIN, json={
+            "action": "respond", "status": 200, "body": "{}", "headers": [[name, value]]})
+        assert status == 400 and problem["type"] == PROBLEM + "invalid-body", (name, value)
+    assert (await proxy.store.get(kid)).state == "unknown"  # refused: nothing changed
+
+    status, _ = await _call(http, "POST", resolve, headers=ADMIN, json={
+        "action": "respond", "status": 200, "body": '{"sent": true}',
+        "headers": [["Content-Type", "application/json"], ["Set-Cookie", "sid=1"], ["Content-Length", "999"],
+                    ["Transfer-Encoding", "chunked"], ["Connection", "close"], ["Date", "yesterday"],
+                    ["X-Secret", "s3"], ["X-Request-Id", "req\t7"]]})
+    assert status == 200
+    stored = (await proxy.store.get(kid)).response
+    assert stored.headers == [("Content-Type", "application/json"), ("X-Request-Id", "req\t7")]
+    async with http.post(f"{proxy.url}/runs/q-headers/tools/send", json={"to": "bob"},
+                         headers={"Idempotency-Key": "email-4"}) as resp:
+        assert resp.status == 200 and await resp.json() == {"sent": True}
+        assert "Set-Cookie" not in resp.headers and resp.headers["Content-Length"] == "14"
+    assert provider.calls["tool:send"] == 1
+
+
+async def test_a_run_id_in_several_namespaces_must_be_named(make_proxy, store_url, provider, http):
+    proxy = await make_proxy(store_url, tenants={"trusted_sources": ["127.0.0.1/32"]})
+    url = "/runs/twin/epochs/0/openai/v1/chat/completions"
+    for tenant, n in (("acme", 2), (None, 1)):
+        for i in range(n):
+            headers = {"Idem-Tenant": tenant} if tenant else {}
+            async with http.post(proxy.url + url, json={**CHAT, "n": i}, headers=headers) as resp:
+                assert resp.status == 200
+    for method, path in (("DELETE", "/admin/runs/twin/journal"), ("GET", "/admin/runs/twin"),
+                         ("POST", "/admin/runs/twin/complete")):
+        status, problem = await _call(http, method, proxy.url + path, headers=ADMIN)
+        assert status == 409 and problem["type"] == PROBLEM + "ambiguous-run", (method, path)
+        assert problem["namespaces"] == ["acme", "default"]
+    status, problem = await _call(http, "DELETE", f"{proxy.url}/admin/runs/nobody/journal", headers=ADMIN)
+    assert status == 404 and problem["type"] == PROBLEM + "not-found"
+
+    status, body = await _call(http, "DELETE", f"{proxy.url}/admin/runs/twin/journal?namespace=acme",
+                               headers=ADMIN)
+    assert (status, body) == (200, {"deleted": 2, "namespace": "acme", "run_id": "twin"})
+    _, shown = await _call(http, "GET", f"{proxy.url}/admin/runs/twin?namespace=default", headers=ADMIN)
+    assert len(shown["steps"]) == 1  # the other namespace's journal is untouched
+    assert provider.calls["chat"] == 3
+

@@ -277,6 +277,43 @@ async def test_superseded_attempt_stops_beating_and_does_not_end_the_run(proxy, 
     assert (state["state"], state["epoch"]) == ("running", 1)  # the zombie completed nothing
 
 
+async def test_a_zombie_that_never_noticed_cannot_end_the_run(proxy, http):
+    """No heartbeats, so nothing told the old attempt: the proxy refuses its end (412,
+    Idem-Epoch), the client raises Superseded, and the new attempt keeps the run."""
+    def zombie_finishes_late():
+        old = Run("late", proxy_url=proxy.url, heartbeat=False, env={}).start()
+        try:
+            with Run("late", proxy_url=proxy.url, heartbeat=False, finish=False, env={}) as new:
+                assert (old.epoch, new.epoch) == (0, 1)
+            assert not old.superseded
+            with pytest.raises(Superseded) as refused:
+                old.complete()
+            assert refused.value.status == 412 and refused.value.slug == "stale-epoch"
+            assert old.superseded
+            with pytest.raises(Superseded):
+                old.heartbeat()
+        finally:
+            old.close()
+
+    await asyncio.to_thread(zombie_finishes_late)
+    state = await run_state(http, proxy.url, "late")
+    assert (state["state"], state["epoch"]) == ("running", 1)
+
+    old = await Run("late-async", proxy_url=proxy.url, heartbeat=False, env={}).astart()
+    try:
+        async with http.post(f"{proxy.url}/runs/late-async/attempts") as resp:
+            assert (await resp.json())["epoch"] == 1
+        with pytest.raises(Superseded):
+            await old.afail()
+        with pytest.raises(Superseded):
+            await old.aheartbeat()
+        assert old.superseded
+    finally:
+        await old.aclose()
+    state = await run_state(http, proxy.url, "late-async")
+    assert (state["state"], state["epoch"]) == ("running", 1)
+
+
 # -- async ----------------------------------------------------------------------------------
 
 async def test_async_run_with_sdk_clients_and_heartbeat_task(proxy, provider, http):

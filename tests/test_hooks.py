@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import sys
 import time
 
@@ -161,3 +162,67 @@ async def test_http_hook_failure_is_recorded(hooks_on, receiver):
     assert len(got) == 4
     failed = [e for e in await _history(store) if e["event"] == "hook-failed"]
     assert failed[-1]["tries"] == 1 and "400" in failed[-1]["error"]
+
+
+# Writes its whole environment to argv[1].
+ENV_REPORTER = "import json, os, sys; json.dump(dict(os.environ), open(sys.argv[1], 'w'))"
+
+
+async def _environment_of(hooks, name: str, out) -> dict[str, str]:
+    assert await hooks.fire(name, _call()) is None
+    await hooks.wait_idle()
+    return json.loads(out.read_text())
+
+
+async def test_a_command_hook_inherits_what_agents_need_and_no_infrastructure_secret(
+        hooks_on, tmp_path, monkeypatch):
+    ours = {"PGPASSWORD": "pg-secret", "DATABASE_URL": "postgresql://u:p@db/x", "REDIS_URL": "redis://:p@r",
+            "REDISCLI_AUTH": "r-secret", "AWS_SECRET_ACCESS_KEY": "aws-secret",
+            "AWS_SESSION_TOKEN": "aws-token",
+            "IDEMPROXY_STORE_URL": "postgresql://u:p@db/idem", "IDEMPROXY_ADMIN_TOKEN": "admin",
+            "OPENAI_API_KEY": "sk-agent", "ANTHROPIC_API_KEY": "sk-ant-agent", "AGENT_MODE": "fast"}
+    for name, value in ours.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "env.json"
+    command = [sys.executable, "-c", ENV_REPORTER, str(out)]
+    hooks, _ = await hooks_on(
+        inherit={"command": command, "log_dir": str(tmp_path / "logs")},
+        added={"command": command, "log_dir": str(tmp_path / "logs"),
+               "env": {"AGENT_MODE": "careful", "TOOLS_URL": "http://tools", "IDEM_EPOCH": "99"}},
+        allowed={"command": command, "log_dir": str(tmp_path / "logs"),
+                 "pass_env": ["PATH", "OPENAI_API_KEY", "PGPASSWORD", "NOT_SET"], "env": {"EXTRA": "1"}})
+
+    env = await _environment_of(hooks, "inherit", out)
+    assert {k: env.get(k) for k in ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "AGENT_MODE", "PATH", "HOME")} == {
+        "OPENAI_API_KEY": "sk-agent", "ANTHROPIC_API_KEY": "sk-ant-agent", "AGENT_MODE": "fast",
+        "PATH": os.environ["PATH"], "HOME": os.environ["HOME"]}
+    dropped = {"PGPASSWORD", "DATABASE_URL", "REDIS_URL", "REDISCLI_AUTH", "AWS_SECRET_ACCESS_KEY",
+               "AWS_SESSION_TOKEN", "IDEMPROXY_STORE_URL", "IDEMPROXY_ADMIN_TOKEN"}
+    assert not dropped & set(env)
+    assert env["IDEM_RUN_ID"] == "r1" and env["IDEM_EPOCH"] == "3"
+
+    env = await _environment_of(hooks, "added", out)
+    assert (env["AGENT_MODE"], env["TOOLS_URL"], env["OPENAI_API_KEY"]) == (
+        "careful", "http://tools", "sk-agent")
+    assert env["IDEM_EPOCH"] == "3"  # the facts of the call are never overridden
+    assert not dropped & set(env)
+
+    env = await _environment_of(hooks, "allowed", out)
+    facts = {k for k in env if k.startswith("IDEM_")}
+    # an allowlist: exactly what it names (PGPASSWORD too, since it is asked for), plus `env` and the facts
+    python_own = {"LC_CTYPE"}  # Python may set it in a C locale (PEP 538)
+    assert set(env) - facts - python_own == {"PATH", "OPENAI_API_KEY", "PGPASSWORD", "EXTRA"}
+    assert facts == {"IDEM_RUN_ID", "IDEM_EPOCH", "IDEM_ATTEMPT", "IDEM_PROXY_URL", "IDEM_RUN_BASE",
+                     "IDEM_NAMESPACE", "IDEM_EVENT"}
+
+
+def test_hook_env_options_load_from_toml_and_never_show_their_values(tmp_path):
+    sections = proxy_sections("http://127.0.0.1:9", "sqlite:///unused.db", hooks__agent={
+        "command": ["true"], "env": {"OPENAI_API_KEY": "sk-from-config", "RETRIES": 3}, "pass_env": []})
+    hook = load_settings(write_config(tmp_path / "env.toml", sections), env={}).hooks["agent"]
+    assert (dict(hook.env), hook.pass_env) == ({"OPENAI_API_KEY": "sk-from-config", "RETRIES": "3"}, ())
+    assert "sk-from-config" not in repr(hook)
+    sections["hooks.agent"] = {"command": ["true"]}
+    hook = load_settings(write_config(tmp_path / "env.toml", sections),
+                         env={"IDEMPROXY_HOOKS_AGENT_PASS_ENV": '["PATH", "HOME"]'}).hooks["agent"]
+    assert (dict(hook.env), hook.pass_env) == ({}, ("PATH", "HOME"))  # unset: inherit (see above)

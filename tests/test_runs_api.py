@@ -1,4 +1,4 @@
-"""The agent-facing runs API (/work/notes/RUNS_API.md), on every backend."""
+"""The agent-facing runs API (supervisor/api.py's docstring), on every backend."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import asyncio
 import time
 
 PROBLEM = "https://idemproxy.dev/problems/"
+ADMIN = {"Authorization": "Bearer test-admin-token"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 
 
@@ -86,7 +87,8 @@ async def test_attempts_raise_the_epoch_and_fence_the_old_attempt(make_proxy, st
     status, run = await _call(http, "POST", f"{proxy.url}/runs/job-2/attempts")
     assert status == 201 and run["epoch"] == 1 and run["restarts"] == 0
     assert run["base_url"].endswith("/runs/job-2/epochs/1")
-    assert any(e["event"] == "attempt" and e["epoch"] == 1 for e in run["history"])
+    _, shown = await _call(http, "GET", f"{proxy.url}/admin/runs/job-2", headers=ADMIN)
+    assert any(e["event"] == "attempt" and e["epoch"] == 1 for e in shown["history"])
 
     # the superseded attempt is refused before anything is forwarded
     status, problem = await _call(http, "POST", f"{proxy.url}/runs/job-2/epochs/0/openai/v1/chat/completions",
@@ -124,3 +126,82 @@ async def test_an_untrusted_tenant_header_is_refused(make_proxy, store_url, http
     proxy = await make_proxy(store_url)
     status, problem = await _call(http, "POST", f"{proxy.url}/runs/x", headers={"Idem-Tenant": "acme"})
     assert status == 403 and problem["type"] == PROBLEM + "untrusted-tenant"
+
+
+async def test_a_superseded_attempt_can_neither_beat_nor_end_its_run(make_proxy, store_url, http):
+    proxy = await make_proxy(store_url)
+    url = f"{proxy.url}/runs/zombie"
+    await _call(http, "POST", url)
+    _, run = await _call(http, "POST", f"{url}/attempts")
+    assert run["epoch"] == 1
+    await asyncio.sleep(0.05)
+
+    # epoch 0 is a zombie now: by header or by body, nothing it says changes the run
+    for path, kwargs in (("heartbeat", {"headers": {"Idem-Epoch": "0"}}),
+                         ("heartbeat", {"json": {"epoch": 0}}),
+                         ("complete", {"headers": {"Idem-Epoch": "0"}}),
+                         ("complete", {"json": {"epoch": 0}}),
+                         ("fail", {"headers": {"Idem-Epoch": "0"}})):
+        status, problem = await _call(http, "POST", f"{url}/{path}", **kwargs)
+        assert status == 412, (path, kwargs, problem)
+        assert problem["type"] == PROBLEM + "stale-epoch" and problem["epoch"] == 1
+    _, now = await _call(http, "GET", url)
+    assert (now["state"], now["epoch"], now["last_seen"]) == ("running", 1, run["last_seen"])
+
+    # malformed or contradictory epochs are refused and change nothing either
+    for kwargs in ({"headers": {"Idem-Epoch": "one"}}, {"json": {"epoch": -1}}, {"json": {"epoch": "1"}},
+                   {"json": {"epoch": 1, "note": "x"}},
+                   {"headers": {"Idem-Epoch": "1"}, "json": {"epoch": 0}}):
+        status, problem = await _call(http, "POST", f"{url}/complete", **kwargs)
+        assert status == 400, (kwargs, problem)
+    assert (await _call(http, "GET", url))[1]["state"] == "running"
+
+    # the current attempt (or a newer one the run has not seen yet) is heard
+    status, beat = await _call(http, "POST", f"{url}/heartbeat", headers={"Idem-Epoch": "1"})
+    assert status == 200 and beat["last_seen"] > run["last_seen"]
+    status, beat = await _call(http, "POST", f"{url}/heartbeat", json={"epoch": 2})
+    assert status == 200
+    status, done = await _call(http, "POST", f"{url}/complete", headers={"Idem-Epoch": "1"})
+    assert status == 200 and (done["state"], done["epoch"]) == ("completed", 1)
+    status, problem = await _call(http, "POST", f"{url}/fail", json={"epoch": 0})
+    assert status == 412  # a zombie learns it was superseded, not how the run ended
+    status, again = await _call(http, "POST", f"{url}/complete", json={"epoch": 1})
+    assert status == 200 and again["state"] == "completed"  # still idempotent
+
+
+async def test_agents_see_no_history_operators_do(make_proxy, store_url, http):
+    proxy = await make_proxy(store_url, hooks__agent={"command": ["true"]})
+    answers = [await _call(http, "POST", f"{proxy.url}/runs/private", json={"hook": "agent"}),
+               await _call(http, "POST", f"{proxy.url}/runs/private/attempts"),
+               await _call(http, "POST", f"{proxy.url}/runs/private/heartbeat"),
+               await _call(http, "GET", f"{proxy.url}/runs/private")]
+    for status, run in answers:
+        assert status in (200, 201) and run["run_id"] == "private"
+        assert "history" not in run  # hook errors, pids and log paths are for operators
+    answers.append(await _call(http, "POST", f"{proxy.url}/runs/private/complete"))
+    assert "history" not in answers[-1][1]
+    status, shown = await _call(http, "GET", f"{proxy.url}/admin/runs/private", headers=ADMIN)
+    assert status == 200 and [e["event"] for e in shown["history"]] == ["attempt", "completed"]
+    _, listed = await _call(http, "GET", f"{proxy.url}/admin/runs", headers=ADMIN)
+    assert [e["event"] for e in listed["runs"][0]["history"]] == ["attempt", "completed"]
+
+
+def _gauge(text: str) -> dict[str, float]:
+    prefix = "idemproxy_runs{state=\""
+    return {line[len(prefix):].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(prefix)}
+
+
+async def test_every_process_counts_runs_for_metrics(make_proxy, store_url, http):
+    # two proxies on one store, neither running a supervisor: each counts from the store
+    first, second = await make_proxy(store_url), await make_proxy(store_url)
+    for run_id in ("a", "b", "c"):
+        await _call(http, "POST", f"{first.url}/runs/{run_id}")
+    await _call(http, "POST", f"{first.url}/runs/c/fail")
+    for proxy in (first, second):
+        text = await (await http.get(f"{proxy.url}/metrics")).text()
+        assert _gauge(text) == {"running": 2, "restarting": 0, "completed": 0, "failed": 1, "dead": 0}
+    await _call(http, "POST", f"{second.url}/runs/a/complete")
+    await asyncio.sleep(1.1)  # scrapes within a second share one count
+    assert _gauge(await (await http.get(f"{first.url}/metrics")).text())["completed"] == 1
+

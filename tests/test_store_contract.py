@@ -487,9 +487,11 @@ async def test_observe_epoch_creates_raises_and_never_lowers(store):
 async def test_observe_epoch_concurrently_from_two_instances(store, open_store):
     other = await open_store()
     now = time.time()
-    seen = await asyncio.gather(*(s.observe_epoch(NS, "run-1", e, new_run(), now)
-                                  for s, e in [(store, 3), (other, 5), (store, 4), (other, 1)]))
-    assert max(seen) == 5 and all(e >= 3 for e in seen)
+    asked = [(store, 3), (other, 5), (store, 4), (other, 1)]
+    seen = await asyncio.gather(*(s.observe_epoch(NS, "run-1", e, new_run(), now) for s, e in asked))
+    # Any order may win the race (epoch 1 first creates the run at 1), but no caller is
+    # told less than it asked for, and the run ends at the highest.
+    assert max(seen) == 5 and all(got >= e for got, (_, e) in zip(seen, asked))
     assert (await store.get_run(NS, "run-1"))[0].epoch == 5
 
 
@@ -589,3 +591,46 @@ async def test_count_runs_by_state(store):
     await store.end_run(NS, "c", COMPLETED, time.time())
     await store.new_attempt(NS, "b", 0, time.time(), "restart", True)
     assert await store.count_runs() == {RUNNING: 1, RESTARTING: 1, COMPLETED: 1}
+
+
+async def test_heartbeat_and_end_run_are_fenced_by_the_epoch(store):
+    await store.upsert_run(new_run("run-1", last_seen=100.0))
+    await store.new_attempt(NS, "run-1", 0, 150.0, "restart", True)
+    stale = await store.heartbeat(NS, "run-1", 200.0, epoch=0)  # a superseded attempt
+    assert (stale.epoch, stale.last_seen, stale.state) == (1, 150.0, RESTARTING)  # untouched
+    beat = await store.heartbeat(NS, "run-1", 210.0, epoch=1)
+    assert (beat.last_seen, beat.state) == (210.0, RUNNING)
+    assert (await store.heartbeat(NS, "run-1", 205.0)).last_seen == 210.0  # unfenced; never backwards
+    assert await store.heartbeat(NS, "no-such-run", 1.0, epoch=0) is None
+
+    refused = await store.end_run(NS, "run-1", COMPLETED, 300.0, epoch=0)
+    assert (refused.state, refused.ended_at, refused.epoch) == (RUNNING, None, 1)
+    assert (await store.get_run(NS, "run-1"))[0].state == RUNNING
+    ended = await store.end_run(NS, "run-1", COMPLETED, 310.0, epoch=1)
+    assert (ended.state, ended.ended_at) == (COMPLETED, 310.0)
+    assert (await store.end_run(NS, "run-1", FAILED, 320.0, epoch=5)).state == COMPLETED  # once
+
+
+async def test_restart_times_keep_the_window_apart_from_the_history(store):
+    await store.upsert_run(new_run("run-1"))
+    for i, at in enumerate((100.0, 150.0, 190.0, 260.5)):
+        run = await store.new_attempt(NS, "run-1", i, at, "restart", True, window_s=100)
+    assert run.restart_times == [190.0, 260.5]  # 100 and 150 are more than 100s before 260.5
+    run = await store.new_attempt(NS, "run-1", 4, 270.0, "admin-restart", True)  # not counted
+    assert (run.restarts, run.restart_times) == (5, [190.0, 260.5])
+    for i in range(60):  # events enough to push every restart out of the history
+        await store.set_run_state(NS, "run-1", None, 280.0 + i, {"event": "hook-exit"})
+    [run] = await store.get_run(NS, "run-1")
+    assert run.restart_times == [190.0, 260.5] and not any(e["event"] == "restart" for e in run.history)
+    assert (await store.upsert_run(new_run("run-2", restart_times=[5.0]))).restart_times == [5.0]
+
+
+async def test_count_steps_of_runs(store):
+    for key in ("s1", "s2"):
+        await claimed(store, scope(key))
+    await claimed(store, scope("s3", tenant="tenant-b"))  # same run, another credential
+    await claimed(store, scope("s1", run="run-2"))
+    await claimed(store, scope("s1", tenant="tenant-c"), namespace="ns-b")
+    counts = await store.count_steps([(NS, "run-1"), (NS, "run-2"), ("ns-b", "run-1"), (NS, "none")])
+    assert counts == {(NS, "run-1"): 3, (NS, "run-2"): 1, ("ns-b", "run-1"): 1}
+    assert await store.count_steps([]) == {}

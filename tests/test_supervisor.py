@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -19,7 +20,7 @@ from idemproxy.proxy.config import load_settings
 from idemproxy.proxy.store.base import Run
 from idemproxy.supervisor import supervisor_task
 from idemproxy.supervisor.hooks import Hooks
-from idemproxy.supervisor.loop import Supervisor
+from idemproxy.supervisor.loop import Supervisor, restart_run
 
 PROBLEM = "https://idemproxy.dev/problems/"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "work"}]}
@@ -310,3 +311,92 @@ async def test_a_fenced_zombie_does_not_keep_its_run_alive(supervised, store_url
         await asyncio.sleep(0.05)
     assert (await _run(proxy, "haunted")).restarts >= 2
     assert provider.calls["chat"] == 1
+
+
+@pytest.fixture
+async def lone_supervisor(store_url, tmp_path):
+    """``await lone_supervisor(**runs_section) -> (supervisor, store)``: a Supervisor on its own
+    store, driven tick by tick with made-up times; its hook ``agent`` exits at once."""
+    made = []
+
+    async def make(**runs):
+        sections = proxy_sections("http://127.0.0.1:9", store_url, runs={"hook": "agent", **runs},
+                                  hooks__agent={"command": ["true"], "log_dir": str(tmp_path / "logs")})
+        settings = load_settings(write_config(tmp_path / "lone.toml", sections), env={})
+        store = await open_store(settings)
+        made.append(Supervisor(store, settings, Hooks(settings, store)))
+        return made[-1], store
+
+    yield make
+    for supervisor in made:
+        await supervisor.hooks.wait_idle()
+        await supervisor.hooks.aclose()
+        await supervisor.store.aclose()
+
+
+async def test_max_restarts_holds_beyond_what_the_history_keeps(lone_supervisor):
+    # 20 restarts, each with its backoff and hook events: far more than the history's 50
+    supervisor, store = await lone_supervisor(restart_window_s=10_000, backoff_base_s=1, backoff_max_s=1)
+    now = time.time()
+    await store.upsert_run(Run("default", "flaky", last_seen=now, started_at=now, created_at=now,
+                               timeout_s=1, grace_s=1, max_restarts=20, hook="agent"))
+    actions = []
+    for _ in range(100):  # each tick 10s later: silent every time, backoff (1s) always over
+        now += 10
+        actions += [action for _, action in await supervisor.tick(now)]
+        if "dead" in actions:
+            break
+    (run,) = await store.get_run("default", "flaky")
+    assert (run.state, run.restarts, run.epoch) == ("dead", 20, 20)
+    assert actions.count("restart") == 20 and actions[-1] == "dead"
+    assert len(run.restart_times) == 20
+    # the history alone could not have counted them: most restart events fell out of it
+    assert sum(e["event"] == "restart" for e in run.history) < 20
+
+
+async def test_restarts_outside_the_window_are_forgotten(lone_supervisor):
+    supervisor, store = await lone_supervisor(restart_window_s=100, backoff_base_s=1)
+    now = time.time()
+    await store.upsert_run(Run("default", "slow-flaky", last_seen=now, started_at=now, created_at=now,
+                               timeout_s=1, grace_s=1, max_restarts=2, hook="agent"))
+    for _ in range(5):  # a crash every 1000s: never 2 within 100s, so never dead, never backed off
+        now += 1000
+        assert await supervisor.tick(now) == [("slow-flaky", "restart")]
+    (run,) = await store.get_run("default", "slow-flaky")
+    assert (run.state, run.restarts, run.restart_times) == ("restarting", 5, [now])
+    # an operator's restart is deliberate: it does not count towards max_restarts
+    run = await restart_run(store, supervisor.hooks, run, "http://proxy.test", reason="admin-restart",
+                            expected_epoch=None, now=now + 1)
+    assert (run.restarts, run.restart_times) == (6, [now])
+
+
+async def test_a_sqlite_journal_from_before_restart_times_is_upgraded(sqlite_url, tmp_path):
+    import sqlite3
+
+    from idemproxy.proxy.store import sqlite as sqlite_store
+
+    path = sqlite_url.removeprefix("sqlite:///")
+    with contextlib.closing(sqlite3.connect(path)) as old:  # version 1: runs without restart_times
+        old.executescript(sqlite_store.SCHEMA.replace(", restart_times BLOB", "") + "PRAGMA user_version=1;")
+        old.execute("INSERT INTO runs (tenant, run_id, state, epoch, last_seen, started_at, timeout_s, "
+                    "grace_s, max_restarts, created_at) "
+                    "VALUES ('default', 'old', 'running', 2, 1, 1, 60, 30, 5, 1)")
+        old.commit()
+    config = write_config(tmp_path / "up.toml", proxy_sections("http://127.0.0.1:9", sqlite_url))
+    settings = load_settings(config, env={})
+    store = await open_store(settings)
+    try:
+        (run,) = await store.get_run("default", "old")
+        assert (run.epoch, run.restart_times) == (2, [])
+        run = await store.new_attempt("default", "old", 2, 50.0, "restart", True, window_s=100)
+        assert run.restart_times == [50.0]
+    finally:
+        await store.aclose()
+    store = await open_store(settings)  # opened again: nothing left to upgrade, nothing lost
+    try:
+        (run,) = await store.get_run("default", "old")
+        assert (run.epoch, run.restart_times) == (3, [50.0])
+    finally:
+        await store.aclose()
+    with contextlib.closing(sqlite3.connect(path)) as upgraded:
+        assert upgraded.execute("PRAGMA user_version").fetchone()[0] == sqlite_store.SCHEMA_VERSION

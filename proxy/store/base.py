@@ -22,6 +22,8 @@ from typing import Any, Protocol, runtime_checkable
 IN_FLIGHT, COMPLETE, UNKNOWN, UNRECORDABLE = "in_flight", "complete", "unknown", "unrecordable"
 RUNNING, RESTARTING, COMPLETED, FAILED, DEAD = "running", "restarting", "completed", "failed", "dead"
 ENDED = frozenset({COMPLETED, FAILED, DEAD})
+RUN_STATES = (RUNNING, RESTARTING, COMPLETED, FAILED, DEAD)  # in the order listings show them
+HISTORY_LIMIT = 50  # a run keeps its last 50 events
 
 
 class StoreError(Exception):
@@ -127,7 +129,10 @@ class Run:
     created_at: float = 0.0
     ended_at: float | None = None
     next_restart_at: float = 0.0
-    history: list[dict[str, Any]] = field(default_factory=list)
+    history: list[dict[str, Any]] = field(default_factory=list)  # the last HISTORY_LIMIT events
+    # times of the restarts that count towards max_restarts, within the restart window;
+    # kept apart from the history, whose other events would push them out
+    restart_times: list[float] = field(default_factory=list)
 
 
 class Waiters:
@@ -215,12 +220,22 @@ class Store(Protocol):
                             now: float) -> int:
         """Create the run if new; raise its epoch to ``epoch``; return the current epoch."""
     async def touch(self, beats: dict[tuple[str, str], float]) -> None: """Coalesced heartbeats."""
-    async def end_run(self, tenant: str, run_id: str, state: str, now: float) -> Run | None: ...
+    async def heartbeat(self, tenant: str, run_id: str, now: float,
+                        epoch: int | None = None) -> Run | None:
+        """One beat from outside the proxy, as ``touch`` does, unless the run is past ``epoch``
+        (a superseded attempt: nothing changes). The run afterwards; None if there is none."""
+    async def end_run(self, tenant: str, run_id: str, state: str, now: float,
+                      epoch: int | None = None) -> Run | None:
+        """End the run as ``state``, unless it has ended already or is past ``epoch`` (then
+        nothing changes). The run afterwards; None if there is none."""
     async def new_attempt(self, tenant: str, run_id: str, expected_epoch: int | None, now: float,
-                          reason: str, restart: bool) -> Run | None:
-        """Compare-and-set the epoch to epoch+1; None when another caller won."""
+                          reason: str, restart: bool, window_s: float | None = None) -> Run | None:
+        """Compare-and-set the epoch to epoch+1; None when another caller won. With
+        ``window_s``, ``now`` joins ``restart_times``, which keeps the last ``window_s`` seconds."""
     async def silent_runs(self, now: float) -> list[Run]: """Running runs past timeout and grace."""
     async def set_run_state(self, tenant: str, run_id: str, state: str | None, now: float,
                             event: dict[str, Any] | None = None, **fields: Any) -> None:
         """Set state (None keeps it), append ``event`` to the history, set ``fields``."""
     async def count_runs(self) -> dict[str, int]: """Number of runs in each state."""
+    async def count_steps(self, runs: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
+        """Journal entries of each (namespace, run) not purged yet; runs without any are left out."""

@@ -41,6 +41,9 @@ CREATE TABLE runs (
     next_restart_at DOUBLE PRECISION NOT NULL DEFAULT 0, history JSONB, PRIMARY KEY (tenant, run_id));
 CREATE INDEX runs_by_state ON runs (state, last_seen);
 CREATE TABLE secrets (name TEXT PRIMARY KEY, value BYTEA NOT NULL);
+"""), (2, """
+-- the restarts that count towards max_restarts, apart from the history that evicts them
+ALTER TABLE runs ADD COLUMN restart_times JSONB NOT NULL DEFAULT '[]';
 """)]
 
 
@@ -70,7 +73,7 @@ async def migrate(conn: asyncpg.Connection, schema: str, timeout: float) -> list
 ENTRY_COLUMNS = ("kid, tenant, run, epoch, upstream, key, fingerprint, state, owner, lease_until, "
                  "created_at, completed_at, expires_at, replays, detail, method, path, namespace")
 RUN_COLUMNS = ("tenant, run_id, state, epoch, restarts, last_seen, started_at, timeout_s, grace_s, "
-               "max_restarts, hook, metadata, created_at, ended_at, next_restart_at, history")
+               "max_restarts, hook, metadata, created_at, ended_at, next_restart_at, history, restart_times")
 
 # $1 kid, $2 tenant, $3 run, $4 epoch, $5 upstream, $6 key, $7 fingerprint, $8 method,
 # $9 path, $10 owner, $11 lease_until, $12 now, $13 expires_at, $14 take over an expired
@@ -172,10 +175,10 @@ o AS (DELETE FROM occurrences WHERE tenant = $1 AND run = $2),
 j AS (DELETE FROM journal WHERE namespace = $1 AND run = $2 RETURNING kid)
 SELECT count(*) FROM j"""
 
-# $1..$16: the columns of RUN_COLUMNS, in order
+# $1..$17: the columns of RUN_COLUMNS, in order
 UPSERT_RUN = f"""
 INSERT INTO runs ({RUN_COLUMNS})
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)
 ON CONFLICT (tenant, run_id) DO UPDATE SET timeout_s = excluded.timeout_s, grace_s = excluded.grace_s,
     max_restarts = excluded.max_restarts, hook = excluded.hook, metadata = excluded.metadata
 RETURNING {RUN_COLUMNS}"""
@@ -184,7 +187,7 @@ RETURNING {RUN_COLUMNS}"""
 # $6 grace_s, $7 max_restarts, $8 hook, $9 metadata. Returns nothing when the epoch is not higher.
 RAISE_EPOCH = f"""
 INSERT INTO runs ({RUN_COLUMNS})
-VALUES ($1, $2, '{RUNNING}', $3, 0, $4, $4, $5, $6, $7, $8, $9, $4, NULL, 0, '[]')
+VALUES ($1, $2, '{RUNNING}', $3, 0, $4, $4, $5, $6, $7, $8, $9, $4, NULL, 0, '[]', '[]')
 ON CONFLICT (tenant, run_id) DO UPDATE SET epoch = excluded.epoch, started_at = excluded.started_at,
     state = CASE WHEN runs.state = '{RESTARTING}' THEN '{RUNNING}' ELSE runs.state END
 WHERE excluded.epoch > runs.epoch
@@ -195,6 +198,19 @@ TOUCH = f"""
 UPDATE runs SET last_seen = greatest(last_seen, $1),
     state = CASE WHEN state = '{RESTARTING}' THEN '{RUNNING}' ELSE state END
 WHERE tenant = $2 AND run_id = $3"""
+# $1 at, $2 namespace, $3 run_id, $4 epoch (NULL: unfenced). A superseded attempt's beat
+# changes nothing (no row comes back).
+HEARTBEAT = f"""
+UPDATE runs SET last_seen = greatest(last_seen, $1),
+    state = CASE WHEN state = '{RESTARTING}' THEN '{RUNNING}' ELSE state END
+WHERE tenant = $2 AND run_id = $3 AND ($4::bigint IS NULL OR epoch <= $4)
+RETURNING {RUN_COLUMNS}"""
+# $1 namespaces, $2 run ids (arrays of the same length)
+COUNT_STEPS = """
+SELECT j.namespace, j.run, count(*) FROM journal j
+JOIN (SELECT DISTINCT * FROM unnest($1::text[], $2::text[])) AS w(namespace, run)
+  ON j.namespace = w.namespace AND j.run = w.run
+GROUP BY j.namespace, j.run"""
 
 # -- short statements, named so the store reads as what it does ---------------------------
 GET = (f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing FROM journal "
@@ -216,7 +232,7 @@ RUN_EPOCH = "SELECT epoch FROM runs WHERE tenant = $1 AND run_id = $2"
 LOCK_RUN = f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = $1 AND run_id = $2 FOR UPDATE"
 END_RUN = "UPDATE runs SET state = $1, ended_at = $2, history = $3 WHERE tenant = $4 AND run_id = $5"
 NEW_ATTEMPT = ("UPDATE runs SET epoch = $1, restarts = $2, state = $3, started_at = $4, last_seen = $4, "
-               "history = $5 WHERE tenant = $6 AND run_id = $7")
+               "history = $5, restart_times = $6 WHERE tenant = $7 AND run_id = $8")
 SILENT_RUNS = (f"SELECT {RUN_COLUMNS} FROM runs WHERE state IN ('{RUNNING}', '{RESTARTING}') "
                "AND last_seen + timeout_s < $1 AND started_at + grace_s < $1 AND next_restart_at <= $1")
 COUNT_RUNS = "SELECT state, count(*) FROM runs GROUP BY state"

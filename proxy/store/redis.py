@@ -10,6 +10,7 @@ unambiguous whatever the namespace holds. The layout::
     steps-expiry       zset   "{kid} {rk}" -> expiry (ms): lets purge() clean steps:{rk}
     occ:{rk}           hash   "{epoch}:{fingerprint}" -> occurrences (derived keys)
     run:{rk}           hash   a run;  history:{rk}  list  its last 50 events (JSON)
+    restarts:{rk}      list   times of the restarts that count towards max_restarts, in its window
     runs, runs:{state} zset   rk -> created_at, for listing
     runs-deadline      zset   rk -> last_seen + timeout_s of live runs: silent-run detection
     runs-named:{id}    set    rks of the runs called {id} (one per namespace)
@@ -38,16 +39,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
 from ..config import mask_url
-from .base import (COMPLETE, COMPLETED, DEAD, FAILED, IN_FLIGHT, RESTARTING, RUNNING, UNKNOWN,
+from .base import (COMPLETE, HISTORY_LIMIT, IN_FLIGHT, RESTARTING, RUN_STATES, RUNNING, UNKNOWN,
                    UNRECORDABLE, Claim, ClaimResult, Entry, Recorded, Run, StoreUnavailable, Waiters)
-from .redis_scripts import HISTORY_LIMIT, SCRIPTS
+from .redis_scripts import SCRIPTS
 
 log = logging.getLogger("idemproxy.store")
 
 POLL_S = 0.5  # a waiter looks again this often even when no notification comes
 LISTEN_S = 1.0  # how long the notification reader blocks per read
 RECONNECT_S = (0.1, 2.0)  # notification reader's backoff after losing Redis, first and most
-STATES = (RUNNING, RESTARTING, COMPLETED, FAILED, DEAD)
 ENTRY_FIELDS = ("kid", "tenant", "run", "epoch", "upstream", "key", "fingerprint", "state", "owner",
                 "lease_until", "created_at", "completed_at", "expires_at", "replays", "detail",
                 "method", "path", "namespace")  # an Entry's hash fields, besides its response
@@ -123,14 +123,15 @@ def _entry(f: dict[str, bytes | None]) -> Entry:
     return entry
 
 
-def _run(raw: dict | list, history: list[bytes]) -> Run:
+def _run(raw: dict | list, history: list[bytes], restart_times: list[bytes]) -> Run:
     f = _fields(raw)
     return Run(_text(f["tenant"]), _text(f["run_id"]), _text(f["state"]), int(f["epoch"]),
                int(f["restarts"]), float(f["last_seen"]), float(f["started_at"]),
                float(f["timeout_s"]), float(f["grace_s"]), int(f["max_restarts"]),
                _text(f.get("hook")), orjson.loads(f.get("metadata") or b"{}"),
                float(f["created_at"]), _maybe(float, f.get("ended_at")),
-               float(f.get("next_restart_at") or 0), [orjson.loads(h) for h in history])
+               float(f.get("next_restart_at") or 0), [orjson.loads(h) for h in history],
+               [float(t) for t in restart_times])
 
 
 def _response_fields(recorded: Recorded, now: float) -> dict[str, Any]:
@@ -410,8 +411,10 @@ class RedisStore:
         pipe = self._redis.pipeline(transaction=False)
         for rk in rks:
             pipe.hgetall(self._key("run", rk)).lrange(self._key("history", rk), 0, -1)
+            pipe.lrange(self._key("restarts", rk), 0, -1)
         replies = await self._do(pipe.execute())
-        return [_run(h, history) for h, history in zip(replies[::2], replies[1::2]) if h]
+        return [_run(h, history, times)
+                for h, history, times in zip(replies[::3], replies[1::3], replies[2::3]) if h]
 
     @staticmethod
     def _new_run_fields(run: Run) -> dict[str, str | None]:
@@ -429,7 +432,8 @@ class RedisStore:
         history = [orjson.dumps(event).decode() for event in run.history[-HISTORY_LIMIT:]]
         reply = await self._script("upsert_run", [], [self.prefix, run_ref(run.tenant, run.run_id),
                                                       orjson.dumps(new), orjson.dumps(update),
-                                                      orjson.dumps(history)])
+                                                      orjson.dumps(history),
+                                                      *map(repr, run.restart_times)])
         return _run(*reply)
 
     async def get_run(self, tenant: str | None, run_id: str) -> list[Run]:
@@ -445,10 +449,19 @@ class RedisStore:
 
     async def count_runs(self) -> dict[str, int]:
         pipe = self._redis.pipeline(transaction=False)
-        for state in STATES:
+        for state in RUN_STATES:
             pipe.zcard(self._key("runs", state))
         counts = await self._do(pipe.execute())
-        return {state: n for state, n in zip(STATES, counts) if n}
+        return {state: n for state, n in zip(RUN_STATES, counts) if n}
+
+    async def count_steps(self, runs: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
+        if not runs:
+            return {}
+        pipe = self._redis.pipeline(transaction=False)
+        for namespace, run in runs:
+            pipe.zcard(self._key("steps", run_ref(namespace, run)))
+        counts = await self._do(pipe.execute())
+        return {ref: n for ref, n in zip(runs, counts) if n}
 
     async def observe_epoch(self, tenant: str, run_id: str, epoch: int | None, defaults: Run,
                             now: float) -> int:
@@ -467,15 +480,23 @@ class RedisStore:
             await self._script("touch", [], [self.prefix, *(x for (tenant, run), at in beats.items()
                                                             for x in (run_ref(tenant, run), repr(at)))])
 
-    async def end_run(self, tenant: str, run_id: str, state: str, now: float) -> Run | None:
-        reply = await self._script("end_run", [], [self.prefix, run_ref(tenant, run_id), state, repr(now)])
+    async def heartbeat(self, tenant: str, run_id: str, now: float,
+                        epoch: int | None = None) -> Run | None:
+        reply = await self._script("heartbeat", [], [self.prefix, run_ref(tenant, run_id), repr(now),
+                                                     "" if epoch is None else epoch])
+        return _run(*reply) if reply else None
+
+    async def end_run(self, tenant: str, run_id: str, state: str, now: float,
+                      epoch: int | None = None) -> Run | None:
+        reply = await self._script("end_run", [], [self.prefix, run_ref(tenant, run_id), state, repr(now),
+                                                   "" if epoch is None else epoch])
         return _run(*reply) if reply else None
 
     async def new_attempt(self, tenant: str, run_id: str, expected_epoch: int | None, now: float,
-                          reason: str, restart: bool) -> Run | None:
+                          reason: str, restart: bool, window_s: float | None = None) -> Run | None:
         reply = await self._script("new_attempt", [], [
             self.prefix, run_ref(tenant, run_id), "" if expected_epoch is None else expected_epoch,
-            repr(now), reason, int(restart)])
+            repr(now), reason, int(restart), "" if window_s is None else repr(float(window_s))])
         return _run(*reply) if reply else None
 
     async def silent_runs(self, now: float) -> list[Run]:

@@ -3,10 +3,12 @@
 Key layout and conventions: see the docstring of :mod:`.redis`. Scripts get the key prefix
 as an argument where they reach keys they learn from the data (a run's journal, its index
 entries), which holds on one Redis server, not on Redis Cluster. Absent hash fields stand
-for None. Times are UNIX seconds as decimal strings; expiries are milliseconds.
+for None. Times are UNIX seconds as decimal strings; expiries are milliseconds. Constants
+shared with the other stores (run states, the history's length) are written into the
+script text from :mod:`.base`, so they are defined once.
 """
 
-HISTORY_LIMIT = 50
+from .base import ENDED, HISTORY_LIMIT, RUN_STATES
 
 # -- the journal --------------------------------------------------------------------------
 
@@ -182,7 +184,8 @@ return deleted
 # -- runs: ARGV[1] is the prefix, ARGV[2] the rk (except for TOUCH) -----------------------
 
 RUN_HELPERS = """
-local ENDED = {completed = true, failed = true, dead = true}
+local ENDED = LUA_ENDED
+local STATES = LUA_STATES
 local function write(key, fields)  -- a JSON object of strings; null deletes the field
   for name, value in pairs(fields) do
     if value == cjson.null then redis.call('HDEL', key, name) else redis.call('HSET', key, name, value) end
@@ -198,7 +201,7 @@ end
 local function reindex(p, rk)  -- after every change: listing by state, silent-run deadline
   local r = redis.call('HMGET', p .. 'run:' .. rk, 'state', 'created_at', 'last_seen', 'timeout_s', 'run_id')
   redis.call('ZADD', p .. 'runs', r[2], rk)
-  for _, state in ipairs({'running', 'restarting', 'completed', 'failed', 'dead'}) do
+  for _, state in ipairs(STATES) do
     if state ~= r[1] then redis.call('ZREM', p .. 'runs:' .. state, rk) end
   end
   redis.call('ZADD', p .. 'runs:' .. r[1], r[2], rk)
@@ -210,17 +213,22 @@ local function reindex(p, rk)  -- after every change: listing by state, silent-r
   redis.call('SADD', p .. 'runs-named:' .. r[5], rk)
 end
 local function reply(p, rk)
-  return {redis.call('HGETALL', p .. 'run:' .. rk), redis.call('LRANGE', p .. 'history:' .. rk, 0, -1)}
+  return {redis.call('HGETALL', p .. 'run:' .. rk), redis.call('LRANGE', p .. 'history:' .. rk, 0, -1),
+          redis.call('LRANGE', p .. 'restarts:' .. rk, 0, -1)}
 end
 local p, rk = ARGV[1], ARGV[2]
 local run = p .. 'run:' .. (rk or '')
-""".replace("HISTORY_LIMIT", str(HISTORY_LIMIT))
+""".replace("HISTORY_LIMIT", str(HISTORY_LIMIT)).replace(
+    "LUA_ENDED", "{" + ", ".join(f"{state} = true" for state in sorted(ENDED)) + "}").replace(
+    "LUA_STATES", "{" + ", ".join(f"'{state}'" for state in RUN_STATES) + "}")
 
 UPSERT_RUN = RUN_HELPERS + """
--- ARGV[3]: fields of a new run; ARGV[4]: fields an existing one takes; ARGV[5]: history
+-- ARGV[3]: fields of a new run; ARGV[4]: fields an existing one takes; ARGV[5]: history;
+-- ARGV[6..]: restart times
 if redis.call('EXISTS', run) == 0 then
   write(run, cjson.decode(ARGV[3]))
   for _, item in ipairs(cjson.decode(ARGV[5])) do remember(p, rk, item) end
+  for i = 6, #ARGV do redis.call('RPUSH', p .. 'restarts:' .. rk, ARGV[i]) end
 else
   write(run, cjson.decode(ARGV[4]))
 end
@@ -256,11 +264,23 @@ for i = 2, #ARGV, 2 do
 end
 """
 
+HEARTBEAT = RUN_HELPERS + """
+-- ARGV[3]: at, ARGV[4]: epoch ('' = unfenced; a superseded attempt changes nothing)
+local r = redis.call('HMGET', run, 'last_seen', 'state', 'epoch')
+if not r[1] then return false end
+if ARGV[4] == '' or tonumber(r[3]) <= tonumber(ARGV[4]) then
+  if tonumber(ARGV[3]) > tonumber(r[1]) then redis.call('HSET', run, 'last_seen', ARGV[3]) end
+  if r[2] == 'restarting' then redis.call('HSET', run, 'state', 'running') end
+  reindex(p, rk)
+end
+return reply(p, rk)
+"""
+
 END_RUN = RUN_HELPERS + """
--- ARGV[3]: state, ARGV[4]: now
+-- ARGV[3]: state, ARGV[4]: now, ARGV[5]: epoch ('' = unfenced; a superseded attempt changes nothing)
 local r = redis.call('HMGET', run, 'state', 'epoch')
 if not r[1] then return false end
-if not ENDED[r[1]] then
+if not ENDED[r[1]] and (ARGV[5] == '' or tonumber(r[2]) <= tonumber(ARGV[5])) then
   redis.call('HSET', run, 'state', ARGV[3], 'ended_at', ARGV[4])
   remember(p, rk, event(ARGV[4], r[2], ARGV[3]))
   reindex(p, rk)
@@ -269,7 +289,8 @@ return reply(p, rk)
 """
 
 NEW_ATTEMPT = RUN_HELPERS + """
--- ARGV[3]: expected epoch ('' = any), ARGV[4]: now, ARGV[5]: reason, ARGV[6]: 1 = a restart
+-- ARGV[3]: expected epoch ('' = any), ARGV[4]: now, ARGV[5]: reason, ARGV[6]: 1 = a restart,
+-- ARGV[7]: window ('' = the restart does not count towards max_restarts)
 local r = redis.call('HMGET', run, 'state', 'epoch', 'restarts')
 if not r[1] or ENDED[r[1]] then return false end
 if ARGV[3] ~= '' and tonumber(r[2]) ~= tonumber(ARGV[3]) then return false end  -- another caller won
@@ -277,6 +298,15 @@ local epoch = tonumber(r[2]) + 1
 redis.call('HSET', run, 'epoch', epoch, 'restarts', tonumber(r[3]) + tonumber(ARGV[6]),
            'state', ARGV[6] == '1' and 'restarting' or 'running', 'started_at', ARGV[4], 'last_seen', ARGV[4])
 remember(p, rk, event(ARGV[4], epoch, ARGV[5]))
+if ARGV[7] ~= '' then  -- count it; forget the restarts that have left the window
+  local times, since = p .. 'restarts:' .. rk, tonumber(ARGV[4]) - tonumber(ARGV[7])
+  while true do
+    local oldest = redis.call('LINDEX', times, 0)
+    if not oldest or tonumber(oldest) > since then break end
+    redis.call('LPOP', times)
+  end
+  redis.call('RPUSH', times, ARGV[4])
+end
 reindex(p, rk)
 return reply(p, rk)
 """
@@ -294,6 +324,7 @@ SCRIPTS = {
     "claim": CLAIM, "renew": RENEW, "complete": COMPLETE, "release": RELEASE, "set_state": SET_STATE,
     "resolve": RESOLVE, "append_partial": APPEND_PARTIAL, "read_partial": READ_PARTIAL,
     "count_replays": COUNT_REPLAYS, "purge": PURGE, "delete_journal": DELETE_JOURNAL,
-    "upsert_run": UPSERT_RUN, "observe_epoch": OBSERVE_EPOCH, "touch": TOUCH, "end_run": END_RUN,
+    "upsert_run": UPSERT_RUN, "observe_epoch": OBSERVE_EPOCH, "touch": TOUCH, "heartbeat": HEARTBEAT,
+    "end_run": END_RUN,
     "new_attempt": NEW_ATTEMPT, "set_run_state": SET_RUN_STATE,
 }

@@ -20,13 +20,13 @@ from typing import Any, Callable
 
 import orjson
 
-from .base import (COMPLETE, ENDED, IN_FLIGHT, RESTARTING, RUNNING, UNKNOWN,
+from .base import (COMPLETE, ENDED, HISTORY_LIMIT, IN_FLIGHT, RESTARTING, RUNNING, UNKNOWN,
                    UNRECORDABLE, Claim, ClaimResult, Entry, Recorded, Run, StoreUnavailable,
                    Waiters)
 
 log = logging.getLogger("idemproxy.store")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS journal (
     kid TEXT PRIMARY KEY, tenant TEXT NOT NULL, run TEXT, epoch INTEGER,
@@ -48,15 +48,16 @@ CREATE TABLE IF NOT EXISTS runs (
     restarts INTEGER NOT NULL DEFAULT 0, last_seen REAL NOT NULL, started_at REAL NOT NULL,
     timeout_s REAL NOT NULL, grace_s REAL NOT NULL, max_restarts INTEGER NOT NULL, hook TEXT,
     metadata BLOB, created_at REAL NOT NULL, ended_at REAL, next_restart_at REAL NOT NULL DEFAULT 0,
-    history BLOB, PRIMARY KEY (tenant, run_id));
+    history BLOB, restart_times BLOB, PRIMARY KEY (tenant, run_id));
 CREATE INDEX IF NOT EXISTS runs_by_state ON runs (state, last_seen);
 CREATE TABLE IF NOT EXISTS secrets (name TEXT PRIMARY KEY, value BLOB NOT NULL);
 """
+# What takes a file made by version N-1 to version N (SCHEMA above is already the latest).
+UPGRADES = {2: "ALTER TABLE runs ADD COLUMN restart_times BLOB"}
 ENTRY_COLUMNS = ("kid, tenant, run, epoch, upstream, key, fingerprint, state, owner, lease_until, "
                  "created_at, completed_at, expires_at, replays, detail, method, path, namespace")
 RUN_COLUMNS = ("tenant, run_id, state, epoch, restarts, last_seen, started_at, timeout_s, grace_s, "
-               "max_restarts, hook, metadata, created_at, ended_at, next_restart_at, history")
-HISTORY_LIMIT = 50
+               "max_restarts, hook, metadata, created_at, ended_at, next_restart_at, history, restart_times")
 POLL_S = 0.05  # how often a waiter looks for another process's writes
 
 
@@ -76,7 +77,29 @@ def _run(row: sqlite3.Row) -> Run:
     values = list(row)
     values[11] = orjson.loads(values[11] or b"{}")
     values[15] = orjson.loads(values[15] or b"[]")
+    values[16] = orjson.loads(values[16] or b"[]")
     return Run(*values)
+
+
+def _migrate(conn: sqlite3.Connection) -> None:
+    """Bring the file to SCHEMA_VERSION. In one write transaction: workers opening the same
+    file together queue here, and the first one's work is what the others find done."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version == 0:
+            statements = SCHEMA.split(";")
+        else:
+            statements = [UPGRADES[v] for v in range(version + 1, SCHEMA_VERSION + 1)]
+        for statement in statements:
+            if statement.strip():
+                conn.execute(statement)
+        if version < SCHEMA_VERSION:
+            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
 
 
 class SQLiteStore:
@@ -109,9 +132,8 @@ class SQLiteStore:
         self._loop = asyncio.get_running_loop()
         try:
             writer = self._connect()
-            with writer:
-                if writer.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
-                    writer.executescript(SCHEMA + f"PRAGMA user_version={SCHEMA_VERSION};")
+            if writer.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+                _migrate(writer)
             self._reader = self._connect()
         except sqlite3.Error as exc:
             raise StoreUnavailable(f"cannot open {self.path}: {exc}") from exc
@@ -400,13 +422,13 @@ class SQLiteStore:
     async def upsert_run(self, run: Run) -> Run:
         def op(c):
             c.execute(
-                f"INSERT INTO runs ({RUN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                f"INSERT INTO runs ({RUN_COLUMNS}) VALUES ({', '.join('?' * 17)}) "
                 "ON CONFLICT DO UPDATE SET timeout_s = excluded.timeout_s, grace_s = excluded.grace_s, "
                 "max_restarts = excluded.max_restarts, hook = excluded.hook, metadata = excluded.metadata",
                 (run.tenant, run.run_id, run.state, run.epoch, run.restarts, run.last_seen,
                  run.started_at, run.timeout_s, run.grace_s, run.max_restarts, run.hook,
                  orjson.dumps(run.metadata), run.created_at, run.ended_at, run.next_restart_at,
-                 orjson.dumps(run.history)))
+                 orjson.dumps(run.history[-HISTORY_LIMIT:]), orjson.dumps(run.restart_times)))
             return _run(c.execute(f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = ? AND run_id = ?",
                                   (run.tenant, run.run_id)).fetchone())
         return await self._write(op)
@@ -436,12 +458,13 @@ class SQLiteStore:
 
         def op(c):
             c.execute(
-                f"INSERT INTO runs ({RUN_COLUMNS}) VALUES (?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, NULL, 0, ?) "
+                f"INSERT INTO runs ({RUN_COLUMNS}) "
+                "VALUES (?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, NULL, 0, ?, ?) "
                 "ON CONFLICT DO UPDATE SET epoch = excluded.epoch, started_at = excluded.started_at, "
                 "state = CASE WHEN state = ? THEN ? ELSE state END "
                 "WHERE excluded.epoch > runs.epoch",
                 (tenant, run_id, RUNNING, epoch or 0, now, now, defaults.timeout_s, defaults.grace_s,
-                 defaults.max_restarts, defaults.hook, orjson.dumps(defaults.metadata), now, b"[]",
+                 defaults.max_restarts, defaults.hook, orjson.dumps(defaults.metadata), now, b"[]", b"[]",
                  RESTARTING, RUNNING))
             return c.execute("SELECT epoch FROM runs WHERE tenant = ? AND run_id = ?",
                              (tenant, run_id)).fetchone()[0]
@@ -454,14 +477,27 @@ class SQLiteStore:
             "WHERE tenant = ? AND run_id = ?",
             [(at, tenant, run) for (tenant, run), at in beats.items()]))
 
-    async def end_run(self, tenant: str, run_id: str, state: str, now: float) -> Run | None:
+    async def heartbeat(self, tenant: str, run_id: str, now: float,
+                        epoch: int | None = None) -> Run | None:
+        def op(c):
+            c.execute("UPDATE runs SET last_seen = max(last_seen, ?), "
+                      f"state = CASE WHEN state = '{RESTARTING}' THEN '{RUNNING}' ELSE state END "
+                      "WHERE tenant = ? AND run_id = ? AND (? IS NULL OR epoch <= ?)",
+                      (now, tenant, run_id, epoch, epoch))
+            row = c.execute(f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = ? AND run_id = ?",
+                            (tenant, run_id)).fetchone()
+            return None if row is None else _run(row)
+        return await self._write(op)
+
+    async def end_run(self, tenant: str, run_id: str, state: str, now: float,
+                      epoch: int | None = None) -> Run | None:
         def op(c):
             row = c.execute(f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = ? AND run_id = ?",
                             (tenant, run_id)).fetchone()
             if row is None:
                 return None
             run = _run(row)
-            if run.state in ENDED:
+            if run.state in ENDED or (epoch is not None and run.epoch > epoch):
                 return run
             run.history = (run.history + [{"at": now, "epoch": run.epoch, "event": state}])[-HISTORY_LIMIT:]
             c.execute("UPDATE runs SET state = ?, ended_at = ?, history = ? WHERE tenant = ? AND run_id = ?",
@@ -471,7 +507,7 @@ class SQLiteStore:
         return await self._write(op)
 
     async def new_attempt(self, tenant: str, run_id: str, expected_epoch: int | None, now: float,
-                          reason: str, restart: bool) -> Run | None:
+                          reason: str, restart: bool, window_s: float | None = None) -> Run | None:
         def op(c):
             row = c.execute(f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = ? AND run_id = ?",
                             (tenant, run_id)).fetchone()
@@ -485,10 +521,12 @@ class SQLiteStore:
             run.state = RESTARTING if restart else RUNNING
             run.started_at = run.last_seen = now
             run.history = (run.history + [{"at": now, "epoch": run.epoch, "event": reason}])[-HISTORY_LIMIT:]
+            if window_s is not None:
+                run.restart_times = [t for t in run.restart_times if t > now - window_s] + [now]
             c.execute("UPDATE runs SET epoch = ?, restarts = ?, state = ?, started_at = ?, last_seen = ?, "
-                      "history = ? WHERE tenant = ? AND run_id = ? AND epoch = ?",
+                      "history = ?, restart_times = ? WHERE tenant = ? AND run_id = ? AND epoch = ?",
                       (run.epoch, run.restarts, run.state, now, now, orjson.dumps(run.history),
-                       tenant, run_id, run.epoch - 1))
+                       orjson.dumps(run.restart_times), tenant, run_id, run.epoch - 1))
             return run
         return await self._write(op)
 
@@ -520,6 +558,18 @@ class SQLiteStore:
 
     async def count_runs(self) -> dict[str, int]:
         return {state: n for state, n in self._read("SELECT state, count(*) FROM runs GROUP BY state")}
+
+    async def count_steps(self, runs: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
+        if not runs:
+            return {}
+        # the runs as one JSON parameter: one indexed query however many runs are listed
+        rows = self._read(
+            "WITH wanted (namespace, run) AS (SELECT DISTINCT json_extract(value, '$[0]'), "
+            "json_extract(value, '$[1]') FROM json_each(?)) "
+            "SELECT w.namespace, w.run, count(*) FROM wanted w "
+            "JOIN journal j ON j.namespace = w.namespace AND j.run = w.run GROUP BY w.namespace, w.run",
+            (orjson.dumps(runs),))
+        return {(namespace, run): n for namespace, run, n in rows}
 
 
 class _Write:

@@ -221,7 +221,12 @@ class Run:
 
     def heartbeat(self) -> RunInfo:
         """Tell the proxy this attempt is alive now; raises :class:`Superseded` if replaced."""
-        return self._seen(self._sync().send(api.heartbeat(self.run_id, self.epoch)).run)
+        try:
+            answer = self._sync().send(api.heartbeat(self.run_id, self.epoch))
+        except Superseded as exc:  # refused (412): the proxy fences a replaced attempt's beats
+            self._beats_stopped(exc)
+            raise
+        return self._seen(answer.run)
 
     def refresh(self) -> RunInfo:
         """The run as the proxy has it now."""
@@ -264,6 +269,8 @@ class Run:
         try:
             run = plan.drive(plan.finish(self.run_id, self.epoch, outcome), self._sync().send)
         except IdemProxyError as exc:
+            if isinstance(exc, Superseded):  # refused (412): a newer attempt owns the run
+                self._beats_stopped(exc)
             if not quiet:
                 raise
             log.warning("run %s not marked at exit: %s", self.run_id, exc)
@@ -298,7 +305,11 @@ class Run:
 
     async def aheartbeat(self) -> RunInfo:
         """Async :meth:`heartbeat`."""
-        answer = await self._async().send(api.heartbeat(self.run_id, self.epoch))
+        try:
+            answer = await self._async().send(api.heartbeat(self.run_id, self.epoch))
+        except Superseded as exc:
+            self._beats_stopped(exc)
+            raise
         return self._seen(answer.run)
 
     async def arefresh(self) -> RunInfo:
@@ -341,6 +352,8 @@ class Run:
         try:
             run = await plan.adrive(plan.finish(self.run_id, self.epoch, outcome), self._async().send)
         except IdemProxyError as exc:
+            if isinstance(exc, Superseded):
+                self._beats_stopped(exc)
             if not quiet:
                 raise
             log.warning("run %s not marked at exit: %s", self.run_id, exc)
