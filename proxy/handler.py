@@ -45,6 +45,7 @@ class Proxy:
     tasks: set[asyncio.Task] = field(default_factory=set)
     replays: dict[str, int] = field(default_factory=dict)  # replay counts not yet stored
     on_ambiguous: dict[str, str] = field(init=False)  # per upstream, worked out once
+    _epoch_reads: dict[tuple, asyncio.Future] = field(default_factory=dict)  # shared fence reads
 
     def __post_init__(self) -> None:
         self.on_ambiguous = {name: ambiguous_policy(up) for name, up in self.settings.upstreams.items()}
@@ -129,8 +130,7 @@ class Proxy:
         defaults = Run(ident.namespace, ident.run, timeout_s=runs.timeout_s, grace_s=runs.grace_s,
                        max_restarts=runs.max_restarts, hook=runs.hook)
         try:
-            current = await self.store.observe_epoch(ident.namespace, ident.run, ident.epoch, defaults,
-                                                     time.time())
+            current = await self._observe_epoch(ident, defaults)
         except StoreUnavailable:
             if not fail_open:
                 raise
@@ -140,6 +140,18 @@ class Proxy:
             raise Problem("stale-epoch", f"run {ident.run} is at epoch {current}; this attempt "
                           f"(epoch {ident.epoch}) has been superseded", epoch=current)
         self.heartbeats.beat(ident.namespace, ident.run)  # a fenced zombie is no sign of life
+
+    async def _observe_epoch(self, ident: Identity, defaults: Run) -> int:
+        """The run's current epoch. Requests of one attempt that arrive together share one
+        store call (in flight for a round trip), so a busy run costs the store one read per
+        round trip, not one per request."""
+        key = (ident.namespace, ident.run, ident.epoch)
+        shared = self._epoch_reads.get(key)
+        if shared is None:
+            shared = self._epoch_reads[key] = asyncio.ensure_future(self.store.observe_epoch(
+                ident.namespace, ident.run, ident.epoch, defaults, time.time()))
+            shared.add_done_callback(lambda _: self._epoch_reads.pop(key, None))
+        return await asyncio.shield(shared)
 
     # -- passthrough ----------------------------------------------------------------------
 
