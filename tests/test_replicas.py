@@ -197,3 +197,27 @@ async def test_the_fence_holds_across_replicas(replicas, provider, client):
             return r.status
     assert set(await asyncio.gather(*(zombie(i) for i in range(40)))) == {412}
     assert sum(provider.calls.values()) == before
+
+
+async def test_a_joiner_is_cut_short_when_the_streaming_replica_dies(tmp_path, provider, proxy_process, client):
+    """Replica A dies mid-stream: B's joiner must not hang, nor take the bytes for a whole answer."""
+    url, cleanup = backend_url("sqlite", tmp_path)
+    sections = proxy_sections(provider.url, url, store={"lease": "1s"})
+    a, b = proxy_process(sections), proxy_process(sections)
+    try:
+        headers = {"Idempotency-Key": "dies", "X-Fake-Chunks": "60", "X-Fake-Chunk-Delay": "0.1"}
+        async with client.post(a.url + CHAT, json=chat("stream", stream=True), headers=headers) as first:
+            await first.content.readany()  # A is streaming
+            async with client.post(b.url + CHAT, json=chat("stream", stream=True),
+                                   headers={"Idempotency-Key": "dies"}) as joiner:
+                assert joiner.status == 200
+                await joiner.content.readany()  # joined
+                a.kill()
+                started = time.monotonic()
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await joiner.read()
+                assert time.monotonic() - started < 5  # within about a lease, never a hang
+    finally:
+        for proc in (a, b):
+            await asyncio.to_thread(proc.stop)
+        await asyncio.to_thread(cleanup)
