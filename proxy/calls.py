@@ -59,6 +59,8 @@ class Call:
     upstream_s: float = 0.0  # time until the upstream's headers
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _held: list[bytes] = field(default_factory=list)
+    _gone: int = 0  # chunks let go from the front of ``chunks``
+    _kept: int = 0  # bytes in ``chunks``
 
     # -- listeners ------------------------------------------------------------------------
 
@@ -72,10 +74,23 @@ class Call:
         return self.result
 
     async def chunks_from(self, index: int) -> tuple[list[bytes], bool]:
-        """Chunks after ``index`` (waiting for at least one), and whether that was all."""
-        while index >= len(self.chunks) and self.result is None:
+        """Chunks after ``index`` (waiting for at least one), and whether that was all.
+
+        Raises LookupError when they were let go (see ``_let_go``): the listener fell too
+        far behind on a stream too large to keep.
+        """
+        while index >= self._gone + len(self.chunks) and self.result is None:
             await self._wait()
-        return self.chunks[index:], self.result is not None
+        if index < self._gone:
+            raise LookupError("the stream moved on past this listener")
+        return self.chunks[index - self._gone:], self.result is not None
+
+    def _let_go(self) -> None:
+        """Keep at most ``max_record_bytes`` of an unrecordable stream in memory."""
+        while len(self.chunks) > 1 and self._kept > self.max_record_bytes:
+            self._kept -= len(self.chunks[0])
+            del self.chunks[0]
+            self._gone += 1
 
     async def _wait(self) -> None:
         event = self._changed
@@ -134,6 +149,7 @@ class Call:
                             if len(recorded) + len(chunk) > self.max_record_bytes:
                                 too_large = True
                                 recorded.clear()
+                                sharing.set()  # it will be unrecordable: nothing to join
                             else:
                                 timing.append((len(recorded), round(now - first_byte, 4)))
                                 recorded += chunk
@@ -145,6 +161,9 @@ class Call:
                         if (self.streamed and not self._held and not resp.content.is_eof()
                                 and not terminal):
                             self.chunks.append(chunk)
+                            self._kept += len(chunk)
+                            if too_large:
+                                self._let_go()
                             self._publish()
                         else:  # the last bytes (and what follows them) wait for the commit
                             self._held.append(chunk)

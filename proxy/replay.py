@@ -78,7 +78,10 @@ async def listen(request: web.Request, call: Call, started: float, replayed: boo
     resp = await start_stream(request, call.status, headers)
     index, done = 0, False
     while not done:
-        chunks, done = await call.chunks_from(index)
+        try:
+            chunks, done = await call.chunks_from(index)
+        except LookupError:  # too far behind on a stream too large to keep
+            return cut_short(request)
         index += len(chunks)
         for chunk in chunks:
             await resp.write(chunk)

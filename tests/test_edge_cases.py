@@ -161,3 +161,19 @@ async def test_the_upstream_gets_the_agents_headers_and_no_client_defaults(make_
     seen = {k.lower() for k in resp.json()["headers"]}
     assert "x-agent" in seen
     assert not seen & {"accept", "accept-encoding", "user-agent", "content-type"}  # none added
+
+
+async def test_a_stream_too_large_to_record_passes_whole_in_bounded_memory(make_proxy, sqlite_url, http):
+    proxy = await make_proxy(sqlite_url, server={"max_record_bytes": 2000})
+    body = {**BODY, "stream": True}
+    headers = {"Idempotency-Key": "huge", "X-Fake-Chunks": "40", "X-Fake-Chunk-Delay": "0.01"}
+    kept = []
+    async with http.post(proxy.url + CHAT, json=body, headers=headers) as resp:
+        received = b""
+        async for chunk in resp.content.iter_any():
+            received += chunk
+            kept += [sum(map(len, call.chunks)) for call in proxy.proxy.calls.values()]
+    assert received.count(b"data: ") == 42 and received.endswith(b"data: [DONE]\n\n")  # whole
+    assert len(received) > 3 * 2000 and max(kept) <= 2000 + 400  # never more than a chunk over
+    async with http.post(proxy.url + CHAT, json=body, headers={"Idempotency-Key": "huge"}) as again:
+        await problem(again, "not-replayable", 409)
