@@ -20,9 +20,9 @@ from typing import Any, Callable
 
 import orjson
 
-from .base import (COMPLETE, ENDED, HISTORY_LIMIT, IN_FLIGHT, RESTARTING, RUNNING, UNKNOWN,
-                   UNRECORDABLE, Claim, ClaimResult, Entry, Recorded, Run, StoreUnavailable,
-                   Waiters)
+from .base import (COMPLETE, IN_FLIGHT, UNKNOWN, UNRECORDABLE, Claim, ClaimResult, Entry, Recorded,
+                   StoreUnavailable, Waiters)
+from .sqlite_runs import SQLiteRuns
 
 log = logging.getLogger("idemproxy.store")
 
@@ -56,8 +56,6 @@ CREATE TABLE IF NOT EXISTS secrets (name TEXT PRIMARY KEY, value BLOB NOT NULL);
 UPGRADES = {2: "ALTER TABLE runs ADD COLUMN restart_times BLOB"}
 ENTRY_COLUMNS = ("kid, tenant, run, epoch, upstream, key, fingerprint, state, owner, lease_until, "
                  "created_at, completed_at, expires_at, replays, detail, method, path, namespace")
-RUN_COLUMNS = ("tenant, run_id, state, epoch, restarts, last_seen, started_at, timeout_s, grace_s, "
-               "max_restarts, hook, metadata, created_at, ended_at, next_restart_at, history, restart_times")
 POLL_S = 0.05  # how often a waiter looks for another process's writes
 
 
@@ -71,14 +69,6 @@ def _recorded(row: sqlite3.Row) -> Recorded | None:
     return Recorded(row["status"], [tuple(h) for h in orjson.loads(row["headers"] or b"[]")],
                     row["body"] or b"", bool(row["streamed"]),
                     [tuple(t) for t in orjson.loads(row["timing"] or b"[]")])
-
-
-def _run(row: sqlite3.Row) -> Run:
-    values = list(row)
-    values[11] = orjson.loads(values[11] or b"{}")
-    values[15] = orjson.loads(values[15] or b"[]")
-    values[16] = orjson.loads(values[16] or b"[]")
-    return Run(*values)
 
 
 def _migrate(conn: sqlite3.Connection) -> None:
@@ -102,7 +92,7 @@ def _migrate(conn: sqlite3.Connection) -> None:
         raise
 
 
-class SQLiteStore:
+class SQLiteStore(SQLiteRuns):
     def __init__(self, path: str, timeout: float = 5.0):
         self.path = path
         self.timeout = timeout
@@ -416,160 +406,6 @@ class SQLiteStore:
             return c.execute("DELETE FROM journal WHERE namespace = ? AND run = ?",
                              (namespace, run)).rowcount
         return await self._write(op)
-
-    # -- runs -----------------------------------------------------------------------------
-
-    async def upsert_run(self, run: Run) -> Run:
-        def op(c):
-            c.execute(
-                f"INSERT INTO runs ({RUN_COLUMNS}) VALUES ({', '.join('?' * 17)}) "
-                "ON CONFLICT DO UPDATE SET timeout_s = excluded.timeout_s, grace_s = excluded.grace_s, "
-                "max_restarts = excluded.max_restarts, hook = excluded.hook, metadata = excluded.metadata",
-                (run.tenant, run.run_id, run.state, run.epoch, run.restarts, run.last_seen,
-                 run.started_at, run.timeout_s, run.grace_s, run.max_restarts, run.hook,
-                 orjson.dumps(run.metadata), run.created_at, run.ended_at, run.next_restart_at,
-                 orjson.dumps(run.history[-HISTORY_LIMIT:]), orjson.dumps(run.restart_times)))
-            return _run(c.execute(f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = ? AND run_id = ?",
-                                  (run.tenant, run.run_id)).fetchone())
-        return await self._write(op)
-
-    async def get_run(self, tenant: str | None, run_id: str) -> list[Run]:
-        if tenant is None:
-            rows = self._read(f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = ?", (run_id,))
-        else:
-            rows = self._read(f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = ? AND run_id = ?",
-                              (tenant, run_id))
-        return [_run(r) for r in rows]
-
-    async def list_runs(self, state: str | None = None, limit: int = 1000) -> list[Run]:
-        if state:
-            rows = self._read(f"SELECT {RUN_COLUMNS} FROM runs WHERE state = ? "
-                              "ORDER BY created_at DESC LIMIT ?", (state, limit))
-        else:
-            rows = self._read(f"SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at DESC LIMIT ?",
-                              (limit,))
-        return [_run(r) for r in rows]
-
-    async def observe_epoch(self, tenant: str, run_id: str, epoch: int | None, defaults: Run,
-                            now: float) -> int:
-        rows = self._read("SELECT epoch FROM runs WHERE tenant = ? AND run_id = ?", (tenant, run_id))
-        if rows and (epoch is None or epoch <= rows[0][0]):
-            return rows[0][0]  # the common case: a known run at its current epoch, no write
-
-        def op(c):
-            c.execute(
-                f"INSERT INTO runs ({RUN_COLUMNS}) "
-                "VALUES (?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, NULL, 0, ?, ?) "
-                "ON CONFLICT DO UPDATE SET epoch = excluded.epoch, started_at = excluded.started_at, "
-                "state = CASE WHEN state = ? THEN ? ELSE state END "
-                "WHERE excluded.epoch > runs.epoch",
-                (tenant, run_id, RUNNING, epoch or 0, now, now, defaults.timeout_s, defaults.grace_s,
-                 defaults.max_restarts, defaults.hook, orjson.dumps(defaults.metadata), now, b"[]", b"[]",
-                 RESTARTING, RUNNING))
-            return c.execute("SELECT epoch FROM runs WHERE tenant = ? AND run_id = ?",
-                             (tenant, run_id)).fetchone()[0]
-        return await self._write(op)
-
-    async def touch(self, beats: dict[tuple[str, str], float]) -> None:
-        await self._write(lambda c: c.executemany(
-            "UPDATE runs SET last_seen = max(last_seen, ?), "
-            f"state = CASE WHEN state = '{RESTARTING}' THEN '{RUNNING}' ELSE state END "
-            "WHERE tenant = ? AND run_id = ?",
-            [(at, tenant, run) for (tenant, run), at in beats.items()]))
-
-    async def heartbeat(self, tenant: str, run_id: str, now: float,
-                        epoch: int | None = None) -> Run | None:
-        def op(c):
-            c.execute("UPDATE runs SET last_seen = max(last_seen, ?), "
-                      f"state = CASE WHEN state = '{RESTARTING}' THEN '{RUNNING}' ELSE state END "
-                      "WHERE tenant = ? AND run_id = ? AND (? IS NULL OR epoch <= ?)",
-                      (now, tenant, run_id, epoch, epoch))
-            row = c.execute(f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = ? AND run_id = ?",
-                            (tenant, run_id)).fetchone()
-            return None if row is None else _run(row)
-        return await self._write(op)
-
-    async def end_run(self, tenant: str, run_id: str, state: str, now: float,
-                      epoch: int | None = None) -> Run | None:
-        def op(c):
-            row = c.execute(f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = ? AND run_id = ?",
-                            (tenant, run_id)).fetchone()
-            if row is None:
-                return None
-            run = _run(row)
-            if run.state in ENDED or (epoch is not None and run.epoch > epoch):
-                return run
-            run.history = (run.history + [{"at": now, "epoch": run.epoch, "event": state}])[-HISTORY_LIMIT:]
-            c.execute("UPDATE runs SET state = ?, ended_at = ?, history = ? WHERE tenant = ? AND run_id = ?",
-                      (state, now, orjson.dumps(run.history), tenant, run_id))
-            run.state, run.ended_at = state, now
-            return run
-        return await self._write(op)
-
-    async def new_attempt(self, tenant: str, run_id: str, expected_epoch: int | None, now: float,
-                          reason: str, restart: bool, window_s: float | None = None) -> Run | None:
-        def op(c):
-            row = c.execute(f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = ? AND run_id = ?",
-                            (tenant, run_id)).fetchone()
-            if row is None:
-                return None
-            run = _run(row)
-            if run.state in ENDED or (expected_epoch is not None and run.epoch != expected_epoch):
-                return None
-            run.epoch += 1
-            run.restarts += int(restart)
-            run.state = RESTARTING if restart else RUNNING
-            run.started_at = run.last_seen = now
-            run.history = (run.history + [{"at": now, "epoch": run.epoch, "event": reason}])[-HISTORY_LIMIT:]
-            if window_s is not None:
-                run.restart_times = [t for t in run.restart_times if t > now - window_s] + [now]
-            c.execute("UPDATE runs SET epoch = ?, restarts = ?, state = ?, started_at = ?, last_seen = ?, "
-                      "history = ?, restart_times = ? WHERE tenant = ? AND run_id = ? AND epoch = ?",
-                      (run.epoch, run.restarts, run.state, now, now, orjson.dumps(run.history),
-                       orjson.dumps(run.restart_times), tenant, run_id, run.epoch - 1))
-            return run
-        return await self._write(op)
-
-    async def silent_runs(self, now: float) -> list[Run]:
-        rows = self._read(f"SELECT {RUN_COLUMNS} FROM runs WHERE state IN (?, ?) "
-                          "AND last_seen + timeout_s < ? AND started_at + grace_s < ? "
-                          "AND next_restart_at <= ?", (RUNNING, RESTARTING, now, now, now))
-        return [_run(r) for r in rows]
-
-    async def set_run_state(self, tenant: str, run_id: str, state: str | None, now: float,
-                            event: dict[str, Any] | None = None, **fields: Any) -> None:
-        allowed = {"next_restart_at", "restarts", "ended_at"}
-        if set(fields) - allowed:
-            raise ValueError(f"cannot set {set(fields) - allowed}")
-
-        def op(c):
-            row = c.execute("SELECT history FROM runs WHERE tenant = ? AND run_id = ?",
-                            (tenant, run_id)).fetchone()
-            if row is None:
-                return
-            history = orjson.loads(row[0] or b"[]")
-            if event:
-                history = (history + [{"at": now, **event}])[-HISTORY_LIMIT:]
-            sets = ", ".join(f"{k} = ?" for k in fields)
-            c.execute(f"UPDATE runs SET state = coalesce(?, state), history = ?{', ' + sets if sets else ''} "
-                      "WHERE tenant = ? AND run_id = ?",
-                      (state, orjson.dumps(history), *fields.values(), tenant, run_id))
-        await self._write(op)
-
-    async def count_runs(self) -> dict[str, int]:
-        return {state: n for state, n in self._read("SELECT state, count(*) FROM runs GROUP BY state")}
-
-    async def count_steps(self, runs: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
-        if not runs:
-            return {}
-        # the runs as one JSON parameter: one indexed query however many runs are listed
-        rows = self._read(
-            "WITH wanted (namespace, run) AS (SELECT DISTINCT json_extract(value, '$[0]'), "
-            "json_extract(value, '$[1]') FROM json_each(?)) "
-            "SELECT w.namespace, w.run, count(*) FROM wanted w "
-            "JOIN journal j ON j.namespace = w.namespace AND j.run = w.run GROUP BY w.namespace, w.run",
-            (orjson.dumps(runs),))
-        return {(namespace, run): n for namespace, run, n in rows}
 
 
 class _Write:
