@@ -26,7 +26,6 @@ def _run(row: sqlite3.Row) -> Run:
 
 
 class SQLiteRuns:
-
     async def upsert_run(self, run: Run) -> Run:
         def op(c):
             c.execute(
