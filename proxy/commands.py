@@ -34,8 +34,6 @@ def check(settings: Settings, args=None) -> int:
 
 
 def add_subcommands(sub, command) -> None:
-    try:
-        from ..supervisor.cli import add_subcommands as add_run_commands
-    except ImportError:
-        return
+    from ..supervisor.cli import add_subcommands as add_run_commands  # supervise, runs, journal
+
     add_run_commands(sub, command)

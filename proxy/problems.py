@@ -21,7 +21,6 @@ PROBLEMS: dict[str, tuple[int, str]] = {
     "untrusted-tenant": (403, "Tenant header from an untrusted source"),
     "unknown-upstream": (404, "Unknown upstream"),
     "not-found": (404, "Not found"),
-    "method-not-allowed": (405, "Method not allowed"),
     "in-flight": (409, "A request with this key is still in flight"),
     "not-replayable": (409, "The recorded response was too large to keep"),
     "run-ended": (409, "The run has ended"),
