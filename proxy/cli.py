@@ -1,4 +1,4 @@
-"""The ``idemproxy`` command."""
+"""The idemproxy command: serve the proxy, supervise runs, inspect runs and the journal."""
 
 from __future__ import annotations
 
