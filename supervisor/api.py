@@ -105,7 +105,7 @@ async def _hooks_lifecycle(app: web.Application) -> AsyncIterator[None]:
 def run_json(run: Run, proxy_url: str, *, history: bool = False) -> dict[str, Any]:
     """A run as the API and ``idemproxy runs --json`` show it. ``history`` (hook errors,
     pids, log paths) is for operators only: the admin API and the CLI."""
-    body = {"run_id": run.run_id, "namespace": run.tenant, "state": run.state, "epoch": run.epoch,
+    body = {"run_id": run.run_id, "namespace": run.namespace, "state": run.state, "epoch": run.epoch,
             "restarts": run.restarts, "last_seen": run.last_seen, "started_at": run.started_at,
             "timeout_s": run.timeout_s, "grace_s": run.grace_s, "max_restarts": run.max_restarts,
             "hook": run.hook, "metadata": run.metadata, "created_at": run.created_at,
@@ -119,8 +119,8 @@ def run_json(run: Run, proxy_url: str, *, history: bool = False) -> dict[str, An
 async def runs_listing(store: Store, runs: list[Run], proxy_url: str) -> dict[str, Any]:
     """``GET /admin/runs`` and ``idemproxy runs list --json``: each run with its number of
     journal entries as ``steps`` (``GET /admin/runs/{id}`` lists them)."""
-    steps = await store.count_steps([(r.tenant, r.run_id) for r in runs])
-    return {"runs": [{**run_json(r, proxy_url, history=True), "steps": steps.get((r.tenant, r.run_id), 0)}
+    steps = await store.count_steps([(r.namespace, r.run_id) for r in runs])
+    return {"runs": [{**run_json(r, proxy_url, history=True), "steps": steps.get((r.namespace, r.run_id), 0)}
                      for r in runs]}
 
 
@@ -220,7 +220,7 @@ async def _any_run(request: web.Request) -> Run:
     if not runs:
         raise Problem("not-found", f"no run {run_id!r}")
     if len(runs) > 1:
-        names = sorted(r.tenant for r in runs)
+        names = sorted(r.namespace for r in runs)
         raise Problem("ambiguous-run", f"run {run_id!r} exists in several namespaces "
                       f"({', '.join(names)}); add ?namespace=", namespaces=names)
     return runs[0]
@@ -385,7 +385,7 @@ async def admin_show(request: web.Request) -> web.Response:
     store = request.app[STORE]
     run = await _any_run(request)
     body = run_json(run, _proxy_url(request), history=True)
-    entries = await store.journal(run.tenant, run.run_id)
+    entries = await store.journal(run.namespace, run.run_id)
     body["steps"] = [step_json(e) for e in entries]
     if request.query.get("bodies") in ("1", "true", "yes"):
         for step in body["steps"]:
@@ -413,14 +413,14 @@ async def admin_restart(request: web.Request) -> web.Response:
 @_endpoint(admin=True)
 async def admin_complete(request: web.Request) -> web.Response:
     run = await _any_run(request)
-    return _answer(request, await _end(request, run.tenant, run.run_id, COMPLETED), history=True)
+    return _answer(request, await _end(request, run.namespace, run.run_id, COMPLETED), history=True)
 
 
 @_endpoint(admin=True)
 async def admin_delete_journal(request: web.Request) -> web.Response:
     run = await _any_run(request)
-    deleted = await request.app[STORE].delete_journal(run.tenant, run.run_id)
-    return _json({"deleted": deleted, "namespace": run.tenant, "run_id": run.run_id})
+    deleted = await request.app[STORE].delete_journal(run.namespace, run.run_id)
+    return _json({"deleted": deleted, "namespace": run.namespace, "run_id": run.run_id})
 
 
 @_endpoint(admin=True)

@@ -115,7 +115,7 @@ def cmd_runs_list(settings: Settings, args) -> int:
             return 0
         now = time.time()
         print(table(["RUN", "NAMESPACE", "STATE", "EPOCH", "RESTARTS", "LAST SEEN", "HOOK"],
-                    [[r.run_id, r.tenant, r.state, r.epoch, r.restarts, ago(r.last_seen, now),
+                    [[r.run_id, r.namespace, r.state, r.epoch, r.restarts, ago(r.last_seen, now),
                       r.hook or "-"] for r in runs]) if runs else "no runs")
         return 0
     return _with_store(settings, work)
@@ -125,7 +125,7 @@ def cmd_runs_show(settings: Settings, args) -> int:
     async def work(store: Store) -> int:
         found = await _find(store, args)
         body = run_json(found, settings.proxy_url, history=True)
-        body["steps"] = [step_json(e) for e in await store.journal(found.tenant, found.run_id)]
+        body["steps"] = [step_json(e) for e in await store.journal(found.namespace, found.run_id)]
         if args.json:
             _print_json(body)
         else:
@@ -156,7 +156,7 @@ def cmd_runs_restart(settings: Settings, args) -> int:
 def cmd_runs_complete(settings: Settings, args) -> int:
     async def work(store: Store) -> int:
         found = await _find(store, args)
-        ended = await store.end_run(found.tenant, found.run_id, COMPLETED, time.time())
+        ended = await store.end_run(found.namespace, found.run_id, COMPLETED, time.time())
         if ended is None or ended.state != COMPLETED:
             raise Problem("run-ended", f"run {found.run_id} already ended as "
                           f"{ended.state if ended else 'unknown'}")
@@ -171,7 +171,7 @@ async def _find(store: Store, args) -> Run:
         raise Problem("not-found", f"no run {args.run_id!r}")
     if len(runs) > 1:
         raise Problem("ambiguous-run", f"run {args.run_id!r} exists in namespaces "
-                      f"{', '.join(sorted(r.tenant for r in runs))}; pass --namespace")
+                      f"{', '.join(sorted(r.namespace for r in runs))}; pass --namespace")
     return runs[0]
 
 

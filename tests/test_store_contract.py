@@ -461,11 +461,11 @@ async def test_upsert_get_and_list_runs(store):
     await store.upsert_run(new_run("run-1", tenant="ns-b"))
     await store.upsert_run(new_run("run-2"))
     await store.end_run(NS, "run-2", COMPLETED, time.time())
-    assert [(r.tenant, r.epoch) for r in await store.get_run(NS, "run-1")] == [(NS, 1)]
-    assert {r.tenant for r in await store.get_run(None, "run-1")} == {NS, "ns-b"}
+    assert [(r.namespace, r.epoch) for r in await store.get_run(NS, "run-1")] == [(NS, 1)]
+    assert {r.namespace for r in await store.get_run(None, "run-1")} == {NS, "ns-b"}
     assert await store.get_run(NS, "nope") == []
     assert {r.run_id for r in await store.list_runs(COMPLETED)} == {"run-2"}
-    assert {(r.tenant, r.run_id) for r in await store.list_runs(RESTARTING)} == {(NS, "run-1")}
+    assert {(r.namespace, r.run_id) for r in await store.list_runs(RESTARTING)} == {(NS, "run-1")}
     assert len(await store.list_runs()) == 3
     assert len(await store.list_runs(limit=2)) == 2
 

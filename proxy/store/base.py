@@ -114,7 +114,7 @@ class ClaimResult:
 
 @dataclass(slots=True)
 class Run:
-    tenant: str  # the run's namespace (identity.TenantResolver.namespace)
+    namespace: str  # the trusted tenant, or "default" (identity.TenantResolver.namespace)
     run_id: str
     state: str = RUNNING
     epoch: int = 0
@@ -189,7 +189,7 @@ class Store(Protocol):
     # -- journal -----------------------------------------------------------------------
     async def get(self, kid: str) -> Entry | None: """The live entry, with its response."""
     async def claim(self, claim: Claim) -> ClaimResult: """Own ``claim.scope`` unless taken."""
-    async def next_occurrence(self, tenant: str, run: str, epoch: int | None, fingerprint: str,
+    async def next_occurrence(self, namespace: str, run: str, epoch: int | None, fingerprint: str,
                               retention_s: float) -> int: """Count of earlier calls alike."""
     async def renew(self, kid: str, owner: str, lease_s: float) -> bool: """Extend a lease."""
     async def complete(self, kid: str, owner: str, recorded: Recorded) -> bool:
@@ -214,26 +214,26 @@ class Store(Protocol):
 
     # -- runs --------------------------------------------------------------------------
     async def upsert_run(self, run: Run) -> Run: """Create, or update timeouts/hook/metadata."""
-    async def get_run(self, tenant: str | None, run_id: str) -> list[Run]: ...
+    async def get_run(self, namespace: str | None, run_id: str) -> list[Run]: ...
     async def list_runs(self, state: str | None = None, limit: int = 1000) -> list[Run]: ...
-    async def observe_epoch(self, tenant: str, run_id: str, epoch: int | None, defaults: Run,
+    async def observe_epoch(self, namespace: str, run_id: str, epoch: int | None, defaults: Run,
                             now: float) -> int:
         """Create the run if new; raise its epoch to ``epoch``; return the current epoch."""
     async def touch(self, beats: dict[tuple[str, str], float]) -> None: """Coalesced heartbeats."""
-    async def heartbeat(self, tenant: str, run_id: str, now: float,
+    async def heartbeat(self, namespace: str, run_id: str, now: float,
                         epoch: int | None = None) -> Run | None:
         """One beat from outside the proxy, as ``touch`` does, unless the run is past ``epoch``
         (a superseded attempt: nothing changes). The run afterwards; None if there is none."""
-    async def end_run(self, tenant: str, run_id: str, state: str, now: float,
+    async def end_run(self, namespace: str, run_id: str, state: str, now: float,
                       epoch: int | None = None) -> Run | None:
         """End the run as ``state``, unless it has ended already or is past ``epoch`` (then
         nothing changes). The run afterwards; None if there is none."""
-    async def new_attempt(self, tenant: str, run_id: str, expected_epoch: int | None, now: float,
+    async def new_attempt(self, namespace: str, run_id: str, expected_epoch: int | None, now: float,
                           reason: str, restart: bool, window_s: float | None = None) -> Run | None:
         """Compare-and-set the epoch to epoch+1; None when another caller won. With
         ``window_s``, ``now`` joins ``restart_times``, which keeps the last ``window_s`` seconds."""
     async def silent_runs(self, now: float) -> list[Run]: """Running runs past timeout and grace."""
-    async def set_run_state(self, tenant: str, run_id: str, state: str | None, now: float,
+    async def set_run_state(self, namespace: str, run_id: str, state: str | None, now: float,
                             event: dict[str, Any] | None = None, **fields: Any) -> None:
         """Set state (None keeps it), append ``event`` to the history, set ``fields``."""
     async def count_runs(self) -> dict[str, int]: """Number of runs in each state."""

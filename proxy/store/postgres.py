@@ -336,9 +336,9 @@ class PostgresStore(PostgresRuns):
             # the entry we lost to was released, resolved or purged meanwhile: claim again
         raise StoreUnavailable(f"postgres claim on {kid[:12]} kept racing with other writers")
 
-    async def next_occurrence(self, tenant: str, run: str, epoch: int | None, fingerprint: str,
+    async def next_occurrence(self, namespace: str, run: str, epoch: int | None, fingerprint: str,
                               retention_s: float) -> int:
-        row = await self._fetchrow("next_occurrence", sql.NEXT_OCCURRENCE, tenant, run,
+        row = await self._fetchrow("next_occurrence", sql.NEXT_OCCURRENCE, namespace, run,
                                    -1 if epoch is None else epoch, fingerprint, time.time() + retention_s)
         return row[0] - 1
 

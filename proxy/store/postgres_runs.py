@@ -24,64 +24,64 @@ def _run(row: asyncpg.Record) -> Run:
 class PostgresRuns:
     async def upsert_run(self, run: Run) -> Run:
         return _run(await self._fetchrow(
-            "upsert_run", sql.UPSERT_RUN, run.tenant, run.run_id, run.state, run.epoch, run.restarts,
+            "upsert_run", sql.UPSERT_RUN, run.namespace, run.run_id, run.state, run.epoch, run.restarts,
             run.last_seen, run.started_at, run.timeout_s, run.grace_s, run.max_restarts, run.hook,
             run.metadata, run.created_at, run.ended_at, run.next_restart_at, run.history[-HISTORY_LIMIT:],
             run.restart_times))
 
-    async def get_run(self, tenant: str | None, run_id: str) -> list[Run]:
-        rows = await self._fetch("get_run", sql.GET_RUN, tenant, run_id)
+    async def get_run(self, namespace: str | None, run_id: str) -> list[Run]:
+        rows = await self._fetch("get_run", sql.GET_RUN, namespace, run_id)
         return [_run(r) for r in rows]
 
     async def list_runs(self, state: str | None = None, limit: int = 1000) -> list[Run]:
         rows = await self._fetch("list_runs", sql.LIST_RUNS, state or None, limit)
         return [_run(r) for r in rows]
 
-    async def observe_epoch(self, tenant: str, run_id: str, epoch: int | None, defaults: Run,
+    async def observe_epoch(self, namespace: str, run_id: str, epoch: int | None, defaults: Run,
                             now: float) -> int:
-        row = await self._fetchrow("observe_epoch", sql.RUN_EPOCH, tenant, run_id)
+        row = await self._fetchrow("observe_epoch", sql.RUN_EPOCH, namespace, run_id)
         if row and (epoch is None or epoch <= row[0]):
             return row[0]  # the common case: a known run at its current epoch, no write
 
         async def raise_epoch(c: asyncpg.Connection) -> int:
-            raised = await c.fetchval(sql.RAISE_EPOCH, tenant, run_id, epoch or 0, now, defaults.timeout_s,
+            raised = await c.fetchval(sql.RAISE_EPOCH, namespace, run_id, epoch or 0, now, defaults.timeout_s,
                                       defaults.grace_s, defaults.max_restarts, defaults.hook,
                                       defaults.metadata)
-            return raised if raised is not None else await c.fetchval(sql.RUN_EPOCH, tenant, run_id)
+            return raised if raised is not None else await c.fetchval(sql.RUN_EPOCH, namespace, run_id)
         return await self._use("observe_epoch", raise_epoch)
 
     async def touch(self, beats: dict[tuple[str, str], float]) -> None:
         if beats:  # sorted, so two proxies beating for the same runs lock them in one order
             await self._use("touch", lambda c: c.executemany(
-                sql.TOUCH, [(at, tenant, run) for (tenant, run), at in sorted(beats.items())]))
+                sql.TOUCH, [(at, namespace, run) for (namespace, run), at in sorted(beats.items())]))
 
-    async def _locked_run(self, c: asyncpg.Connection, tenant: str, run_id: str) -> Run | None:
-        row = await c.fetchrow(sql.LOCK_RUN, tenant, run_id)
+    async def _locked_run(self, c: asyncpg.Connection, namespace: str, run_id: str) -> Run | None:
+        row = await c.fetchrow(sql.LOCK_RUN, namespace, run_id)
         return None if row is None else _run(row)
 
-    async def heartbeat(self, tenant: str, run_id: str, now: float,
+    async def heartbeat(self, namespace: str, run_id: str, now: float,
                         epoch: int | None = None) -> Run | None:
-        row = await self._fetchrow("heartbeat", sql.HEARTBEAT, now, tenant, run_id, epoch)
+        row = await self._fetchrow("heartbeat", sql.HEARTBEAT, now, namespace, run_id, epoch)
         if row is None:  # no such run, or a superseded attempt: the run as it is
-            row = await self._fetchrow("heartbeat", sql.GET_RUN, tenant, run_id)
+            row = await self._fetchrow("heartbeat", sql.GET_RUN, namespace, run_id)
         return None if row is None else _run(row)
 
-    async def end_run(self, tenant: str, run_id: str, state: str, now: float,
+    async def end_run(self, namespace: str, run_id: str, state: str, now: float,
                       epoch: int | None = None) -> Run | None:
         async def op(c: asyncpg.Connection) -> Run | None:
-            run = await self._locked_run(c, tenant, run_id)
+            run = await self._locked_run(c, namespace, run_id)
             if run is None or run.state in ENDED or (epoch is not None and run.epoch > epoch):
                 return run
             run.history = (run.history + [{"at": now, "epoch": run.epoch, "event": state}])[-HISTORY_LIMIT:]
             run.state, run.ended_at = state, now
-            await c.execute(sql.END_RUN, state, now, run.history, tenant, run_id)
+            await c.execute(sql.END_RUN, state, now, run.history, namespace, run_id)
             return run
         return await self._tx("end_run", op)
 
-    async def new_attempt(self, tenant: str, run_id: str, expected_epoch: int | None, now: float,
+    async def new_attempt(self, namespace: str, run_id: str, expected_epoch: int | None, now: float,
                           reason: str, restart: bool, window_s: float | None = None) -> Run | None:
         async def op(c: asyncpg.Connection) -> Run | None:
-            run = await self._locked_run(c, tenant, run_id)  # concurrent callers queue on the row lock
+            run = await self._locked_run(c, namespace, run_id)  # concurrent callers queue on the row lock
             if run is None or run.state in ENDED or expected_epoch not in (None, run.epoch):
                 return None
             run.epoch += 1
@@ -92,7 +92,7 @@ class PostgresRuns:
             if window_s is not None:
                 run.restart_times = [t for t in run.restart_times if t > now - window_s] + [now]
             await c.execute(sql.NEW_ATTEMPT, run.epoch, run.restarts, run.state, now, run.history,
-                            run.restart_times, tenant, run_id)
+                            run.restart_times, namespace, run_id)
             return run
         return await self._tx("new_attempt", op)
 
@@ -100,20 +100,20 @@ class PostgresRuns:
         rows = await self._fetch("silent_runs", sql.SILENT_RUNS, now)
         return [_run(r) for r in rows]
 
-    async def set_run_state(self, tenant: str, run_id: str, state: str | None, now: float,
+    async def set_run_state(self, namespace: str, run_id: str, state: str | None, now: float,
                             event: dict[str, Any] | None = None, **fields: Any) -> None:
         allowed = {"next_restart_at", "restarts", "ended_at"}
         if set(fields) - allowed:
             raise ValueError(f"cannot set {set(fields) - allowed}")
 
         async def op(c: asyncpg.Connection) -> None:
-            run = await self._locked_run(c, tenant, run_id)
+            run = await self._locked_run(c, namespace, run_id)
             if run is None:
                 return
             history = (run.history + [{"at": now, **event}])[-HISTORY_LIMIT:] if event else run.history
             sets = "".join(f", {name} = ${i}" for i, name in enumerate(fields, start=5))
             await c.execute(f"UPDATE runs SET state = coalesce($1, state), history = $2{sets} "
-                            "WHERE tenant = $3 AND run_id = $4", state, history, tenant, run_id,
+                            "WHERE tenant = $3 AND run_id = $4", state, history, namespace, run_id,
                             *fields.values())
         await self._tx("set_run_state", op)
 

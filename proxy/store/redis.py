@@ -311,9 +311,9 @@ class RedisStore:
             return ClaimResult(True, entry)
         return ClaimResult(False, _entry(_fields(reply[1])))
 
-    async def next_occurrence(self, tenant: str, run: str, epoch: int | None, fingerprint: str,
+    async def next_occurrence(self, namespace: str, run: str, epoch: int | None, fingerprint: str,
                               retention_s: float) -> int:
-        key = self._key("occ", run_ref(tenant, run))
+        key = self._key("occ", run_ref(namespace, run))
         pipe = self._redis.pipeline(transaction=True)
         # the counter outlives, by one retention, the last entry it numbered
         pipe.hincrby(key, f"{-1 if epoch is None else epoch}:{fingerprint}", 1)
@@ -418,7 +418,7 @@ class RedisStore:
 
     @staticmethod
     def _new_run_fields(run: Run) -> dict[str, str | None]:
-        fields = {"tenant": run.tenant, "run_id": run.run_id, "state": run.state, "epoch": run.epoch,
+        fields = {"tenant": run.namespace, "run_id": run.run_id, "state": run.state, "epoch": run.epoch,
                   "restarts": run.restarts, "last_seen": run.last_seen, "started_at": run.started_at,
                   "timeout_s": run.timeout_s, "grace_s": run.grace_s, "max_restarts": run.max_restarts,
                   "hook": run.hook, "metadata": orjson.dumps(run.metadata).decode(),
@@ -430,15 +430,15 @@ class RedisStore:
         new = self._new_run_fields(run)
         update = {k: new[k] for k in ("timeout_s", "grace_s", "max_restarts", "hook", "metadata")}
         history = [orjson.dumps(event).decode() for event in run.history[-HISTORY_LIMIT:]]
-        reply = await self._script("upsert_run", [], [self.prefix, run_ref(run.tenant, run.run_id),
+        reply = await self._script("upsert_run", [], [self.prefix, run_ref(run.namespace, run.run_id),
                                                       orjson.dumps(new), orjson.dumps(update),
                                                       orjson.dumps(history),
                                                       *map(repr, run.restart_times)])
         return _run(*reply)
 
-    async def get_run(self, tenant: str | None, run_id: str) -> list[Run]:
-        if tenant is not None:
-            return await self._runs([run_ref(tenant, run_id)])
+    async def get_run(self, namespace: str | None, run_id: str) -> list[Run]:
+        if namespace is not None:
+            return await self._runs([run_ref(namespace, run_id)])
         rks = await self._do(self._redis.smembers(self._key("runs-named", run_id)))
         return await self._runs(sorted(rk.decode() for rk in rks))
 
@@ -463,13 +463,13 @@ class RedisStore:
         counts = await self._do(pipe.execute())
         return {ref: n for ref, n in zip(runs, counts) if n}
 
-    async def observe_epoch(self, tenant: str, run_id: str, epoch: int | None, defaults: Run,
+    async def observe_epoch(self, namespace: str, run_id: str, epoch: int | None, defaults: Run,
                             now: float) -> int:
-        rk = run_ref(tenant, run_id)
+        rk = run_ref(namespace, run_id)
         current = await self._do(self._redis.hget(self._key("run", rk), "epoch"))
         if current is not None and (epoch is None or epoch <= int(current)):
             return int(current)  # the common case: a known run at its current epoch, no write
-        new = Run(tenant, run_id, RUNNING, epoch or 0, 0, now, now, defaults.timeout_s, defaults.grace_s,
+        new = Run(namespace, run_id, RUNNING, epoch or 0, 0, now, now, defaults.timeout_s, defaults.grace_s,
                   defaults.max_restarts, defaults.hook, defaults.metadata, now)
         return int(await self._script("observe_epoch", [], [
             self.prefix, rk, "" if epoch is None else epoch, repr(now),
@@ -477,25 +477,25 @@ class RedisStore:
 
     async def touch(self, beats: dict[tuple[str, str], float]) -> None:
         if beats:
-            await self._script("touch", [], [self.prefix, *(x for (tenant, run), at in beats.items()
-                                                            for x in (run_ref(tenant, run), repr(at)))])
+            await self._script("touch", [], [self.prefix, *(x for (namespace, run), at in beats.items()
+                                                            for x in (run_ref(namespace, run), repr(at)))])
 
-    async def heartbeat(self, tenant: str, run_id: str, now: float,
+    async def heartbeat(self, namespace: str, run_id: str, now: float,
                         epoch: int | None = None) -> Run | None:
-        reply = await self._script("heartbeat", [], [self.prefix, run_ref(tenant, run_id), repr(now),
+        reply = await self._script("heartbeat", [], [self.prefix, run_ref(namespace, run_id), repr(now),
                                                      "" if epoch is None else epoch])
         return _run(*reply) if reply else None
 
-    async def end_run(self, tenant: str, run_id: str, state: str, now: float,
+    async def end_run(self, namespace: str, run_id: str, state: str, now: float,
                       epoch: int | None = None) -> Run | None:
-        reply = await self._script("end_run", [], [self.prefix, run_ref(tenant, run_id), state, repr(now),
+        reply = await self._script("end_run", [], [self.prefix, run_ref(namespace, run_id), state, repr(now),
                                                    "" if epoch is None else epoch])
         return _run(*reply) if reply else None
 
-    async def new_attempt(self, tenant: str, run_id: str, expected_epoch: int | None, now: float,
+    async def new_attempt(self, namespace: str, run_id: str, expected_epoch: int | None, now: float,
                           reason: str, restart: bool, window_s: float | None = None) -> Run | None:
         reply = await self._script("new_attempt", [], [
-            self.prefix, run_ref(tenant, run_id), "" if expected_epoch is None else expected_epoch,
+            self.prefix, run_ref(namespace, run_id), "" if expected_epoch is None else expected_epoch,
             repr(now), reason, int(restart), "" if window_s is None else repr(float(window_s))])
         return _run(*reply) if reply else None
 
@@ -505,7 +505,7 @@ class RedisStore:
         return [r for r in runs if r.state in (RUNNING, RESTARTING) and r.last_seen + r.timeout_s < now
                 and r.started_at + r.grace_s < now and r.next_restart_at <= now]
 
-    async def set_run_state(self, tenant: str, run_id: str, state: str | None, now: float,
+    async def set_run_state(self, namespace: str, run_id: str, state: str | None, now: float,
                             event: dict[str, Any] | None = None, **fields: Any) -> None:
         allowed = {"next_restart_at", "restarts", "ended_at"}
         if set(fields) - allowed:
@@ -514,5 +514,5 @@ class RedisStore:
         if state is not None:
             changes["state"] = state
         await self._script("set_run_state", [], [
-            self.prefix, run_ref(tenant, run_id), orjson.dumps(changes),
+            self.prefix, run_ref(namespace, run_id), orjson.dumps(changes),
             orjson.dumps({"at": now, **event}) if event else ""])

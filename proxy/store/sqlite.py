@@ -272,14 +272,14 @@ class SQLiteStore(SQLiteRuns):
                                            namespace=claim.namespace))
         return await self._write(op)
 
-    async def next_occurrence(self, tenant: str, run: str, epoch: int | None, fingerprint: str,
+    async def next_occurrence(self, namespace: str, run: str, epoch: int | None, fingerprint: str,
                               retention_s: float) -> int:
         def op(c):
             row = c.execute(
                 "INSERT INTO occurrences (tenant, run, epoch, fingerprint, n, expires_at) "
                 "VALUES (?, ?, ?, ?, 1, ?) ON CONFLICT DO UPDATE SET n = n + 1, "
                 "expires_at = excluded.expires_at RETURNING n",
-                (tenant, run, -1 if epoch is None else epoch, fingerprint,
+                (namespace, run, -1 if epoch is None else epoch, fingerprint,
                  time.time() + retention_s)).fetchone()
             return row[0] - 1
         return await self._write(op)

@@ -32,20 +32,20 @@ class SQLiteRuns:
                 f"INSERT INTO runs ({RUN_COLUMNS}) VALUES ({', '.join('?' * 17)}) "
                 "ON CONFLICT DO UPDATE SET timeout_s = excluded.timeout_s, grace_s = excluded.grace_s, "
                 "max_restarts = excluded.max_restarts, hook = excluded.hook, metadata = excluded.metadata",
-                (run.tenant, run.run_id, run.state, run.epoch, run.restarts, run.last_seen,
+                (run.namespace, run.run_id, run.state, run.epoch, run.restarts, run.last_seen,
                  run.started_at, run.timeout_s, run.grace_s, run.max_restarts, run.hook,
                  orjson.dumps(run.metadata), run.created_at, run.ended_at, run.next_restart_at,
                  orjson.dumps(run.history[-HISTORY_LIMIT:]), orjson.dumps(run.restart_times)))
             return _run(c.execute(f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = ? AND run_id = ?",
-                                  (run.tenant, run.run_id)).fetchone())
+                                  (run.namespace, run.run_id)).fetchone())
         return await self._write(op)
 
-    async def get_run(self, tenant: str | None, run_id: str) -> list[Run]:
-        if tenant is None:
+    async def get_run(self, namespace: str | None, run_id: str) -> list[Run]:
+        if namespace is None:
             rows = self._read(f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = ?", (run_id,))
         else:
             rows = self._read(f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = ? AND run_id = ?",
-                              (tenant, run_id))
+                              (namespace, run_id))
         return [_run(r) for r in rows]
 
     async def list_runs(self, state: str | None = None, limit: int = 1000) -> list[Run]:
@@ -57,9 +57,9 @@ class SQLiteRuns:
                               (limit,))
         return [_run(r) for r in rows]
 
-    async def observe_epoch(self, tenant: str, run_id: str, epoch: int | None, defaults: Run,
+    async def observe_epoch(self, namespace: str, run_id: str, epoch: int | None, defaults: Run,
                             now: float) -> int:
-        rows = self._read("SELECT epoch FROM runs WHERE tenant = ? AND run_id = ?", (tenant, run_id))
+        rows = self._read("SELECT epoch FROM runs WHERE tenant = ? AND run_id = ?", (namespace, run_id))
         if rows and (epoch is None or epoch <= rows[0][0]):
             return rows[0][0]  # the common case: a known run at its current epoch, no write
 
@@ -70,11 +70,11 @@ class SQLiteRuns:
                 "ON CONFLICT DO UPDATE SET epoch = excluded.epoch, started_at = excluded.started_at, "
                 "state = CASE WHEN state = ? THEN ? ELSE state END "
                 "WHERE excluded.epoch > runs.epoch",
-                (tenant, run_id, RUNNING, epoch or 0, now, now, defaults.timeout_s, defaults.grace_s,
+                (namespace, run_id, RUNNING, epoch or 0, now, now, defaults.timeout_s, defaults.grace_s,
                  defaults.max_restarts, defaults.hook, orjson.dumps(defaults.metadata), now, b"[]", b"[]",
                  RESTARTING, RUNNING))
             return c.execute("SELECT epoch FROM runs WHERE tenant = ? AND run_id = ?",
-                             (tenant, run_id)).fetchone()[0]
+                             (namespace, run_id)).fetchone()[0]
         return await self._write(op)
 
     async def touch(self, beats: dict[tuple[str, str], float]) -> None:
@@ -82,25 +82,25 @@ class SQLiteRuns:
             "UPDATE runs SET last_seen = max(last_seen, ?), "
             f"state = CASE WHEN state = '{RESTARTING}' THEN '{RUNNING}' ELSE state END "
             "WHERE tenant = ? AND run_id = ?",
-            [(at, tenant, run) for (tenant, run), at in beats.items()]))
+            [(at, namespace, run) for (namespace, run), at in beats.items()]))
 
-    async def heartbeat(self, tenant: str, run_id: str, now: float,
+    async def heartbeat(self, namespace: str, run_id: str, now: float,
                         epoch: int | None = None) -> Run | None:
         def op(c):
             c.execute("UPDATE runs SET last_seen = max(last_seen, ?), "
                       f"state = CASE WHEN state = '{RESTARTING}' THEN '{RUNNING}' ELSE state END "
                       "WHERE tenant = ? AND run_id = ? AND (? IS NULL OR epoch <= ?)",
-                      (now, tenant, run_id, epoch, epoch))
+                      (now, namespace, run_id, epoch, epoch))
             row = c.execute(f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = ? AND run_id = ?",
-                            (tenant, run_id)).fetchone()
+                            (namespace, run_id)).fetchone()
             return None if row is None else _run(row)
         return await self._write(op)
 
-    async def end_run(self, tenant: str, run_id: str, state: str, now: float,
+    async def end_run(self, namespace: str, run_id: str, state: str, now: float,
                       epoch: int | None = None) -> Run | None:
         def op(c):
             row = c.execute(f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = ? AND run_id = ?",
-                            (tenant, run_id)).fetchone()
+                            (namespace, run_id)).fetchone()
             if row is None:
                 return None
             run = _run(row)
@@ -108,16 +108,16 @@ class SQLiteRuns:
                 return run
             run.history = (run.history + [{"at": now, "epoch": run.epoch, "event": state}])[-HISTORY_LIMIT:]
             c.execute("UPDATE runs SET state = ?, ended_at = ?, history = ? WHERE tenant = ? AND run_id = ?",
-                      (state, now, orjson.dumps(run.history), tenant, run_id))
+                      (state, now, orjson.dumps(run.history), namespace, run_id))
             run.state, run.ended_at = state, now
             return run
         return await self._write(op)
 
-    async def new_attempt(self, tenant: str, run_id: str, expected_epoch: int | None, now: float,
+    async def new_attempt(self, namespace: str, run_id: str, expected_epoch: int | None, now: float,
                           reason: str, restart: bool, window_s: float | None = None) -> Run | None:
         def op(c):
             row = c.execute(f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = ? AND run_id = ?",
-                            (tenant, run_id)).fetchone()
+                            (namespace, run_id)).fetchone()
             if row is None:
                 return None
             run = _run(row)
@@ -133,7 +133,7 @@ class SQLiteRuns:
             c.execute("UPDATE runs SET epoch = ?, restarts = ?, state = ?, started_at = ?, last_seen = ?, "
                       "history = ?, restart_times = ? WHERE tenant = ? AND run_id = ? AND epoch = ?",
                       (run.epoch, run.restarts, run.state, now, now, orjson.dumps(run.history),
-                       orjson.dumps(run.restart_times), tenant, run_id, run.epoch - 1))
+                       orjson.dumps(run.restart_times), namespace, run_id, run.epoch - 1))
             return run
         return await self._write(op)
 
@@ -143,7 +143,7 @@ class SQLiteRuns:
                           "AND next_restart_at <= ?", (RUNNING, RESTARTING, now, now, now))
         return [_run(r) for r in rows]
 
-    async def set_run_state(self, tenant: str, run_id: str, state: str | None, now: float,
+    async def set_run_state(self, namespace: str, run_id: str, state: str | None, now: float,
                             event: dict[str, Any] | None = None, **fields: Any) -> None:
         allowed = {"next_restart_at", "restarts", "ended_at"}
         if set(fields) - allowed:
@@ -151,7 +151,7 @@ class SQLiteRuns:
 
         def op(c):
             row = c.execute("SELECT history FROM runs WHERE tenant = ? AND run_id = ?",
-                            (tenant, run_id)).fetchone()
+                            (namespace, run_id)).fetchone()
             if row is None:
                 return
             history = orjson.loads(row[0] or b"[]")
@@ -160,7 +160,7 @@ class SQLiteRuns:
             sets = ", ".join(f"{k} = ?" for k in fields)
             c.execute(f"UPDATE runs SET state = coalesce(?, state), history = ?{', ' + sets if sets else ''} "
                       "WHERE tenant = ? AND run_id = ?",
-                      (state, orjson.dumps(history), *fields.values(), tenant, run_id))
+                      (state, orjson.dumps(history), *fields.values(), namespace, run_id))
         await self._write(op)
 
     async def count_runs(self) -> dict[str, int]:
