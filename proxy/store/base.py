@@ -135,6 +135,22 @@ class Run:
     restart_times: list[float] = field(default_factory=list)
 
 
+def advance_attempt(run: Run, now: float, reason: str, restart: bool, window_s: float | None) -> None:
+    """Move ``run`` to its next attempt, in memory: the one rule every backend stores.
+
+    The epoch goes up by one (fencing the attempt before), the start and the last sign
+    of life are now, and a restart counts towards ``max_restarts`` when ``window_s`` is
+    given (the supervisor's restarts), remembering only those within the window.
+    """
+    run.epoch += 1
+    run.restarts += int(restart)
+    run.state = RESTARTING if restart else RUNNING
+    run.started_at = run.last_seen = now
+    run.history = (run.history + [{"at": now, "epoch": run.epoch, "event": reason}])[-HISTORY_LIMIT:]
+    if window_s is not None:
+        run.restart_times = [t for t in run.restart_times if t > now - window_s] + [now]
+
+
 class Waiters:
     """Callers waiting in this process for a journal entry to change.
 

@@ -11,7 +11,7 @@ from typing import Any
 import asyncpg
 
 from . import postgres_sql as sql
-from .base import ENDED, HISTORY_LIMIT, RESTARTING, RUNNING, Run
+from .base import ENDED, HISTORY_LIMIT, Run, advance_attempt
 
 
 def _run(row: asyncpg.Record) -> Run:
@@ -84,13 +84,7 @@ class PostgresRuns:
             run = await self._locked_run(c, namespace, run_id)  # concurrent callers queue on the row lock
             if run is None or run.state in ENDED or expected_epoch not in (None, run.epoch):
                 return None
-            run.epoch += 1
-            run.restarts += int(restart)
-            run.state = RESTARTING if restart else RUNNING
-            run.started_at = run.last_seen = now
-            run.history = (run.history + [{"at": now, "epoch": run.epoch, "event": reason}])[-HISTORY_LIMIT:]
-            if window_s is not None:
-                run.restart_times = [t for t in run.restart_times if t > now - window_s] + [now]
+            advance_attempt(run, now, reason, restart, window_s)
             await c.execute(sql.NEW_ATTEMPT, run.epoch, run.restarts, run.state, now, run.history,
                             run.restart_times, namespace, run_id)
             return run

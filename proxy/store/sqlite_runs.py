@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from .base import ENDED, HISTORY_LIMIT, RESTARTING, RUNNING, Run
+from .base import ENDED, HISTORY_LIMIT, RESTARTING, RUNNING, Run, advance_attempt
 
 RUN_COLUMNS = ("tenant, run_id, state, epoch, restarts, last_seen, started_at, timeout_s, grace_s, "
                "max_restarts, hook, metadata, created_at, ended_at, next_restart_at, history, restart_times")
@@ -123,13 +123,7 @@ class SQLiteRuns:
             run = _run(row)
             if run.state in ENDED or (expected_epoch is not None and run.epoch != expected_epoch):
                 return None
-            run.epoch += 1
-            run.restarts += int(restart)
-            run.state = RESTARTING if restart else RUNNING
-            run.started_at = run.last_seen = now
-            run.history = (run.history + [{"at": now, "epoch": run.epoch, "event": reason}])[-HISTORY_LIMIT:]
-            if window_s is not None:
-                run.restart_times = [t for t in run.restart_times if t > now - window_s] + [now]
+            advance_attempt(run, now, reason, restart, window_s)
             c.execute("UPDATE runs SET epoch = ?, restarts = ?, state = ?, started_at = ?, last_seen = ?, "
                       "history = ?, restart_times = ? WHERE tenant = ? AND run_id = ? AND epoch = ?",
                       (run.epoch, run.restarts, run.state, now, now, orjson.dumps(run.history),
