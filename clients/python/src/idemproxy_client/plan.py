@@ -37,13 +37,7 @@ def begin(run_id: str, handed_epoch: int | None, options: RunOptions, resume: bo
             answer = yield (api.show(run_id) if options.empty else api.register(run_id, options))
         except RunNotFound:
             answer = yield api.register(run_id, options)
-        run = answer.run
-        if run.ended:
-            raise RunEnded(409, "run-ended", f"run {run_id} is {run.state}", run.raw)
-        if run.epoch > handed_epoch:
-            raise Superseded(412, "stale-epoch", f"run {run_id} is at epoch {run.epoch}; "
-                             f"this process was handed epoch {handed_epoch}", run.raw)
-        return run
+        return checked(answer.run, handed_epoch)
     answer = yield api.register(run_id, options)
     if answer.created:
         return answer.run
