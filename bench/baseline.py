@@ -12,11 +12,10 @@ request paths, not between loops.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import signal
 
 import aiohttp
 from aiohttp import web
+from serving import run, serve_until_signalled
 
 # RFC 9110 §7.6.1 hop-by-hop headers, plus those recomputed for the next hop.
 NOT_FORWARDED = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer",
@@ -37,15 +36,10 @@ async def serve(port: int, upstream: str) -> None:
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", forward)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port, backlog=1024).start()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await runner.cleanup()
-    await session.close()
+    try:
+        await serve_until_signalled(app, port)
+    finally:
+        await session.close()
 
 
 def main() -> None:
@@ -53,13 +47,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True, help="base URL, e.g. http://127.0.0.1:9100")
     args = parser.parse_args()
-    try:
-        import uvloop
-        factory = uvloop.new_event_loop
-    except ImportError:
-        factory = None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(serve(args.port, args.upstream.rstrip("/")))
+    run(lambda: serve(args.port, args.upstream.rstrip("/")))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from serving import run as run_on_uvloop
+
 WRK_SCRIPT = Path(__file__).with_name("wrk.lua")
 
 
@@ -149,13 +151,7 @@ def _worker(load: Load, index: int, start_at: float) -> tuple[list[float], dict[
             await asyncio.gather(*(connection(c) for c in range(load.connections)))
             return latencies, errors, time.perf_counter() - began
 
-    try:
-        import uvloop
-        factory = uvloop.new_event_loop
-    except ImportError:
-        factory = None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(main())
+    return run_on_uvloop(main)
 
 
 def _python_main(load: Load) -> Summary:
