@@ -133,6 +133,29 @@ async def test_concurrent_claims_across_instances_have_one_winner(store, open_st
     assert all(r.entry.owner == winners[0].entry.owner for r in results)
 
 
+async def test_claims_arriving_together_each_get_their_own_answer(store):
+    """What one batch of claims can hold: new keys, one key twice, a key taken already,
+    a fenced attempt and an expired lease to take over, each answered as if alone."""
+    await store.observe_epoch(NS, "run-1", 2, new_run(), time.time())
+    await claimed(store, scope("taken"), owner="first")
+    await claimed(store, scope("lapsed"), owner="dead", lease_s=0.01)
+    await asyncio.sleep(0.05)
+    asks = [claim_of(scope(f"new-{i}"), owner=f"n{i}") for i in range(5)]
+    asks += [claim_of(scope("twice"), owner="t1"), claim_of(scope("twice"), owner="t2"),
+             claim_of(scope("taken"), owner="late"), claim_of(scope("stale"), owner="z", epoch=1),
+             claim_of(scope("current"), owner="c", epoch=2), claim_of(scope("lapsed"), owner="heir")]
+    results = await asyncio.gather(*(store.claim(ask) for ask in asks))
+    by_owner = dict(zip((ask.owner for ask in asks), results))
+    assert all(by_owner[f"n{i}"].won for i in range(5))
+    assert sorted((by_owner["t1"].won, by_owner["t2"].won)) == [False, True]
+    assert by_owner["t1"].entry.owner == by_owner["t2"].entry.owner
+    assert (by_owner["late"].won, by_owner["late"].entry.owner) == (False, "first")
+    assert (by_owner["z"].won, by_owner["z"].stale_epoch) == (False, 2)
+    assert await store.get(scope("stale").kid) is None
+    assert by_owner["c"].won and by_owner["heir"].won
+    assert (await store.get(scope("lapsed").kid)).owner == "heir"
+
+
 async def test_live_lease_is_not_taken_over(store):
     sc = scope()
     await claimed(store, sc, owner="a", lease_s=30)

@@ -104,6 +104,14 @@ class Claim:
     # the namespace of the run (runs are not keyed by credential; see identity.py)
     namespace: str = "default"
 
+    def entry(self, now: float) -> Entry:
+        """The in-flight entry this claim makes when it wins at ``now``."""
+        scope = self.scope
+        return Entry(scope.kid, scope.tenant, scope.run, self.epoch, scope.upstream, scope.key,
+                     self.fingerprint, IN_FLIGHT, self.owner, now + self.lease_s, now, None,
+                     now + self.retention_s, method=self.method, path=self.path,
+                     namespace=self.namespace)
+
 
 @dataclass(slots=True)
 class ClaimResult:

@@ -14,7 +14,8 @@ requests queue for a connection, with p99 in seconds at 32 concurrent in bench/)
   kid at commit, and one listener connection per store wakes the local waiters. A slow
   poll covers a lost notification; the listener reconnects when its connection drops.
 - Group commit: ``complete()`` calls that arrive together are written by one statement,
-  so N concurrent records cost one commit (and PostgreSQL batches concurrent WAL flushes).
+  so N concurrent records cost one commit; ``get()`` calls that arrive together are one
+  query (:mod:`.batching`).
 - Durability: a commit returns once its WAL is flushed (``synchronous_commit``), turned
   on for our sessions if the server's default is off.
 - Connection errors and timeouts become :class:`StoreUnavailable`; every operation is
@@ -36,8 +37,9 @@ import orjson
 
 from ..config import mask_url
 from . import postgres_sql as sql
-from .base import (IN_FLIGHT, UNKNOWN, UNRECORDABLE, Claim, ClaimResult, Entry, Recorded,
+from .base import (UNKNOWN, UNRECORDABLE, Claim, ClaimResult, Entry, Recorded,
                    StoreUnavailable, Waiters)
+from .batching import Batches
 from .postgres_runs import PostgresRuns
 
 log = logging.getLogger("idemproxy.store")
@@ -118,12 +120,6 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
     """We never change session state, so a released connection needs no reset round trip."""
 
 
-def _consume(future: asyncio.Future) -> None:
-    """A caller that timed out no longer reads its result; do not warn about it."""
-    if not future.cancelled():
-        future.exception()
-
-
 def _describe(sync: str, fsync: str) -> str:
     if fsync != "on":
         return ("PostgreSQL with fsync=off: commits are not forced to disk, so a crash of the "
@@ -148,8 +144,9 @@ class PostgresStore(PostgresRuns):
         self._pool: asyncpg.Pool | None = None
         self._listener: asyncio.Task | None = None
         self._waiters = Waiters(POLL_S)
-        self._pending: list[tuple[str, str, Recorded, asyncio.Future]] = []
-        self._flusher: asyncio.Task | None = None
+        self._gets = Batches("postgres get", self._get_many, timeout)
+        self._claims = Batches("postgres claim", self._claim_many, timeout)
+        self._completes = Batches("postgres complete", self._complete_many, timeout)
 
     def __repr__(self) -> str:
         return f"PostgresStore({mask_url(self.url)!r})"
@@ -189,8 +186,7 @@ class PostgresStore(PostgresRuns):
         self._listener = asyncio.create_task(self._listen(conn), name="idemproxy-pg-listener")
 
     async def aclose(self) -> None:
-        if self._flusher is not None:
-            await asyncio.wait([self._flusher], timeout=self.timeout)  # pending records first
+        await self._completes.flushed()  # pending records first
         if self._listener is not None:
             self._listener.cancel()
             await asyncio.gather(self._listener, return_exceptions=True)
@@ -298,43 +294,66 @@ class PostgresStore(PostgresRuns):
     # -- journal --------------------------------------------------------------------------
 
     async def get(self, kid: str) -> Entry | None:
-        row = await self._fetchrow("get", sql.GET, kid, time.time())
-        return _entry(row, _recorded(row)) if row else None
+        return await self._gets(kid)
+
+    async def _get_many(self, kids: list[str]) -> list[Entry | None]:
+        rows = await self._fetch("get", sql.GET_MANY, list(set(kids)), time.time())
+        found = {row["kid"]: row for row in rows}
+        return [_entry(row, _recorded(row)) if (row := found.get(kid)) else None for kid in kids]
 
     async def claim(self, claim: Claim) -> ClaimResult:
-        scope, kid = claim.scope, claim.scope.kid
-
-        async def attempt(c: asyncpg.Connection) -> ClaimResult | None:
+        kid = claim.scope.kid
+        for _ in range(3):
             now = time.time()
-            fence = await c.fetchrow(
-                sql.CLAIM, kid, scope.tenant, scope.run, claim.epoch, scope.upstream, scope.key,
-                claim.fingerprint, claim.method, claim.path, claim.owner, now + claim.lease_s, now,
-                now + claim.retention_s, claim.on_expired == "retry", claim.namespace)
-            if fence["won"]:
-                return ClaimResult(True, Entry(kid, scope.tenant, scope.run, claim.epoch, scope.upstream,
-                                               scope.key, claim.fingerprint, IN_FLIGHT, claim.owner,
-                                               now + claim.lease_s, now, None, now + claim.retention_s,
-                                               method=claim.method, path=claim.path,
-                                               namespace=claim.namespace))
-            run_epoch = fence["run_epoch"]
+            won, run_epoch = await self._claims((claim, now))
+            if won:
+                return ClaimResult(True, claim.entry(now))
             if run_epoch is not None and claim.epoch is not None and run_epoch > claim.epoch:
                 return ClaimResult(False, None, stale_epoch=run_epoch)
             if claim.on_expired == "quarantine":  # its proxy died mid-call: outcome unknown
-                row = await c.fetchrow(sql.QUARANTINE_EXPIRED, kid, now,
-                                       "the proxy holding the claim stopped mid-call",
-                                       claim.fingerprint, self._channel)
+                row = await self._fetchrow("claim", sql.QUARANTINE_EXPIRED, kid, time.time(),
+                                           "the proxy holding the claim stopped mid-call",
+                                           claim.fingerprint, self._channel)
                 if row is not None:
                     self._wake(kid)
                     return ClaimResult(False, _entry(row))
-            row = await c.fetchrow(sql.GET, kid, now)  # the loser may replay what it finds
-            return None if row is None else ClaimResult(False, _entry(row, _recorded(row)))
-
-        for _ in range(3):
-            result = await self._use("claim", attempt)
-            if result is not None:
-                return result
+            existing = await self.get(kid)  # the loser may replay what it finds
+            if existing is not None:
+                return ClaimResult(False, existing)
             # the entry we lost to was released, resolved or purged meanwhile: claim again
         raise StoreUnavailable(f"postgres claim on {kid[:12]} kept racing with other writers")
+
+    async def _claim_many(self, batch: list[tuple[Claim, float]]) -> list[tuple[bool, int | None]]:
+        """Claims that arrived together, in one statement per ``on_expired`` policy.
+
+        A kid twice in the batch (two requests alike, both past ``get``) goes once per
+        statement: the later claim runs after the first and finds its entry.
+        """
+        outcomes: list[tuple[bool, int | None] | None] = [None] * len(batch)
+        left = list(range(len(batch)))
+        while left:
+            seen: set[str] = set()
+            rounds: dict[bool, list[int]] = {True: [], False: []}
+            later = []
+            for i in left:
+                kid = batch[i][0].scope.kid
+                (later if kid in seen else rounds[batch[i][0].on_expired == "retry"]).append(i)
+                seen.add(kid)
+            for take_over, members in rounds.items():
+                if not members:
+                    continue
+                members.sort(key=lambda i: batch[i][0].scope.kid)
+                claims = [batch[i] for i in members]
+                columns = zip(*((c.scope.kid, c.scope.tenant, c.scope.run, c.epoch, c.scope.upstream,
+                                 c.scope.key, c.fingerprint, c.method, c.path, c.owner, now + c.lease_s,
+                                 now, now + c.retention_s, c.namespace) for c, now in claims))
+                rows = await self._fetch("claim", sql.CLAIM_MANY, *map(list, columns), time.time(),
+                                         take_over)
+                found = {row["kid"]: (row["won"], row["run_epoch"]) for row in rows}
+                for i in members:
+                    outcomes[i] = found[batch[i][0].scope.kid]
+            left = later
+        return outcomes
 
     async def next_occurrence(self, namespace: str, run: str, epoch: int | None, fingerprint: str,
                               retention_s: float) -> int:
@@ -346,43 +365,19 @@ class PostgresStore(PostgresRuns):
         return _rows(await self._execute("renew", sql.RENEW, time.time() + lease_s, kid, owner)) == 1
 
     async def complete(self, kid: str, owner: str, recorded: Recorded) -> bool:
-        if self._pool is None:
-            raise StoreUnavailable("store is closed")
-        future = asyncio.get_running_loop().create_future()
-        future.add_done_callback(_consume)
-        self._pending.append((kid, owner, recorded, future))
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.create_task(self._flush_completes(), name="idemproxy-pg-complete")
         try:
-            async with asyncio.timeout(self.timeout):
-                return await asyncio.shield(future)
-        except TimeoutError:
-            raise StoreUnavailable(f"postgres complete: no answer within {self.timeout}s") from None
+            return await self._completes((kid, owner, recorded))
         finally:
             self._wake(kid)
 
-    async def _flush_completes(self) -> None:
+    async def _complete_many(self, batch: list[tuple[str, str, Recorded]]) -> list[bool]:
         """Group commit: every complete() queued meanwhile goes in one statement, one commit."""
-        while self._pending:
-            batch, self._pending = self._pending, []
-            try:
-                columns = zip(*((kid, owner, r.status, _json(r.headers), r.body, r.streamed, _json(r.timing))
-                                for kid, owner, r, _ in batch))
-                rows = await self._fetch("complete", sql.COMPLETE_MANY, *map(list, columns), time.time(),
-                                         self._channel)
-            except asyncio.CancelledError:
-                for *_, future in batch:
-                    future.cancel()
-                raise
-            except Exception as exc:  # noqa: BLE001 - handed to every caller in the batch
-                for *_, future in batch:
-                    if not future.done():
-                        future.set_exception(exc)
-                continue
-            kept = {(row["kid"], row["owner"]) for row in rows}
-            for kid, owner, _, future in batch:
-                if not future.done():
-                    future.set_result((kid, owner) in kept)
+        columns = zip(*((kid, owner, r.status, _json(r.headers), r.body, r.streamed, _json(r.timing))
+                        for kid, owner, r in batch))
+        rows = await self._fetch("complete", sql.COMPLETE_MANY, *map(list, columns), time.time(),
+                                 self._channel)
+        kept = {(row["kid"], row["owner"]) for row in rows}
+        return [(kid, owner) in kept for kid, owner, _ in batch]
 
     async def release(self, kid: str, owner: str) -> None:
         try:

@@ -75,21 +75,34 @@ ENTRY_COLUMNS = ("kid, tenant, run, epoch, upstream, key, fingerprint, state, ow
 RUN_COLUMNS = ("tenant, run_id, state, epoch, restarts, last_seen, started_at, timeout_s, grace_s, "
                "max_restarts, hook, metadata, created_at, ended_at, next_restart_at, history, restart_times")
 
-# $1 kid, $2 tenant, $3 run, $4 epoch, $5 upstream, $6 key, $7 fingerprint, $8 method,
-# $9 path, $10 owner, $11 lease_until, $12 now, $13 expires_at, $14 take over an expired
-# lease (on_expired == "retry"), $15 namespace.
-# The run's epoch is read FOR SHARE: a restart raising it waits for this claim to commit,
-# or this claim waits for the restart and sees the new epoch. Either way no fenced
-# attempt holds a key.
-CLAIM = f"""
-WITH fence AS (
-    SELECT epoch FROM runs WHERE tenant = $15 AND run_id = $3 AND $4::bigint IS NOT NULL FOR SHARE),
+# Claims that arrived together, one element per claim in arrays: $1 kid, $2 tenant,
+# $3 run, $4 epoch, $5 upstream, $6 key, $7 fingerprint, $8 method, $9 path, $10 owner,
+# $11 lease_until, $12 created_at, $13 expires_at, $14 namespace; then $15 now and $16
+# take over an expired lease (on_expired == "retry"). Kids are distinct and sorted, so
+# replicas sending overlapping batches lock their rows in one order.
+# The runs' epochs are read FOR SHARE, in byte order as the heartbeats lock them: a
+# restart raising one waits for this claim to commit, or this claim waits for the
+# restart and sees the new epoch. Either way no fenced attempt holds a key.
+# One row per claim: kid, won, and the run's epoch when the claim is fenced.
+CLAIM_MANY = f"""
+WITH c AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[], $6::text[],
+                         $7::text[], $8::text[], $9::text[], $10::text[], $11::float8[],
+                         $12::float8[], $13::float8[], $14::text[])
+        AS c(kid, tenant, run, epoch, upstream, key, fingerprint, method, path, owner,
+             lease_until, created_at, expires_at, namespace)),
+fence AS (
+    SELECT tenant, run_id, epoch FROM runs
+    WHERE (tenant, run_id) IN (SELECT namespace, run FROM c WHERE epoch IS NOT NULL)
+    ORDER BY tenant COLLATE "C", run_id COLLATE "C" FOR SHARE),
 claimed AS (
     INSERT INTO journal (kid, tenant, run, epoch, upstream, key, fingerprint, method, path, namespace,
                          state, owner, lease_until, created_at, expires_at)
-    SELECT $1::text, $2::text, $3::text, $4::bigint, $5::text, $6::text, $7::text, $8::text, $9::text,
-           $15::text, '{IN_FLIGHT}', $10::text, $11::float8, $12::float8, $13::float8
-    WHERE NOT EXISTS (SELECT 1 FROM fence WHERE epoch > $4::bigint)
+    SELECT kid, tenant, run, epoch, upstream, key, fingerprint, method, path, namespace,
+           '{IN_FLIGHT}', owner, lease_until, created_at, expires_at
+    FROM c WHERE NOT EXISTS (
+        SELECT 1 FROM fence f WHERE f.tenant = c.namespace AND f.run_id = c.run AND f.epoch > c.epoch)
+    ORDER BY kid
     ON CONFLICT (kid) DO UPDATE SET
         tenant = excluded.tenant, run = excluded.run, epoch = excluded.epoch,
         upstream = excluded.upstream, key = excluded.key, fingerprint = excluded.fingerprint,
@@ -99,12 +112,15 @@ claimed AS (
         headers = NULL, body = NULL, streamed = false, timing = NULL, detail = NULL,
         completed_at = NULL, replays = 0
     -- an expired entry runs as new; a dead proxy's claim is taken over under "retry"
-    WHERE journal.expires_at <= $12 OR ($14 AND journal.state = '{IN_FLIGHT}'
-          AND journal.lease_until <= $12 AND journal.fingerprint = excluded.fingerprint)
+    WHERE journal.expires_at <= $15 OR ($16 AND journal.state = '{IN_FLIGHT}'
+          AND journal.lease_until <= $15 AND journal.fingerprint = excluded.fingerprint)
     RETURNING kid),
 -- a new claim, or a takeover: bytes a dead call left behind must not be joined
 dropped AS (DELETE FROM partials WHERE kid IN (SELECT kid FROM claimed))
-SELECT (SELECT max(epoch) FROM fence) AS run_epoch, (SELECT count(*) FROM claimed) AS won"""
+SELECT c.kid, c.kid IN (SELECT kid FROM claimed) AS won,
+       (SELECT f.epoch FROM fence f WHERE f.tenant = c.namespace AND f.run_id = c.run
+        AND c.epoch IS NOT NULL) AS run_epoch
+FROM c"""
 
 # $1 kid, $2 now, $3 detail, $4 fingerprint, $5 channel: a dead proxy's claim under "quarantine"
 QUARANTINE_EXPIRED = f"""
@@ -215,6 +231,9 @@ GROUP BY j.namespace, j.run"""
 # -- short statements, named so the store reads as what it does ---------------------------
 GET = (f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing FROM journal "
        "WHERE kid = $1 AND expires_at > $2")
+# $1 kids, $2 now: the live entries among several (gets that arrived together)
+GET_MANY = (f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing FROM journal "
+            "WHERE kid = ANY($1::text[]) AND expires_at > $2")
 # The no-op update makes RETURNING give the value that was there first.
 SECRET = ("INSERT INTO secrets (name, value) VALUES ($1, $2) "
           "ON CONFLICT (name) DO UPDATE SET value = secrets.value RETURNING value")

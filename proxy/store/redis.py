@@ -39,7 +39,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
 from ..config import mask_url
-from .base import (COMPLETE, HISTORY_LIMIT, IN_FLIGHT, RESTARTING, RUN_STATES, RUNNING, UNKNOWN,
+from .base import (COMPLETE, HISTORY_LIMIT, RESTARTING, RUN_STATES, RUNNING, UNKNOWN,
                    UNRECORDABLE, Claim, ClaimResult, Entry, Recorded, Run, StoreUnavailable, Waiters)
 from .redis_scripts import SCRIPTS
 
@@ -292,10 +292,7 @@ class RedisStore:
     async def claim(self, claim: Claim) -> ClaimResult:
         scope, now = claim.scope, time.time()
         kid, rk = scope.kid, run_ref(claim.namespace, scope.run) if scope.run else ""
-        entry = Entry(kid, scope.tenant, scope.run, claim.epoch, scope.upstream, scope.key,
-                      claim.fingerprint, IN_FLIGHT, claim.owner, now + claim.lease_s, now, None,
-                      now + claim.retention_s, method=claim.method, path=claim.path,
-                      namespace=claim.namespace)
+        entry = claim.entry(now)
         fields = {name: getattr(entry, name) for name in ENTRY_FIELDS if getattr(entry, name) is not None}
         if rk:
             fields["rk"] = rk  # so release() finds the run's occurrence counters and journal

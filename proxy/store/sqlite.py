@@ -265,11 +265,7 @@ class SQLiteStore(SQLiteRuns):
                 (kid, scope.tenant, scope.run, claim.epoch, scope.upstream, scope.key,
                  claim.fingerprint, claim.method, claim.path, claim.namespace, IN_FLIGHT, claim.owner,
                  now + claim.lease_s, now, now + claim.retention_s))
-            return ClaimResult(True, Entry(kid, scope.tenant, scope.run, claim.epoch, scope.upstream,
-                                           scope.key, claim.fingerprint, IN_FLIGHT, claim.owner,
-                                           now + claim.lease_s, now, None, now + claim.retention_s,
-                                           method=claim.method, path=claim.path,
-                                           namespace=claim.namespace))
+            return ClaimResult(True, claim.entry(now))
         return await self._write(op)
 
     async def next_occurrence(self, namespace: str, run: str, epoch: int | None, fingerprint: str,

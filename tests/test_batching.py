@@ -1,0 +1,70 @@
+"""Batches: store calls that arrive together are sent together, each caller gets its own answer."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from idemproxy.proxy.store.base import StoreUnavailable
+from idemproxy.proxy.store.batching import Batches
+
+
+class Server:
+    """Stands for a store server: answers a batch after ``delay`` and remembers the batches."""
+
+    def __init__(self, delay: float = 0.01):
+        self.delay = delay
+        self.batches: list[list[int]] = []
+        self.fail: Exception | None = None
+
+    async def send(self, items: list[int]) -> list[object]:
+        self.batches.append(items)
+        await asyncio.sleep(self.delay)
+        if self.fail is not None:
+            raise self.fail
+        return [ValueError(f"odd {i}") if i % 2 else i * 10 for i in items]
+
+
+async def test_a_lone_call_goes_at_once():
+    server = Server()
+    batches = Batches("test", server.send, timeout=1)
+    assert await batches(2) == 20
+    assert server.batches == [[2]]
+
+
+async def test_calls_arriving_while_a_batch_is_out_form_the_next():
+    server = Server()
+    batches = Batches("test", server.send, timeout=1)
+    results = await asyncio.gather(*(batches(i * 2) for i in range(10)))
+    assert results == [i * 20 for i in range(10)]
+    assert server.batches == [[0, 2, 4, 6, 8, 10, 12, 14, 16, 18]]  # one turn of the loop: one batch
+    first = asyncio.ensure_future(batches(100))
+    await asyncio.sleep(0.001)  # on the wire now
+    rest = [asyncio.ensure_future(batches(i)) for i in (102, 104)]
+    assert await asyncio.gather(first, *rest) == [1000, 1020, 1040]
+    assert server.batches[1:] == [[100], [102, 104]]
+
+
+async def test_an_error_for_one_item_reaches_that_caller_only():
+    batches = Batches("test", Server().send, timeout=1)
+    results = await asyncio.gather(batches(2), batches(3), batches(4), return_exceptions=True)
+    assert results[0] == 20 and results[2] == 40
+    assert isinstance(results[1], ValueError)
+
+
+async def test_a_failed_batch_fails_each_of_its_callers_and_the_next_batch_goes_on():
+    server = Server()
+    batches = Batches("test", server.send, timeout=1)
+    server.fail = StoreUnavailable("down")
+    results = await asyncio.gather(batches(2), batches(4), return_exceptions=True)
+    assert all(isinstance(r, StoreUnavailable) for r in results)
+    server.fail = None
+    assert await batches(6) == 60
+
+
+async def test_a_caller_waits_no_longer_than_the_timeout():
+    batches = Batches("test", Server(delay=0.5).send, timeout=0.05)
+    with pytest.raises(StoreUnavailable, match="no answer within"):
+        await batches(2)
+    await batches.flushed()  # the batch still ends; nobody is left to read its answer
