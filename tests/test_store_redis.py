@@ -219,6 +219,24 @@ async def test_stopped_redis_fails_fast_and_the_store_recovers_by_itself(private
     await _eventually(woken_by_message, within=8.0)
 
 
+async def test_scripts_the_server_forgot_are_loaded_again(private_redis, open_store):
+    """Requests in one pipeline after SCRIPT FLUSH: each runs once, none fails."""
+    server = private_redis().start()
+    store = await open_store(server.url)
+    raw = redis_asyncio.Redis.from_url(server.url)
+    try:
+        await raw.script_flush()
+        claims = [claim(f"k{i}", owner=f"o{i}") for i in range(10)]
+        results = await asyncio.gather(*(store.claim(c) for c in claims), store.get("no-such-kid"))
+        assert all(r.won for r in results[:10]) and results[10] is None
+        await raw.script_flush()
+        kept = await asyncio.gather(*(store.complete(c.scope.kid, c.owner, REPLY) for c in claims))
+        assert kept == [True] * 10
+        assert (await store.get(claims[0].scope.kid)).response.body == REPLY.body
+    finally:
+        await raw.aclose()
+
+
 async def test_a_frozen_redis_never_hangs_an_operation(private_redis, open_store):
     """A server that accepts connections but never answers: every call ends within the timeout."""
     server = private_redis().start()
