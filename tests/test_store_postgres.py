@@ -14,6 +14,7 @@ from idemproxy.proxy.config import StoreSettings
 from idemproxy.proxy.store import StoreUnavailable, make_store
 from idemproxy.proxy.store.base import COMPLETE, Claim, Recorded, Run, Scope
 from idemproxy.proxy.store.postgres import PostgresStore
+from idemproxy.proxy.store import postgres_sql
 from idemproxy.proxy.store.postgres_sql import MIGRATIONS
 
 REPLY = Recorded(200, [("content-type", "text/plain")], b"done")
@@ -140,6 +141,45 @@ async def test_concurrent_records_share_one_commit(schema, open_pg):
     finally:
         await conn.close()
     assert transactions <= 2
+
+
+async def test_concurrent_claims_share_one_transaction(schema, open_pg):
+    store = await open_pg()
+    results = await asyncio.gather(*(store.claim(claim_of(f"k{i}", owner=f"o{i}")) for i in range(20)))
+    assert all(r.won for r in results)
+    conn = await raw(schema)
+    try:
+        transactions = await conn.fetchval("SELECT count(DISTINCT xmin::text) FROM journal")
+    finally:
+        await conn.close()
+    assert transactions <= 2  # the first claim alone, then the nineteen queued behind it
+
+
+# What the request path and the background loops run, with how many parameters.
+HOT_STATEMENTS = ("CLAIM_MANY", "GET_MANY", "COMPLETE_MANY", "RELEASE", "RENEW", "SET_STATE",
+                  "QUARANTINE_EXPIRED", "READ_PARTIAL", "COUNT_REPLAYS", "RAISE_EPOCH", "RUN_EPOCH",
+                  "TOUCH", "HEARTBEAT", "PURGE_JOURNAL", "PURGE_OCCURRENCES", "JOURNAL", "COUNT_STEPS",
+                  "DELETE_JOURNAL", "SILENT_RUNS")
+
+
+async def test_statements_use_their_index_even_planned_on_empty_tables(schema, open_pg):
+    """A new deployment's tables are empty when its statements are first planned; a plan
+    kept from then must still find rows by index once the tables are large."""
+    store = await open_pg()
+    async with store._pool.acquire() as conn:  # a session as the store configures it
+        await conn.execute("SET plan_cache_mode = force_generic_plan")
+        for name in HOT_STATEMENTS:
+            query = getattr(postgres_sql, name)
+            params = len((await conn.prepare(query)).get_parameters())
+            await conn.execute(f"PREPARE hot AS {query}")
+            try:
+                plan = "\n".join(r[0] for r in await conn.fetch(
+                    f"EXPLAIN (COSTS OFF) EXECUTE hot({', '.join(['NULL'] * params)})"))
+            finally:
+                await conn.execute("DEALLOCATE hot")
+            for table in ("journal", "runs", "partials", "occurrences"):
+                assert f"Seq Scan on {table}" not in plan, f"{name} scans {table}:\n{plan}"
+            assert "journal_by_expiry" not in plan or name == "PURGE_JOURNAL", f"{name}:\n{plan}"
 
 
 async def test_a_claim_waits_for_a_restart_in_progress_and_sees_its_epoch(schema, open_pg):

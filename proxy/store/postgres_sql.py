@@ -229,11 +229,12 @@ JOIN (SELECT DISTINCT * FROM unnest($1::text[], $2::text[])) AS w(namespace, run
 GROUP BY j.namespace, j.run"""
 
 # -- short statements, named so the store reads as what it does ---------------------------
-GET = (f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing FROM journal "
-       "WHERE kid = $1 AND expires_at > $2")
-# $1 kids, $2 now: the live entries among several (gets that arrived together)
-GET_MANY = (f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing FROM journal "
-            "WHERE kid = ANY($1::text[]) AND expires_at > $2")
+# $1 kids, $2 now: the live entries among several (gets that arrived together). One index
+# probe per kid: LIMIT 1 keeps the planner from turning the lookups into a join that
+# reads every live entry (by journal_by_expiry).
+GET_MANY = (f"SELECT j.* FROM unnest($1::text[]) AS wanted(kid), LATERAL ("
+            f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing FROM journal "
+            "WHERE journal.kid = wanted.kid AND expires_at > $2 LIMIT 1) AS j")
 # The no-op update makes RETURNING give the value that was there first.
 SECRET = ("INSERT INTO secrets (name, value) VALUES ($1, $2) "
           "ON CONFLICT (name) DO UPDATE SET value = secrets.value RETURNING value")
