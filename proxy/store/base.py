@@ -204,6 +204,9 @@ class Store(Protocol):
     """What the proxy and the supervisor need from a durable store."""
 
     durability: str  # one sentence: how durable an acknowledged record is
+    # True when claim() answers a taken key with its entry as cheaply as get(): the proxy
+    # then asks claim() first, and a new key costs one round trip less
+    claim_reads: bool
 
     async def open(self) -> None: """Connect and migrate; retries with backoff."""
     async def aclose(self) -> None: """Flush pending work and close."""

@@ -37,7 +37,7 @@ import orjson
 
 from ..config import mask_url
 from . import postgres_sql as sql
-from .base import (UNKNOWN, UNRECORDABLE, Claim, ClaimResult, Entry, Recorded,
+from .base import (IN_FLIGHT, UNKNOWN, UNRECORDABLE, Claim, ClaimResult, Entry, Recorded,
                    StoreUnavailable, Waiters)
 from .batching import Batches
 from .postgres_runs import PostgresRuns
@@ -141,6 +141,7 @@ class PostgresStore(PostgresRuns):
         self._channel = f"idemproxy:{self.schema}"[:63]  # NOTIFY channel names are identifiers
         self._session: dict[str, str] = {}  # extra server settings for our sessions
         self.durability = "unknown until the store is open"
+        self.claim_reads = True  # a taken key's claim is a read, answered with the entry
         self._pool: asyncpg.Pool | None = None
         self._listener: asyncio.Task | None = None
         self._waiters = Waiters(POLL_S)
@@ -311,55 +312,61 @@ class PostgresStore(PostgresRuns):
         kid = claim.scope.kid
         for _ in range(3):
             now = time.time()
-            won, run_epoch = await self._claims((claim, now))
+            won, run_epoch, live = await self._claims((claim, now))
             if won:
                 return ClaimResult(True, claim.entry(now))
             if run_epoch is not None and claim.epoch is not None and run_epoch > claim.epoch:
                 return ClaimResult(False, None, stale_epoch=run_epoch)
-            if claim.on_expired == "quarantine":  # its proxy died mid-call: outcome unknown
-                row = await self._fetchrow("claim", sql.QUARANTINE_EXPIRED, kid, time.time(),
-                                           "the proxy holding the claim stopped mid-call",
-                                           claim.fingerprint, self._channel)
-                if row is not None:
+            lapsed = live is None or (live.state == IN_FLIGHT and live.lease_until <= now)
+            if claim.on_expired == "quarantine" and lapsed:  # its proxy died mid-call: outcome unknown
+                quarantined = await self._fetchrow("claim", sql.QUARANTINE_EXPIRED, kid, time.time(),
+                                                   "the proxy holding the claim stopped mid-call",
+                                                   claim.fingerprint, self._channel)
+                if quarantined is not None:
                     self._wake(kid)
-                    return ClaimResult(False, _entry(row))
-            existing = await self.get(kid)  # the loser may replay what it finds
+                    return ClaimResult(False, _entry(quarantined))
+            # the entry we lost to, as the claim found it, or as it is now after a race
+            existing = live or await self.get(kid)
             if existing is not None:
                 return ClaimResult(False, existing)
             # the entry we lost to was released, resolved or purged meanwhile: claim again
         raise StoreUnavailable(f"postgres claim on {kid[:12]} kept racing with other writers")
 
-    async def _claim_many(self, batch: list[tuple[Claim, float]]) -> list[tuple[bool, int | None]]:
-        """Claims that arrived together, in one statement per ``on_expired`` policy.
+    async def _claim_many(self, batch: list[tuple[Claim, float]]) -> list[tuple[bool, int | None, Entry | None]]:
+        """Claims that arrived together: (won, the run's epoch, the live entry) for each.
 
-        A kid twice in the batch (two requests alike, both past ``get``) goes once per
-        statement: the later claim runs after the first and finds its entry.
+        One statement per ``on_expired`` policy (usually one). A kid asked more than once
+        (requests alike, arriving together) is sent once; the others lost, to that claim
+        or to the entry it found, and are answered so.
         """
-        outcomes: list[tuple[bool, int | None] | None] = [None] * len(batch)
-        left = list(range(len(batch)))
-        while left:
-            seen: set[str] = set()
-            rounds: dict[bool, list[int]] = {True: [], False: []}
-            later = []
-            for i in left:
-                kid = batch[i][0].scope.kid
-                (later if kid in seen else rounds[batch[i][0].on_expired == "retry"]).append(i)
-                seen.add(kid)
-            for take_over, members in rounds.items():
-                if not members:
-                    continue
-                members.sort(key=lambda i: batch[i][0].scope.kid)
-                claims = [batch[i] for i in members]
-                columns = zip(*((c.scope.kid, c.scope.tenant, c.scope.run, c.epoch, c.scope.upstream,
-                                 c.scope.key, c.fingerprint, c.method, c.path, c.owner, now + c.lease_s,
-                                 now, now + c.retention_s, c.namespace) for c, now in claims))
-                rows = await self._fetch("claim", sql.CLAIM_MANY, *map(list, columns), time.time(),
-                                         take_over)
-                found = {row["kid"]: (row["won"], row["run_epoch"]) for row in rows}
-                for i in members:
-                    outcomes[i] = found[batch[i][0].scope.kid]
-            left = later
-        return outcomes
+        first: dict[str, int] = {}
+        for i, (claim, _) in enumerate(batch):
+            first.setdefault(claim.scope.kid, i)
+        policies: dict[bool, list[int]] = {True: [], False: []}
+        for i in first.values():
+            policies[batch[i][0].on_expired == "retry"].append(i)
+        answers: dict[int, tuple[bool, int | None, Entry | None]] = {}
+        for take_over, members in policies.items():
+            if not members:
+                continue
+            members.sort(key=lambda i: batch[i][0].scope.kid)
+            columns = zip(*((c.scope.kid, c.scope.tenant, c.scope.run, c.epoch, c.scope.upstream,
+                             c.scope.key, c.fingerprint, c.method, c.path, c.owner, now + c.lease_s,
+                             now, now + c.retention_s, c.namespace) for c, now in (batch[i] for i in members)))
+            rows = await self._fetch("claim", sql.CLAIM_MANY, *map(list, columns), time.time(), take_over)
+            found = {row["asked"]: row for row in rows}
+            for i in members:
+                row = found[batch[i][0].scope.kid]
+                live = _entry(row[3:], _recorded(row)) if row["kid"] is not None else None
+                answers[i] = (row["won"], row["run_epoch"], live)
+        results = []
+        for i, (claim, _) in enumerate(batch):
+            j = first[claim.scope.kid]
+            won, run_epoch, live = answers[j]
+            if i != j:  # a twin of claim j: it lost to j's claim, or to the entry j found
+                won, live = False, batch[j][0].entry(batch[j][1]) if won else live
+            results.append((won, run_epoch, live))
+        return results
 
     async def next_occurrence(self, namespace: str, run: str, epoch: int | None, fingerprint: str,
                               retention_s: float) -> int:

@@ -78,12 +78,15 @@ RUN_COLUMNS = ("tenant, run_id, state, epoch, restarts, last_seen, started_at, t
 # Claims that arrived together, one element per claim in arrays: $1 kid, $2 tenant,
 # $3 run, $4 epoch, $5 upstream, $6 key, $7 fingerprint, $8 method, $9 path, $10 owner,
 # $11 lease_until, $12 created_at, $13 expires_at, $14 namespace; then $15 now and $16
-# take over an expired lease (on_expired == "retry"). Kids are distinct and sorted, so
-# replicas sending overlapping batches lock their rows in one order.
-# The runs' epochs are read FOR SHARE, in byte order as the heartbeats lock them: a
+# take over an expired lease (on_expired == "retry"). Kids are distinct.
+# A key with a live entry (one not to take over) is answered with that entry and not
+# written at all: a replay costs a read, no lock and no commit to disk. The others are
+# inserted in kid order, so replicas sending overlapping batches lock rows in one order.
+# Their runs' epochs are read FOR SHARE, in byte order as the heartbeats lock them: a
 # restart raising one waits for this claim to commit, or this claim waits for the
 # restart and sees the new epoch. Either way no fenced attempt holds a key.
-# One row per claim: kid, won, and the run's epoch when the claim is fenced.
+# One row per claim: its kid, won, the run's epoch when the claim is fenced, then the
+# live entry's columns (NULL when there is none).
 CLAIM_MANY = f"""
 WITH c AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[], $6::text[],
@@ -91,17 +94,25 @@ WITH c AS (
                          $12::float8[], $13::float8[], $14::text[])
         AS c(kid, tenant, run, epoch, upstream, key, fingerprint, method, path, owner,
              lease_until, created_at, expires_at, namespace)),
+live AS (
+    SELECT j.* FROM c, LATERAL (
+        SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing FROM journal
+        WHERE journal.kid = c.kid AND journal.expires_at > $15
+          AND NOT ($16 AND journal.state = '{IN_FLIGHT}' AND journal.lease_until <= $15
+                   AND journal.fingerprint = c.fingerprint)
+        LIMIT 1) AS j),
+asks AS (SELECT * FROM c WHERE kid NOT IN (SELECT kid FROM live)),
 fence AS (
     SELECT tenant, run_id, epoch FROM runs
-    WHERE (tenant, run_id) IN (SELECT namespace, run FROM c WHERE epoch IS NOT NULL)
+    WHERE (tenant, run_id) IN (SELECT namespace, run FROM asks WHERE epoch IS NOT NULL)
     ORDER BY tenant COLLATE "C", run_id COLLATE "C" FOR SHARE),
 claimed AS (
     INSERT INTO journal (kid, tenant, run, epoch, upstream, key, fingerprint, method, path, namespace,
                          state, owner, lease_until, created_at, expires_at)
     SELECT kid, tenant, run, epoch, upstream, key, fingerprint, method, path, namespace,
            '{IN_FLIGHT}', owner, lease_until, created_at, expires_at
-    FROM c WHERE NOT EXISTS (
-        SELECT 1 FROM fence f WHERE f.tenant = c.namespace AND f.run_id = c.run AND f.epoch > c.epoch)
+    FROM asks WHERE NOT EXISTS (
+        SELECT 1 FROM fence f WHERE f.tenant = asks.namespace AND f.run_id = asks.run AND f.epoch > asks.epoch)
     ORDER BY kid
     ON CONFLICT (kid) DO UPDATE SET
         tenant = excluded.tenant, run = excluded.run, epoch = excluded.epoch,
@@ -117,10 +128,13 @@ claimed AS (
     RETURNING kid),
 -- a new claim, or a takeover: bytes a dead call left behind must not be joined
 dropped AS (DELETE FROM partials WHERE kid IN (SELECT kid FROM claimed))
-SELECT c.kid, c.kid IN (SELECT kid FROM claimed) AS won,
-       (SELECT f.epoch FROM fence f WHERE f.tenant = c.namespace AND f.run_id = c.run
-        AND c.epoch IS NOT NULL) AS run_epoch
-FROM c"""
+SELECT c.kid AS asked, c.kid IN (SELECT kid FROM claimed) AS won,
+       CASE WHEN c.epoch IS NOT NULL THEN
+           coalesce((SELECT f.epoch FROM fence f WHERE f.tenant = c.namespace AND f.run_id = c.run),
+                    (SELECT r.epoch FROM runs r WHERE r.tenant = c.namespace AND r.run_id = c.run))
+       END AS run_epoch,
+       live.*
+FROM c LEFT JOIN live ON live.kid = c.kid"""
 
 # $1 kid, $2 now, $3 detail, $4 fingerprint, $5 channel: a dead proxy's claim under "quarantine"
 QUARANTINE_EXPIRED = f"""

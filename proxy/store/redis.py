@@ -145,6 +145,7 @@ class RedisStore:
         self.url, self.prefix = split_url(url)
         self.timeout = timeout
         self.durability = "unknown until the store is opened"
+        self.claim_reads = True  # the claim script returns a taken key's entry
         self._channel = self.prefix + "changed"
         self._client: redis_asyncio.Redis | None = None
         self._scripts: dict[str, Any] = {}

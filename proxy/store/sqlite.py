@@ -97,6 +97,7 @@ class SQLiteStore(SQLiteRuns):
         self.path = path
         self.timeout = timeout
         self.durability = "SQLite WAL with synchronous=FULL: every answer is fsynced first"
+        self.claim_reads = False  # claims queue for the one writer; reads do not
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._handover = threading.Lock()  # decides, per write, writer-took-it vs caller-gave-up
         self._writer: threading.Thread | None = None
