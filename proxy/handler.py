@@ -31,7 +31,6 @@ OUTCOME = web.RequestKey("outcome", str)  # what the proxy did: metrics and the 
 UPSTREAM_S = web.RequestKey("upstream_s", object)  # upstream time to headers, when forwarded
 # A duplicate that waited on a call ending like this goes upstream itself, as a retry would.
 GIVEN_BACK = frozenset({"released", "ambiguous"})
-GIVE_BACK_AGAIN_S = 1.0  # see Proxy._give_back
 
 
 @dataclass
@@ -219,11 +218,7 @@ class Proxy:
                 claim = Claim(scope, fp, os.urandom(16).hex(), self.settings.store.lease,
                               self.settings.store.retention, request.method, route.path, ident.epoch,
                               self.on_ambiguous[upstream.name], ident.namespace)
-                try:
-                    result = await self.store.claim(claim)
-                except StoreUnavailable:
-                    self._give_back(claim)
-                    raise
+                result = await self.store.claim(claim)
                 if result.stale_epoch is not None:
                     raise Problem("stale-epoch", f"run {ident.run} is at epoch {result.stale_epoch}",
                                   epoch=result.stale_epoch)
@@ -290,27 +285,6 @@ class Proxy:
             self.calls.pop(entry.kid, None)
         task.add_done_callback(done)
         return call
-
-    def _give_back(self, claim: Claim) -> None:
-        """Release a claim whose answer never came: the agent was told nothing was forwarded,
-        so its retry must find the key free, not held for a lease by a claim that a frozen
-        or slow store commits later. Released once the store answers, and once more a
-        moment after (a statement still queued in the server may land in between)."""
-        async def release() -> None:
-            delay = 0.1
-            for round_ in range(2):
-                while True:
-                    try:
-                        await self.store.release(claim.scope.kid, claim.owner)
-                        break
-                    except StoreUnavailable:
-                        await asyncio.sleep(delay)
-                        delay = min(delay * 2, 2.0)
-                if round_ == 0:
-                    await asyncio.sleep(GIVE_BACK_AGAIN_S)
-        task = asyncio.create_task(release(), name=f"idemproxy-give-back-{claim.scope.kid[:12]}")
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
 
     # -- background work ------------------------------------------------------------------
 

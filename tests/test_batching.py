@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from idemproxy.proxy.store.base import StoreUnavailable
-from idemproxy.proxy.store.batching import Batches
+from idemproxy.proxy.store.batching import AGAIN_S, Batches, GiveBack
 
 
 class Server:
@@ -68,3 +69,66 @@ async def test_a_caller_waits_no_longer_than_the_timeout():
     with pytest.raises(StoreUnavailable, match="no answer within"):
         await batches(2)
     await batches.flushed()  # the batch still ends; nobody is left to read its answer
+
+
+async def test_an_item_whose_caller_gave_up_before_its_turn_is_never_sent():
+    server = Server(delay=0.2)
+    heard = []
+    batches = Batches("test", server.send, timeout=0.05, unanswered=lambda *a: heard.append(a))
+    first = asyncio.ensure_future(batches(2))  # on the wire for 0.2 s
+    await asyncio.sleep(0.01)
+    with pytest.raises(StoreUnavailable):
+        await batches(4)  # queued behind it; gives up at 0.05 s
+    with pytest.raises(StoreUnavailable):
+        await first
+    await asyncio.sleep(0.25)  # the batch ends
+    assert server.batches == [[2]]  # 4 was dropped, unsent
+    assert heard == [(2, 20)]  # 2 was sent: its outcome goes to unanswered, as nobody read it
+
+
+async def test_every_item_of_a_failed_batch_is_unanswered():
+    server = Server()
+    heard = []
+    batches = Batches("test", server.send, timeout=1, unanswered=lambda item, outcome: heard.append(item))
+    server.fail = StoreUnavailable("down")
+    await asyncio.gather(batches(2), batches(4), return_exceptions=True)
+    assert heard == [2, 4]
+    server.fail = None
+    assert await batches(6) == 60 and heard == [2, 4]  # an answered item is not
+
+
+class Releases:
+    """Stands for a store's release(): unreachable until told otherwise."""
+
+    def __init__(self):
+        self.up = False
+        self.done: list[tuple[str, str, float]] = []
+
+    async def release(self, kid: str, owner: str) -> None:
+        if not self.up:
+            raise StoreUnavailable("down")
+        self.done.append((kid, owner, time.monotonic()))
+
+
+async def test_a_claim_is_given_back_when_the_store_answers_and_once_more_after():
+    releases = Releases()
+    give_back = GiveBack(releases.release)
+    give_back.add("kid-1", "owner-1", lease_s=30)
+    await asyncio.sleep(0.3)
+    assert releases.done == []  # the store is down: it keeps trying
+    releases.up = True
+    await asyncio.sleep(2 * AGAIN_S + 2.5)
+    assert [(kid, owner) for kid, owner, _ in releases.done] == [("kid-1", "owner-1")] * 2
+    assert releases.done[1][2] - releases.done[0][2] >= AGAIN_S * 0.9
+    await give_back.aclose()
+
+
+async def test_a_claim_is_no_longer_given_back_once_its_lease_is_over():
+    releases = Releases()
+    give_back = GiveBack(releases.release)
+    give_back.add("kid-1", "owner-1", lease_s=0.2)
+    await asyncio.sleep(0.4)
+    releases.up = True
+    await asyncio.sleep(2.5)
+    assert releases.done == []
+    await give_back.aclose()

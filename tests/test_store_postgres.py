@@ -182,6 +182,29 @@ async def test_statements_use_their_index_even_planned_on_empty_tables(schema, o
             assert "journal_by_expiry" not in plan or name == "PURGE_JOURNAL", f"{name}:\n{plan}"
 
 
+async def test_a_claim_its_caller_gave_up_on_leaves_the_key_free(schema, open_pg):
+    """A claim stuck behind a lock past the store timeout: the caller hears 503, and the
+    key must not be held later by that claim (the agent's retry goes upstream at once)."""
+    store = await open_pg(timeout=0.5)
+    await store.observe_epoch("ns", "run-1", 0, Run("ns", "run-1"), time.time())
+    blocker = await raw(schema)
+    try:
+        locking = blocker.transaction()
+        await locking.start()
+        await blocker.execute("SELECT 1 FROM runs WHERE tenant = 'ns' AND run_id = 'run-1' FOR UPDATE")
+        with pytest.raises(StoreUnavailable):
+            await store.claim(claim_of("stuck", owner="gone", epoch=0))
+        await asyncio.sleep(0.2)
+        await locking.rollback()
+    finally:
+        await blocker.close()
+    deadline = time.monotonic() + 5
+    while (entry := await store.get(claim_of("stuck").scope.kid)) is not None:
+        assert time.monotonic() < deadline, f"the abandoned claim still holds the key: {entry}"
+        await asyncio.sleep(0.1)
+    assert (await store.claim(claim_of("stuck", owner="retry", epoch=0))).won
+
+
 async def test_a_claim_waits_for_a_restart_in_progress_and_sees_its_epoch(schema, open_pg):
     store = await open_pg()
     await store.observe_epoch("ns", "run-1", 0, Run("ns", "run-1"), time.time())

@@ -9,17 +9,26 @@ the wire, so N callers cost one round trip: a group commit, and the same for rea
 
 Nothing waits for company: an idle store sends a lone call at once (on the next turn
 of the event loop), so one agent's latency does not change.
+
+A caller that gives up (its timeout) leaves a claim behind that may still be written:
+:class:`GiveBack` releases such claims once the store answers again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from typing import Awaitable, Callable, Generic, Sequence, TypeVar
 
 from .base import StoreUnavailable
 
+log = logging.getLogger("idemproxy.store")
+
 Item = TypeVar("Item")
 Result = TypeVar("Result")
+
+AGAIN_S = 1.0  # GiveBack releases once more this long after the first release went through
 
 
 def _consume(future: asyncio.Future) -> None:
@@ -35,16 +44,21 @@ class Batches(Generic[Item, Result]):
     grow with the load. (Two or four in flight were measured too: smaller batches cost
     more CPU, in the proxy and in the server, than the overlap saved.) An exception
     raised by ``send`` reaches every caller of that batch; an exception returned as one
-    item's result reaches that caller alone. A caller waits at most ``timeout``
-    seconds (StoreUnavailable after that); its item may still be sent, as a single call
-    whose answer was lost may have run.
+    item's result reaches that caller alone.
+
+    A caller waits at most ``timeout`` seconds (StoreUnavailable after that). If its item
+    has not been sent yet, it never is. If it has, ``unanswered(item, outcome)`` learns
+    the outcome (a result or an exception) when the batch ends, as it does for every item
+    of a batch that failed: the caller could not act on it, and a store gives back there
+    a claim that nobody will use.
     """
 
     def __init__(self, what: str, send: Callable[[list[Item]], Awaitable[Sequence[Result]]],
-                 timeout: float):
+                 timeout: float, unanswered: Callable[[Item, object], None] | None = None):
         self.what = what
         self.timeout = timeout
         self._send = send
+        self._unanswered = unanswered
         self._queued: list[tuple[Item, asyncio.Future]] = []
         self._sender: asyncio.Task | None = None
 
@@ -59,6 +73,8 @@ class Batches(Generic[Item, Result]):
                 return await asyncio.shield(future)
         except TimeoutError:
             raise StoreUnavailable(f"{self.what}: no answer within {self.timeout}s") from None
+        finally:
+            future.cancel()  # no-op once answered; unanswered, it marks the caller as gone
 
     async def flushed(self) -> None:
         """Return once everything queued so far has been sent (for a clean close)."""
@@ -67,7 +83,10 @@ class Batches(Generic[Item, Result]):
 
     async def _drain(self) -> None:
         while self._queued:
-            batch, self._queued = self._queued, []
+            batch = [(item, future) for item, future in self._queued if not future.done()]
+            self._queued = []
+            if not batch:  # every caller gave up before its turn: nothing is sent
+                continue
             try:
                 results = await self._send([item for item, _ in batch])
             except asyncio.CancelledError:
@@ -75,14 +94,69 @@ class Batches(Generic[Item, Result]):
                     future.cancel()
                 raise
             except Exception as exc:  # noqa: BLE001 - handed to every caller of the batch
-                for _, future in batch:
+                for item, future in batch:
                     if not future.done():
                         future.set_exception(exc)
+                    self._tell_unanswered(item, exc)
                 continue
-            for (_, future), result in zip(batch, results, strict=True):
-                if future.done():
-                    continue
-                if isinstance(result, Exception):
+            for (item, future), result in zip(batch, results, strict=True):
+                if future.done():  # its caller gave up while the batch was out
+                    self._tell_unanswered(item, result)
+                elif isinstance(result, Exception):
                     future.set_exception(result)
                 else:
                     future.set_result(result)
+
+    def _tell_unanswered(self, item: Item, outcome: object) -> None:
+        if self._unanswered is not None:
+            self._unanswered(item, outcome)
+
+
+class GiveBack:
+    """Claims that may have been written for a caller who never learned of them.
+
+    The agent was answered 503 (nothing forwarded), so its retry must find the key free,
+    not held for a lease by a claim a slow or frozen store wrote late. Each is released
+    once the store answers, and once more ``AGAIN_S`` later, for a statement that was
+    still queued in the server when the first release went through. One task for all;
+    a claim is given up on when its lease is over (the key is free by then, or follows
+    ``on_expired``).
+    """
+
+    def __init__(self, release: Callable[[str, str], Awaitable[None]]):
+        self._release = release
+        self._pending: dict[tuple[str, str], list[float]] = {}  # (kid, owner) -> [until, releases]
+        self._task: asyncio.Task | None = None
+
+    def add(self, kid: str, owner: str, lease_s: float) -> None:
+        self._pending[(kid, owner)] = [time.monotonic() + lease_s, 0]
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="idemproxy-give-back")
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        delay = 0.1
+        while self._pending:
+            reachable = True
+            for claim, state in list(self._pending.items()):
+                if time.monotonic() > state[0]:
+                    del self._pending[claim]
+                    continue
+                try:
+                    await self._release(*claim)
+                except StoreUnavailable:
+                    reachable = False
+                    break
+                except Exception:  # noqa: BLE001 - one bad release must not stop the others
+                    log.exception("giving back the claim on %s failed", claim[0][:12])
+                    del self._pending[claim]
+                    continue
+                state[1] += 1
+                if state[1] == 2:
+                    del self._pending[claim]
+            delay = min(delay * 2, 2.0) if not reachable else 0.1
+            await asyncio.sleep(delay if not reachable else AGAIN_S)

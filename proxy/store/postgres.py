@@ -13,9 +13,9 @@ requests queue for a connection, with p99 in seconds at 32 concurrent in bench/)
 - Waiters are woken by ``LISTEN``/``NOTIFY``: statements that settle an entry notify its
   kid at commit, and one listener connection per store wakes the local waiters. A slow
   poll covers a lost notification; the listener reconnects when its connection drops.
-- Group commit: ``complete()`` calls that arrive together are written by one statement,
-  so N concurrent records cost one commit; ``get()`` calls that arrive together are one
-  query (:mod:`.batching`).
+- Calls that arrive together are one statement (:mod:`.batching`): gets, claims, and
+  completes, so N concurrent records share one commit. A claim reads the key's live
+  entry first and answers with it, writing nothing: a replay is one read.
 - Durability: a commit returns once its WAL is flushed (``synchronous_commit``), turned
   on for our sessions if the server's default is off.
 - Connection errors and timeouts become :class:`StoreUnavailable`; every operation is
@@ -39,7 +39,7 @@ from ..config import mask_url
 from . import postgres_sql as sql
 from .base import (IN_FLIGHT, UNKNOWN, UNRECORDABLE, Claim, ClaimResult, Entry, Recorded,
                    StoreUnavailable, Waiters)
-from .batching import Batches
+from .batching import Batches, GiveBack
 from .postgres_runs import PostgresRuns
 
 log = logging.getLogger("idemproxy.store")
@@ -49,7 +49,8 @@ LISTENER_CHECK_S = 5.0  # how often the idle listener connection proves it is al
 MIGRATE_TIMEOUT_S = 60.0
 # SQLSTATE classes that mean "the server cannot serve us now", not "the query is wrong":
 # connection (08), transaction rollback (40: deadlock, serialization), resources (53),
-# operator intervention and shutdown (57), system (58); and a read-only standby (25006).
+# operator intervention, shutdown and our statement_timeout (57), system (58); a read-only
+# standby (25006) and our lock_timeout (55P03).
 UNAVAILABLE_CLASSES = {"08", "40", "53", "57", "58"}
 
 
@@ -80,7 +81,7 @@ def _unreachable(exc: BaseException) -> bool:
         return True
     if isinstance(exc, asyncpg.PostgresError):
         state = getattr(exc, "sqlstate", None) or ""
-        return state[:2] in UNAVAILABLE_CLASSES or state == "25006"
+        return state[:2] in UNAVAILABLE_CLASSES or state in ("25006", "55P03")
     return False
 
 
@@ -146,7 +147,8 @@ class PostgresStore(PostgresRuns):
         self._listener: asyncio.Task | None = None
         self._waiters = Waiters(POLL_S)
         self._gets = Batches("postgres get", self._get_many, timeout)
-        self._claims = Batches("postgres claim", self._claim_many, timeout)
+        self._claims = Batches("postgres claim", self._claim_many, timeout, self._claim_unanswered)
+        self._give_back = GiveBack(self.release)
         self._completes = Batches("postgres complete", self._complete_many, timeout)
 
     def __repr__(self) -> str:
@@ -157,11 +159,16 @@ class PostgresStore(PostgresRuns):
     def _connect_args(self, role: str) -> dict[str, Any]:
         # enable_seqscan=off: every statement of ours reads or writes rows by a key it has an
         # index for. A deployment starts with empty tables, and asyncpg prepares statements,
-        # so PostgreSQL plans them once for all and, for an empty table, picks a full scan
-        # it then keeps while the table grows (measured: a fresh schema's records cost the
-        # server 4x the CPU). Off, the index is always chosen (tests/test_store_postgres.py).
+        # so PostgreSQL plans them once and keeps that plan (until asyncpg or ANALYZE
+        # replaces it): for an empty table, a full scan, kept while the table grows
+        # (measured: a fresh schema's records cost the server 4x the CPU). Off, a plan
+        # uses the index wherever one fits (tests/test_store_postgres.py checks ours).
         settings = {"search_path": f'"{self.schema}"', "application_name": f"{role}:{self.schema}"[:63],
                     "enable_seqscan": "off"}
+        if role == "idemproxy":  # the pool; not the connection that migrates
+            # The server gives up when our callers do: a statement that outlived its caller
+            # (say, a claim waiting on a lock) must not commit later.
+            settings["statement_timeout"] = settings["lock_timeout"] = str(int(self.timeout * 1000))
         return {"timeout": self.timeout, "command_timeout": self.timeout,
                 "server_settings": {**settings, **self._session}}
 
@@ -194,6 +201,7 @@ class PostgresStore(PostgresRuns):
 
     async def aclose(self) -> None:
         await self._completes.flushed()  # pending records first
+        await self._give_back.aclose()
         if self._listener is not None:
             self._listener.cancel()
             await asyncio.gather(self._listener, return_exceptions=True)
@@ -317,7 +325,7 @@ class PostgresStore(PostgresRuns):
                 return ClaimResult(True, claim.entry(now))
             if run_epoch is not None and claim.epoch is not None and run_epoch > claim.epoch:
                 return ClaimResult(False, None, stale_epoch=run_epoch)
-            lapsed = live is None or (live.state == IN_FLIGHT and live.lease_until <= now)
+            lapsed = live is not None and live.state == IN_FLIGHT and live.lease_until <= now
             if claim.on_expired == "quarantine" and lapsed:  # its proxy died mid-call: outcome unknown
                 quarantined = await self._fetchrow("claim", sql.QUARANTINE_EXPIRED, kid, time.time(),
                                                    "the proxy holding the claim stopped mid-call",
@@ -325,12 +333,19 @@ class PostgresStore(PostgresRuns):
                 if quarantined is not None:
                     self._wake(kid)
                     return ClaimResult(False, _entry(quarantined))
+                live = None  # changed meanwhile (completed, or quarantined by another proxy)
             # the entry we lost to, as the claim found it, or as it is now after a race
             existing = live or await self.get(kid)
             if existing is not None:
                 return ClaimResult(False, existing)
             # the entry we lost to was released, resolved or purged meanwhile: claim again
         raise StoreUnavailable(f"postgres claim on {kid[:12]} kept racing with other writers")
+
+    def _claim_unanswered(self, item: tuple[Claim, float], outcome: object) -> None:
+        """A claim its caller gave up on (or whose batch failed) may be written: give it back."""
+        claim, _ = item
+        if not (isinstance(outcome, tuple) and not outcome[0]):  # unless it surely lost
+            self._give_back.add(claim.scope.kid, claim.owner, claim.lease_s)
 
     async def _claim_many(self, batch: list[tuple[Claim, float]]) -> list[tuple[bool, int | None, Entry | None]]:
         """Claims that arrived together: (won, the run's epoch, the live entry) for each.
@@ -385,8 +400,9 @@ class PostgresStore(PostgresRuns):
 
     async def _complete_many(self, batch: list[tuple[str, str, Recorded]]) -> list[bool]:
         """Group commit: every complete() queued meanwhile goes in one statement, one commit."""
+        # in kid order, as claims lock rows: a takeover batch and this one never wait in a cycle
         columns = zip(*((kid, owner, r.status, _json(r.headers), r.body, r.streamed, _json(r.timing))
-                        for kid, owner, r in batch))
+                        for kid, owner, r in sorted(batch, key=lambda done: done[0])))
         rows = await self._fetch("complete", sql.COMPLETE_MANY, *map(list, columns), time.time(),
                                  self._channel)
         kept = {(row["kid"], row["owner"]) for row in rows}

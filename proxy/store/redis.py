@@ -43,7 +43,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 from ..config import mask_url
 from .base import (COMPLETE, HISTORY_LIMIT, RESTARTING, RUN_STATES, RUNNING, UNKNOWN,
                    UNRECORDABLE, Claim, ClaimResult, Entry, Recorded, Run, StoreUnavailable, Waiters)
-from .batching import Batches
+from .batching import Batches, GiveBack
 from .redis_scripts import ENTRY_FIELDS, READ_FIELDS, SCRIPTS
 
 log = logging.getLogger("idemproxy.store")
@@ -151,7 +151,8 @@ class RedisStore:
         self._scripts: dict[str, Any] = {}
         self._listener: asyncio.Task | None = None
         self._waiters = Waiters(POLL_S)
-        self._pipelined = Batches("redis", self._pipeline, timeout)
+        self._pipelined = Batches("redis", self._pipeline, timeout, self._unanswered)
+        self._give_back = GiveBack(self.release)
 
     def __repr__(self) -> str:
         return f"RedisStore({mask_url(self.url)!r}, prefix={self.prefix!r})"
@@ -191,6 +192,7 @@ class RedisStore:
 
     async def aclose(self) -> None:
         await self._pipelined.flushed()  # pending records first
+        await self._give_back.aclose()
         if self._listener is not None:
             self._listener.cancel()
             await asyncio.gather(self._listener, return_exceptions=True)
@@ -221,12 +223,13 @@ class RedisStore:
             raise StoreUnavailable("store is closed")
         return self._do(self._scripts[name](keys=keys, args=args))
 
-    async def _pipeline(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+    async def _pipeline(self, calls: list[tuple[tuple[Any, ...], Claim | None]]) -> list[Any]:
         """Commands that arrived together, as one pipeline: a result or an error each.
 
         Scripts go by their SHA; any the server lost (a restart, SCRIPT FLUSH) are loaded
         again and only their commands re-sent: a NOSCRIPT reply means nothing ran.
         """
+        commands = [command for command, _ in calls]
         results = await self._do(self._send(commands))
         lost = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
         if lost:
@@ -241,22 +244,15 @@ class RedisStore:
         """Write the commands at once on one pooled connection, then read every reply.
 
         Packed by hiredis in C: redis-py packs in Python, ~1 µs per argument, which was a
-        third of a record's store cost (a claim has twenty arguments). As redis-py does, a
-        connection found broken is retried once on a new one.
+        third of a record's store cost (a claim has twenty arguments). Not retried: a
+        command whose reply was lost may have run (the pool checks a link before lending it).
         """
-        packed = b"".join(map(hiredis.pack_command, commands))
-        try:
-            return await self._exchange(packed, len(commands))
-        except RedisConnectionError:  # a pooled link the server dropped: once more, on a new one
-            return await self._exchange(packed, len(commands))
-
-    async def _exchange(self, packed: bytes, replies: int) -> list[Any]:
         pool = self._redis.connection_pool
         conn = await pool.get_connection()
         try:
-            await conn.send_packed_command(packed, check_health=False)
+            await conn.send_packed_command(b"".join(map(hiredis.pack_command, commands)), check_health=False)
             results = []
-            for _ in range(replies):
+            for _ in commands:
                 try:
                     results.append(await conn.read_response())
                 except ResponseError as exc:  # the server's error reply to this one command
@@ -268,9 +264,16 @@ class RedisStore:
         finally:
             await pool.release(conn)
 
-    def _pipelined_script(self, name: str, keys: list[str], args: list[Any]) -> Awaitable[Any]:
+    def _unanswered(self, call: tuple[tuple[Any, ...], Claim | None], outcome: object) -> None:
+        """A claim its caller gave up on (or whose pipeline failed) may be written: give it back."""
+        _, claim = call
+        if claim is not None and not (isinstance(outcome, list) and outcome[0] != b"won"):
+            self._give_back.add(claim.scope.kid, claim.owner, claim.lease_s)
+
+    def _pipelined_script(self, name: str, keys: list[str], args: list[Any],
+                          claim: Claim | None = None) -> Awaitable[Any]:
         script = self._scripts[name]
-        return self._pipelined(("EVALSHA", script.sha, len(keys), *keys, *args))
+        return self._pipelined((("EVALSHA", script.sha, len(keys), *keys, *args), claim))
 
     def _key(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
@@ -355,7 +358,8 @@ class RedisStore:
             "claim", [self._key("entry", kid), self._key("partial", kid), self._key("run", rk),
                       self._key("steps", rk), self._key("steps-expiry")],
             [repr(now), claim.epoch if fenced else "", claim.fingerprint, claim.owner, claim.on_expired,
-             int(entry.expires_at * 1000), kid, f"{kid} {rk}" if rk else "", orjson.dumps(fields)])
+             int(entry.expires_at * 1000), kid, f"{kid} {rk}" if rk else "", orjson.dumps(fields)],
+            claim)
         if reply[0] == b"stale":
             return ClaimResult(False, None, stale_epoch=int(reply[1]))
         if reply[0] == b"won":
