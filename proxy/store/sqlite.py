@@ -26,6 +26,8 @@ from .sqlite_runs import SQLiteRuns
 
 log = logging.getLogger("idemproxy.store")
 
+LOCK_RETRY_S = 0.0002  # how often the writer tries for a write lock another worker holds
+
 SCHEMA_VERSION = 2
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS journal (
@@ -125,6 +127,8 @@ class SQLiteStore(SQLiteRuns):
             writer = self._connect()
             if writer.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
                 _migrate(writer)
+            # The writer waits for the write lock itself (_begin), not by SQLite's busy handler
+            writer.execute("PRAGMA busy_timeout=0")
             self._reader = self._connect()
         except sqlite3.Error as exc:
             raise StoreUnavailable(f"cannot open {self.path}: {exc}") from exc
@@ -161,7 +165,7 @@ class SQLiteStore(SQLiteRuns):
     def _commit(self, conn: sqlite3.Connection, batch: list) -> None:
         results: list[tuple[Any, BaseException | None]] = []
         try:
-            conn.execute("BEGIN IMMEDIATE")
+            self._begin(conn)
             for op in batch:
                 with self._handover:
                     op.taken = not op.abandoned
@@ -186,6 +190,26 @@ class SQLiteStore(SQLiteRuns):
             results = [(None, failure)] * len(batch)
         for op, (value, exc) in zip(batch, results):
             self._loop.call_soon_threadsafe(_settle, op.future, value, exc)
+
+    def _begin(self, conn: sqlite3.Connection) -> None:
+        """Take the write lock, which another worker on the same file may hold.
+
+        SQLite's busy handler sleeps 1, 2, 5, 10 ... 100 ms between tries: with two workers
+        writing, each would often sleep through several of the other's commits (measured:
+        two workers recorded less than one, with a p99 over a second). Trying every
+        ``LOCK_RETRY_S`` instead takes the lock about as soon as it is free.
+        """
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) and "busy" not in str(exc):
+                    raise
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(LOCK_RETRY_S)
 
     async def _write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
         if self._writer is None:
