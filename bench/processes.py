@@ -130,10 +130,14 @@ class Processes:
         return self.start("provider", [sys.executable, str(BENCH / "provider.py"), "--port", str(port)],
                           port, lambda s: http("GET", s.url + "/_calls", timeout=1)[0] == 200)
 
-    def baseline(self, upstream: str) -> Server:
+    def baseline(self, upstream: str, processes: int = 1) -> Server:
         port = free_port()
-        return self.start("baseline", [sys.executable, str(BENCH / "baseline.py"), "--port", str(port),
-                                       "--upstream", upstream], port, _listening)
+        server = self.start(f"baseline-p{processes}", [
+            sys.executable, str(BENCH / "baseline.py"), "--port", str(port), "--upstream", upstream,
+            "--processes", str(processes)], port, _listening)
+        if processes > 1:
+            time.sleep(1.0)  # one process answered; give the others their start
+        return server
 
     def idemproxy(self, name: str, upstream: str, store_url: str, workers: int) -> Server:
         port = free_port()

@@ -79,12 +79,18 @@ def _compare(row: dict, by: dict[tuple, dict]) -> None:
         if target is not None:
             checks.append({"what": "p50 delta @1 ms", "value": row["p50_delta_ms"], "target": f"<= {target}",
                            "ok": row["p50_delta_ms"] <= target})
+    if scenario == "baseline" and workers > 1 and base.get("rps_c32") and row.get("rps_c32"):
+        row["ratio"] = round(row["rps_c32"] / base["rps_c32"], 3)  # the plain proxy's own gain
     one = by.get((store, 1, scenario), {})
-    if workers > 1 and one.get("rps_c32") and row.get("rps_c32") is not None:
+    if workers > 1 and scenario != "baseline" and one.get("rps_c32") and row.get("rps_c32") is not None:
         row["vs_one_worker"] = round(row["rps_c32"] / one["rps_c32"], 3)
         target = round(WORKERS_GAIN * workers, 2)
-        checks.append({"what": "x one worker @32", "value": row["vs_one_worker"], "target": f">= {target}",
-                       "ok": row["vs_one_worker"] >= target})
+        check = {"what": "x one worker @32", "value": row["vs_one_worker"], "target": f">= {target}",
+                 "ok": row["vs_one_worker"] >= target}
+        plain = by.get((store, workers, "baseline"), {})
+        if plain.get("ratio"):  # what N processes of the plain proxy gained on this machine
+            check["plain_proxy_gain"] = plain["ratio"]
+        checks.append(check)
     plain = by.get((store, workers, scenario.removeprefix("run-")), {})
     if scenario.startswith("run-") and plain.get("rps_c32") and row.get("rps_c32") is not None:
         row["vs_without_run"] = round(row["rps_c32"] / plain["rps_c32"], 3)
@@ -109,8 +115,10 @@ def markdown(rows: list[dict], meta: dict, errors: dict[str, str] | None = None)
         "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|",
     ]
     for r in rows:
-        targets = "; ".join(f"{c['what']} {c['target']}: {c['value']:g} {'ok' if c['ok'] else 'MISSED'}"
-                            for c in r["checks"])
+        targets = "; ".join(
+            f"{c['what']} {c['target']}: {c['value']:g} {'ok' if c['ok'] else 'MISSED'}"
+            + (f" (the plain proxy as {r['workers']} processes: {c['plain_proxy_gain']:g})"
+               if "plain_proxy_gain" in c else "") for c in r["checks"])
         if r["problems"]:
             targets = "; ".join(filter(None, [targets, "!! " + "; ".join(r["problems"])]))
         lines.append(
@@ -123,8 +131,9 @@ def markdown(rows: list[dict], meta: dict, errors: dict[str, str] | None = None)
     lines.append("Latencies in milliseconds. × baseline: throughput at 32 connections over the baseline's "
                  "(the mean of its runs just before and just after the same store's rows). CPU µs/req: CPU "
                  "time of the proxy measured (all its processes) per request. Δp50: p50 at 1 connection "
-                 "minus the baseline's. !! marks figures to distrust: errors, wrong upstream call counts, "
-                 "a busy machine, a drifting baseline.")
+                 "minus the baseline's. A baseline row with workers N: the plain proxy as N processes, "
+                 "× its one process: what this machine gives N processes. !! marks figures to distrust: "
+                 "errors, wrong upstream call counts, a busy machine, a drifting baseline.")
     for store, error in (errors or {}).items():
         lines.append(f"\n**{store} not measured:** {error.splitlines()[0] if error else ''}")
     return "\n".join(lines)

@@ -226,6 +226,12 @@ def run_store(bench: Bench, store: str, baseline: Server, results: list[dict]) -
     for connections in (LOW, HIGH):  # a baseline next to each store's figures
         results.append(bench.measure(store, 0, baseline, SCENARIOS["baseline"], connections))
     for workers in a.workers:
+        if workers > 1:  # the yardstick: a plain proxy as N processes on this machine
+            plain = bench.procs.baseline(bench.provider.url, workers)
+            try:
+                results.append(bench.measure(store, workers, plain, SCENARIOS["baseline"], HIGH))
+            finally:
+                bench.procs.stop(plain)
         url, drop = make_store(store, bench.procs.workdir, a.postgres_url, a.redis_url)
         server = None
         try:

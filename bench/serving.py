@@ -24,11 +24,12 @@ def run(main: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
         return runner.run(main())
 
 
-async def serve_until_signalled(app: web.Application, port: int) -> None:
-    """Serve ``app`` on 127.0.0.1:``port`` until SIGTERM or SIGINT."""
+async def serve_until_signalled(app: web.Application, port: int, reuse_port: bool = False) -> None:
+    """Serve ``app`` on 127.0.0.1:``port`` until SIGTERM or SIGINT (``reuse_port``: with
+    other processes on the same port, as ``idemproxy serve --workers N`` does)."""
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port, backlog=1024).start()
+    await web.TCPSite(runner, "127.0.0.1", port, backlog=1024, reuse_port=reuse_port).start()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
