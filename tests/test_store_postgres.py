@@ -102,6 +102,20 @@ async def test_a_waiter_is_woken_by_notify_from_another_instance(open_pg):
     assert (await waiter_store.get(kid)).state == COMPLETE
 
 
+async def test_records_committed_together_wake_every_waiter(open_pg):
+    """One notification names all the kids a batch of completes recorded."""
+    waiter_store, writer = await open_pg(), await open_pg()
+    waiter_store.poll_s = 30.0
+    claims = [claim_of(f"k{i}", owner=f"o{i}") for i in range(150)]  # more than one payload's worth
+    await asyncio.gather(*(writer.claim(c) for c in claims))
+    waiters = [asyncio.create_task(waiter_store.wait(c.scope.kid, 20.0)) for c in claims]
+    await asyncio.sleep(0.1)
+    changed = time.monotonic()
+    assert all(await asyncio.gather(*(writer.complete(c.scope.kid, c.owner, REPLY) for c in claims)))
+    await asyncio.wait_for(asyncio.gather(*waiters), 5.0)
+    assert time.monotonic() - changed < 2.0
+
+
 async def test_the_listener_comes_back_when_its_connection_is_killed(schema, open_pg):
     waiter_store, writer = await open_pg(), await open_pg()
     waiter_store.poll_s = 30.0

@@ -249,8 +249,9 @@ class PostgresStore(PostgresRuns):
                     conn.terminate()
                     conn = None
 
-    def _on_notify(self, _conn: Any, _pid: int, _channel: str, kid: str) -> None:
-        self._wake(kid)
+    def _on_notify(self, _conn: Any, _pid: int, _channel: str, kids: str) -> None:
+        for kid in kids.split(" "):  # a batch of records tells its kids in one notification
+            self._wake(kid)
 
     @property
     def poll_s(self) -> float:

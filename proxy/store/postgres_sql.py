@@ -152,9 +152,12 @@ WITH done AS (
     FROM unnest($1::text[], $2::text[], $3::int[], $4::text[], $5::bytea[], $6::bool[], $7::text[])
         AS u(kid, owner, status, headers, body, streamed, timing)
     WHERE j.kid = u.kid AND j.owner = u.owner AND j.state = '{IN_FLIGHT}'
-    RETURNING j.kid, u.owner, pg_notify($9, j.kid)),
-dropped AS (DELETE FROM partials WHERE kid = ANY($1::text[]))
-SELECT kid, owner FROM done"""
+    RETURNING j.kid, u.owner),
+dropped AS (DELETE FROM partials WHERE kid = ANY($1::text[])),
+-- one notification per hundred kids, not one each (a payload holds 8000 bytes)
+told AS (SELECT pg_notify($9, string_agg(kid, ' ')) FROM (
+    SELECT kid, (row_number() OVER ()) / 100 AS chunk FROM done) AS d GROUP BY chunk)
+SELECT kid, owner FROM done WHERE (SELECT count(*) FROM told) >= 0  -- (which sends them)"""
 
 # $1 kid, $2 owner, $3 channel
 RELEASE = """
