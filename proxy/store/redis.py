@@ -145,7 +145,10 @@ class RedisStore:
         self.url, self.prefix = split_url(url)
         self.timeout = timeout
         self.durability = "unknown until the store is opened"
-        self.claim_reads = True  # the claim script returns a taken key's entry
+        # The claim script answers a taken key with its entry, but a replay costs 12 µs more
+        # through it than through the read script, and a record saves only 8 µs (measured):
+        # replays are what a restarted run is made of, so the proxy reads first.
+        self.claim_reads = False
         self._channel = self.prefix + "changed"
         self._client: redis_asyncio.Redis | None = None
         self._scripts: dict[str, Any] = {}
