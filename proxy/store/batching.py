@@ -31,12 +31,6 @@ Result = TypeVar("Result")
 AGAIN_S = 1.0  # GiveBack releases once more this long after the first release went through
 
 
-def _consume(future: asyncio.Future) -> None:
-    """A caller that timed out no longer reads its result; do not warn about it."""
-    if not future.cancelled():
-        future.exception()
-
-
 class Batches(Generic[Item, Result]):
     """Run ``send(items) -> results`` (one result per item, in order) over queued items.
 
@@ -64,17 +58,16 @@ class Batches(Generic[Item, Result]):
 
     async def __call__(self, item: Item) -> Result:
         future = asyncio.get_running_loop().create_future()
-        future.add_done_callback(_consume)
         self._queued.append((item, future))
         if self._sender is None or self._sender.done():
             self._sender = asyncio.create_task(self._drain(), name=f"idemproxy-batch-{self.what}")
         try:
             async with asyncio.timeout(self.timeout):
-                return await asyncio.shield(future)
+                # A caller that leaves (timeout, cancel) cancels the future: the mark that it
+                # is gone, which the sender reads; a result or error is never left unread.
+                return await future
         except TimeoutError:
             raise StoreUnavailable(f"{self.what}: no answer within {self.timeout}s") from None
-        finally:
-            future.cancel()  # no-op once answered; unanswered, it marks the caller as gone
 
     async def flushed(self) -> None:
         """Return once everything queued so far has been sent (for a clean close)."""
