@@ -143,6 +143,21 @@ class Run:
     restart_times: list[float] = field(default_factory=list)
 
 
+# What set_run_state may set besides the state (the supervisor's bookkeeping)
+SETTABLE_RUN_FIELDS = frozenset({"next_restart_at", "restarts", "ended_at"})
+
+
+def check_settable(fields: dict[str, Any]) -> None:
+    """Refuse to set_run_state anything but SETTABLE_RUN_FIELDS."""
+    if set(fields) - SETTABLE_RUN_FIELDS:
+        raise ValueError(f"cannot set {set(fields) - SETTABLE_RUN_FIELDS}")
+
+
+def remembered(history: list[dict[str, Any]], event: dict[str, Any]) -> list[dict[str, Any]]:
+    """``history`` with ``event`` added, keeping the last HISTORY_LIMIT events."""
+    return (history + [event])[-HISTORY_LIMIT:]
+
+
 def advance_attempt(run: Run, now: float, reason: str, restart: bool, window_s: float | None) -> None:
     """Move ``run`` to its next attempt, in memory: the one rule every backend stores.
 
@@ -154,7 +169,7 @@ def advance_attempt(run: Run, now: float, reason: str, restart: bool, window_s: 
     run.restarts += int(restart)
     run.state = RESTARTING if restart else RUNNING
     run.started_at = run.last_seen = now
-    run.history = (run.history + [{"at": now, "epoch": run.epoch, "event": reason}])[-HISTORY_LIMIT:]
+    run.history = remembered(run.history, {"at": now, "epoch": run.epoch, "event": reason})
     if window_s is not None:
         run.restart_times = [t for t in run.restart_times if t > now - window_s] + [now]
 

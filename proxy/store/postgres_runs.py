@@ -11,7 +11,7 @@ from typing import Any
 import asyncpg
 
 from . import postgres_sql as sql
-from .base import ENDED, HISTORY_LIMIT, Run, advance_attempt
+from .base import ENDED, HISTORY_LIMIT, Run, advance_attempt, check_settable, remembered
 
 
 def _run(row: asyncpg.Record) -> Run:
@@ -72,7 +72,7 @@ class PostgresRuns:
             run = await self._locked_run(c, namespace, run_id)
             if run is None or run.state in ENDED or (epoch is not None and run.epoch > epoch):
                 return run
-            run.history = (run.history + [{"at": now, "epoch": run.epoch, "event": state}])[-HISTORY_LIMIT:]
+            run.history = remembered(run.history, {"at": now, "epoch": run.epoch, "event": state})
             run.state, run.ended_at = state, now
             await c.execute(sql.END_RUN, state, now, run.history, namespace, run_id)
             return run
@@ -96,15 +96,13 @@ class PostgresRuns:
 
     async def set_run_state(self, namespace: str, run_id: str, state: str | None, now: float,
                             event: dict[str, Any] | None = None, **fields: Any) -> None:
-        allowed = {"next_restart_at", "restarts", "ended_at"}
-        if set(fields) - allowed:
-            raise ValueError(f"cannot set {set(fields) - allowed}")
+        check_settable(fields)
 
         async def op(c: asyncpg.Connection) -> None:
             run = await self._locked_run(c, namespace, run_id)
             if run is None:
                 return
-            history = (run.history + [{"at": now, **event}])[-HISTORY_LIMIT:] if event else run.history
+            history = remembered(run.history, {"at": now, **event}) if event else run.history
             sets = "".join(f", {name} = ${i}" for i, name in enumerate(fields, start=5))
             await c.execute(f"UPDATE runs SET state = coalesce($1, state), history = $2{sets} "
                             "WHERE tenant = $3 AND run_id = $4", state, history, namespace, run_id,

@@ -42,7 +42,8 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from ..config import mask_url
 from .base import (COMPLETE, HISTORY_LIMIT, RESTARTING, RUN_STATES, RUNNING, UNKNOWN,
-                   UNRECORDABLE, Claim, ClaimResult, Entry, Recorded, Run, StoreUnavailable, Waiters)
+                   UNRECORDABLE, Claim, ClaimResult, Entry, Recorded, Run, StoreUnavailable, Waiters,
+                   check_settable)
 from .batching import Batches, GiveBack
 from .redis_scripts import ENTRY_FIELDS, READ_FIELDS, SCRIPTS
 
@@ -564,9 +565,7 @@ class RedisStore:
 
     async def set_run_state(self, namespace: str, run_id: str, state: str | None, now: float,
                             event: dict[str, Any] | None = None, **fields: Any) -> None:
-        allowed = {"next_restart_at", "restarts", "ended_at"}
-        if set(fields) - allowed:
-            raise ValueError(f"cannot set {set(fields) - allowed}")
+        check_settable(fields)
         changes = {k: None if v is None else str(v) for k, v in fields.items()}
         if state is not None:
             changes["state"] = state

@@ -11,7 +11,8 @@ from typing import Any
 
 import orjson
 
-from .base import ENDED, HISTORY_LIMIT, RESTARTING, RUNNING, Run, advance_attempt
+from .base import (ENDED, HISTORY_LIMIT, RESTARTING, RUNNING, Run, advance_attempt, check_settable,
+                   remembered)
 
 RUN_COLUMNS = ("tenant, run_id, state, epoch, restarts, last_seen, started_at, timeout_s, grace_s, "
                "max_restarts, hook, metadata, created_at, ended_at, next_restart_at, history, restart_times")
@@ -25,6 +26,13 @@ def _run(row: sqlite3.Row) -> Run:
     return Run(*values)
 
 
+def _run_in(c: sqlite3.Connection, namespace: str, run_id: str) -> Run | None:
+    """The run as the write transaction on ``c`` sees it; None if there is none."""
+    row = c.execute(f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = ? AND run_id = ?",
+                    (namespace, run_id)).fetchone()
+    return None if row is None else _run(row)
+
+
 class SQLiteRuns:
     async def upsert_run(self, run: Run) -> Run:
         def op(c):
@@ -36,8 +44,7 @@ class SQLiteRuns:
                  run.started_at, run.timeout_s, run.grace_s, run.max_restarts, run.hook,
                  orjson.dumps(run.metadata), run.created_at, run.ended_at, run.next_restart_at,
                  orjson.dumps(run.history[-HISTORY_LIMIT:]), orjson.dumps(run.restart_times)))
-            return _run(c.execute(f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = ? AND run_id = ?",
-                                  (run.namespace, run.run_id)).fetchone())
+            return _run_in(c, run.namespace, run.run_id)
         return await self._write(op)
 
     async def get_run(self, namespace: str | None, run_id: str) -> list[Run]:
@@ -91,22 +98,18 @@ class SQLiteRuns:
                       f"state = CASE WHEN state = '{RESTARTING}' THEN '{RUNNING}' ELSE state END "
                       "WHERE tenant = ? AND run_id = ? AND (? IS NULL OR epoch <= ?)",
                       (now, namespace, run_id, epoch, epoch))
-            row = c.execute(f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = ? AND run_id = ?",
-                            (namespace, run_id)).fetchone()
-            return None if row is None else _run(row)
+            return _run_in(c, namespace, run_id)
         return await self._write(op)
 
     async def end_run(self, namespace: str, run_id: str, state: str, now: float,
                       epoch: int | None = None) -> Run | None:
         def op(c):
-            row = c.execute(f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = ? AND run_id = ?",
-                            (namespace, run_id)).fetchone()
-            if row is None:
+            run = _run_in(c, namespace, run_id)
+            if run is None:
                 return None
-            run = _run(row)
             if run.state in ENDED or (epoch is not None and run.epoch > epoch):
                 return run
-            run.history = (run.history + [{"at": now, "epoch": run.epoch, "event": state}])[-HISTORY_LIMIT:]
+            run.history = remembered(run.history, {"at": now, "epoch": run.epoch, "event": state})
             c.execute("UPDATE runs SET state = ?, ended_at = ?, history = ? WHERE tenant = ? AND run_id = ?",
                       (state, now, orjson.dumps(run.history), namespace, run_id))
             run.state, run.ended_at = state, now
@@ -116,11 +119,9 @@ class SQLiteRuns:
     async def new_attempt(self, namespace: str, run_id: str, expected_epoch: int | None, now: float,
                           reason: str, restart: bool, window_s: float | None = None) -> Run | None:
         def op(c):
-            row = c.execute(f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = ? AND run_id = ?",
-                            (namespace, run_id)).fetchone()
-            if row is None:
+            run = _run_in(c, namespace, run_id)
+            if run is None:
                 return None
-            run = _run(row)
             if run.state in ENDED or (expected_epoch is not None and run.epoch != expected_epoch):
                 return None
             advance_attempt(run, now, reason, restart, window_s)
@@ -139,9 +140,7 @@ class SQLiteRuns:
 
     async def set_run_state(self, namespace: str, run_id: str, state: str | None, now: float,
                             event: dict[str, Any] | None = None, **fields: Any) -> None:
-        allowed = {"next_restart_at", "restarts", "ended_at"}
-        if set(fields) - allowed:
-            raise ValueError(f"cannot set {set(fields) - allowed}")
+        check_settable(fields)
 
         def op(c):
             row = c.execute("SELECT history FROM runs WHERE tenant = ? AND run_id = ?",
@@ -150,7 +149,7 @@ class SQLiteRuns:
                 return
             history = orjson.loads(row[0] or b"[]")
             if event:
-                history = (history + [{"at": now, **event}])[-HISTORY_LIMIT:]
+                history = remembered(history, {"at": now, **event})
             sets = ", ".join(f"{k} = ?" for k in fields)
             c.execute(f"UPDATE runs SET state = coalesce(?, state), history = ?{', ' + sets if sets else ''} "
                       "WHERE tenant = ? AND run_id = ?",
