@@ -146,7 +146,7 @@ class PostgresStore(PostgresRuns):
         self._pool: asyncpg.Pool | None = None
         self._listener: asyncio.Task | None = None
         self._waiters = Waiters(POLL_S)
-        self._kept: dict[str, asyncpg.Connection] = {}  # one per kind of batch; see _batch
+        self._kept: dict[str, asyncpg.Connection] = {}  # one per kind of batch; see _use
         self._gets = Batches("postgres get", self._get_many, timeout)
         self._claims = Batches("postgres claim", self._claim_many, timeout, self._claim_unanswered)
         self._give_back = GiveBack(self.release)
@@ -273,47 +273,42 @@ class PostgresStore(PostgresRuns):
     def _wake_all(self) -> None:
         self._waiters.wake_all()
 
-    async def _use(self, what: str, work: Callable[[asyncpg.Connection], Awaitable[Any]]) -> Any:
-        """Run ``work`` on a pooled connection, bounded by the timeout, errors translated."""
-        pool = self._pool
-        if pool is None:
-            raise StoreUnavailable("store is closed")
-        with _translated(what, self.timeout):
-            async with asyncio.timeout(self.timeout):
-                async with pool.acquire() as conn:
-                    try:
-                        return await work(conn)
-                    except BaseException as exc:
-                        # Cut short by the timeout, or the link failed: drop the connection.
-                        # Released politely it would wait for the server to confirm the cancel
-                        # (a second timeout), or go back to the pool half-dead for the next user.
-                        if isinstance(exc, asyncio.CancelledError) or _unreachable(exc):
-                            conn.terminate()
-                        raise
+    async def _use(self, what: str, work: Callable[[asyncpg.Connection], Awaitable[Any]],
+                   keep: bool = False) -> Any:
+        """Run ``work`` on a pooled connection, bounded by the timeout, errors translated.
 
-    async def _batch(self, what: str, query: str, *args: Any) -> list[asyncpg.Record]:
-        """Run a batch's statement on the connection kept for batches of its kind.
-
-        Each kind has one batch in flight at a time, so one connection serves it; taking
-        one from the pool and giving it back costs ~37 µs of CPU, as much as the statement,
-        for every batch. A connection that failed or was cut short is dropped, as in _use.
+        With ``keep``, the connection stays out of the pool for the next call of the same
+        ``what``: each kind of batch has one in flight at a time, and taking a connection
+        from the pool and giving it back costs ~37 µs of CPU, as much as the statement.
         """
         pool = self._pool
         if pool is None:
             raise StoreUnavailable("store is closed")
         with _translated(what, self.timeout):
             async with asyncio.timeout(self.timeout):
-                conn = self._kept.get(what)
-                if conn is None:
-                    conn = self._kept[what] = await pool.acquire()
+                conn = (self._kept.pop(what, None) if keep else None) or await pool.acquire()
+                usable = True
                 try:
-                    return await conn.fetch(query, *args)
+                    return await work(conn)
                 except BaseException as exc:
+                    # Cut short by the timeout, or the link failed: drop the connection.
+                    # Released politely it would wait for the server to confirm the cancel
+                    # (a second timeout), or go back to the pool half-dead for the next user.
+                    # (Unusable first: asyncpg may have detached a lost link from us already,
+                    # and terminate() then raises.)
                     if isinstance(exc, asyncio.CancelledError) or _unreachable(exc):
-                        del self._kept[what]
+                        usable = False
                         conn.terminate()
-                        await pool.release(conn)
                     raise
+                finally:
+                    if keep and usable:
+                        self._kept[what] = conn
+                    else:
+                        await pool.release(conn)
+
+    async def _batch(self, what: str, query: str, *args: Any) -> list[asyncpg.Record]:
+        """A batch's statement, on the connection kept for batches of its kind."""
+        return await self._use(what, lambda c: c.fetch(query, *args), keep=True)
 
     async def _tx(self, what: str, work: Callable[[asyncpg.Connection], Awaitable[Any]]) -> Any:
         async def in_transaction(conn: asyncpg.Connection) -> Any:
