@@ -1,27 +1,16 @@
 """What every benchmark process shares: the event loop it runs on, and serving one app.
 
-Every process runs on uvloop where it is installed, as ``idemproxy serve`` does, so the
-benchmark compares request paths, not event loops.
+Every process runs on ``idemproxy serve``'s own runner (uvloop where it is installed),
+so the benchmark compares request paths, not event loops.
 """
 
 from __future__ import annotations
 
-import asyncio
-import signal
-from typing import Any, Callable, Coroutine
-
 from aiohttp import web
 
+from idemproxy.proxy.server import run, until_signalled  # idemproxy serve's own loop and stop
 
-def run(main: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
-    """Run ``main()`` on uvloop where it is installed, else on asyncio's loop."""
-    try:
-        import uvloop
-        factory = uvloop.new_event_loop
-    except ImportError:
-        factory = None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(main())
+__all__ = ["run", "serve_until_signalled"]
 
 
 async def serve_until_signalled(app: web.Application, port: int, reuse_port: bool = False) -> None:
@@ -30,8 +19,5 @@ async def serve_until_signalled(app: web.Application, port: int, reuse_port: boo
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port, backlog=1024, reuse_port=reuse_port).start()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await until_signalled()
     await runner.cleanup()
