@@ -117,7 +117,7 @@ async def _every(interval: float, work: Callable[[], Awaitable[object]]) -> None
 
 
 async def _purge(store: Store) -> None:
-    n = await store.purge(time.time())
+    n = await store.journal.purge(time.time())
     if n:
         log.info("purged %d expired journal entries", n)
 
@@ -166,7 +166,7 @@ async def _count_runs(app: web.Application) -> None:
         return
     m.runs_counted_at = now
     try:
-        counts = await asyncio.wait_for(app[STORE].count_runs(), app[SETTINGS].store.timeout)
+        counts = await asyncio.wait_for(app[STORE].runs.count(), app[SETTINGS].store.timeout)
     except (StoreUnavailable, asyncio.TimeoutError) as exc:  # the other metrics still answer
         log.warning("runs not counted for /metrics: %s", exc)
         return

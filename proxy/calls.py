@@ -173,26 +173,26 @@ class Call:
                         await asyncio.gather(flusher, return_exceptions=True)
         except Exception as exc:
             if never_sent(exc):
-                await store.release(self.kid, self.owner)
+                await store.journal.release(self.kid, self.owner)
                 return CallResult("released", ("upstream-unavailable", f"cannot connect to {self.upstream.name}"))
             slug = "upstream-timeout" if is_timeout(exc) else "upstream-unavailable"
             return await self._ambiguous(store, slug, f"{type(exc).__name__} talking to {self.upstream.name}")
 
         fate = outcome(self.status)
         if fate == "release":
-            await store.release(self.kid, self.owner)
+            await store.journal.release(self.kid, self.owner)
             return self._release_held("released")
         if fate == "ambiguous":
             result = await self._ambiguous(store, None, f"upstream answered {self.status}")
             self._release_held(result.fate)
             return result
         if too_large:
-            await store.mark_unrecordable(self.kid, self.owner, f"response over {self.max_record_bytes} bytes")
+            await store.journal.mark_unrecordable(self.kid, self.owner, f"response over {self.max_record_bytes} bytes")
             return self._release_held("unrecordable")
         record = Recorded(self.status, storable_headers(self.headers, self.upstream), bytes(recorded),
                           self.streamed, timing if self.streamed else [])
         try:
-            kept = await store.complete(self.kid, self.owner, record)
+            kept = await store.journal.complete(self.kid, self.owner, record)
         except StoreUnavailable as exc:
             # Rule 1: the agent never sees an answer the journal does not hold.
             log.error("could not record %s: %s", self.kid[:12], exc)
@@ -214,10 +214,10 @@ class Call:
     async def _ambiguous(self, store: Store, slug: str | None, detail: str) -> CallResult:
         """The upstream may have acted: retry releases the key, quarantine keeps it unknown."""
         if ambiguous_policy(self.upstream) == "quarantine":
-            await store.quarantine(self.kid, self.owner, detail)
+            await store.journal.quarantine(self.kid, self.owner, detail)
             fate = "quarantined"
         else:
-            await store.release(self.kid, self.owner)
+            await store.journal.release(self.kid, self.owner)
             fate = "ambiguous"
         return CallResult(fate, (slug, detail) if slug else None)
 
@@ -225,7 +225,7 @@ class Call:
         """Copy the stream to the store as it passes, so another proxy can join it."""
         seq, sent = 0, 0
         try:
-            await store.append_partial(self.kid, self.owner, 0, orjson.dumps(
+            await store.journal.append_partial(self.kid, self.owner, 0, orjson.dumps(
                 {"status": self.status, "headers": storable_headers(self.headers, self.upstream)}))
             while not done.is_set():
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -234,6 +234,6 @@ class Call:
                     seq += 1
                     data = b"".join(self.chunks[sent:])
                     sent = len(self.chunks)
-                    await store.append_partial(self.kid, self.owner, seq, data)
+                    await store.journal.append_partial(self.kid, self.owner, seq, data)
         except StoreUnavailable as exc:
             log.warning("stream %s not shared with other proxies: %s", self.kid[:12], exc)

@@ -23,7 +23,7 @@ from .problems import Problem
 from .replay import STREAM, cut_short, join_remote, listen, send_record, server_timing, start_stream
 from .routing import Route, parse_route, upstream_url
 from .store import Store, StoreUnavailable
-from .store.base import COMPLETE, IN_FLIGHT, UNKNOWN, UNRECORDABLE, Claim, Entry, Run, Scope
+from .store.base import Claim, Entry, EntryState, Run, Scope
 
 log = logging.getLogger("idemproxy.proxy")
 
@@ -148,7 +148,7 @@ class Proxy:
         key = (ident.namespace, ident.run, ident.epoch)
         shared = self._epoch_reads.get(key)
         if shared is None:
-            shared = self._epoch_reads[key] = asyncio.ensure_future(self.store.observe_epoch(
+            shared = self._epoch_reads[key] = asyncio.ensure_future(self.store.runs.observe_epoch(
                 ident.namespace, ident.run, ident.epoch, defaults, time.time()))
             shared.add_done_callback(lambda _: self._epoch_reads.pop(key, None))
         return await asyncio.shield(shared)
@@ -191,7 +191,7 @@ class Proxy:
         if ident.key is not None:
             scope = Scope.of_key(tenant, ident.run, upstream.name, ident.key)
         elif ident.run is not None:
-            n = await self.store.next_occurrence(ident.namespace, ident.run, ident.epoch, fp,
+            n = await self.store.journal.next_occurrence(ident.namespace, ident.run, ident.epoch, fp,
                                                  self.settings.store.retention)
             scope = Scope(tenant, ident.run, upstream.name, f"derived:{fp}:{n}")
         else:  # `Idem-Policy: record` with neither key nor run: the request is its own key
@@ -213,12 +213,12 @@ class Proxy:
                 request[OUTCOME] = "joined"
                 return await listen(request, call, started, replayed=True)
             # a store whose claim answers a taken key with its entry is asked that alone
-            entry = None if self.store.claim_reads else await self.store.get(kid)
-            if entry is None or (entry.state == IN_FLIGHT and entry.lease_until < time.time()):
+            entry = None if self.store.journal.claim_reads else await self.store.journal.get(kid)
+            if entry is None or (entry.state == EntryState.IN_FLIGHT and entry.lease_until < time.time()):
                 claim = Claim(scope, fp, os.urandom(16).hex(), self.settings.store.lease,
                               self.settings.store.retention, request.method, route.path, ident.epoch,
                               self.on_ambiguous[upstream.name], ident.namespace)
-                result = await self.store.claim(claim)
+                result = await self.store.journal.claim(claim)
                 if result.stale_epoch is not None:
                     raise Problem("stale-epoch", f"run {ident.run} is at epoch {result.stale_epoch}",
                                   epoch=result.stale_epoch)
@@ -233,15 +233,15 @@ class Proxy:
             if entry.fingerprint != fp:
                 raise Problem("key-reused", "this Idempotency-Key was first used with a different "
                               "request (method, path or body)")
-            if entry.state == COMPLETE:
+            if entry.state == EntryState.COMPLETE:
                 request[OUTCOME] = "replayed"
                 self.replays[kid] = self.replays.get(kid, 0) + 1
                 self.metrics.saved(upstream, kid, entry.response)
                 return await send_record(request, entry.response, started, paced)
-            if entry.state == UNKNOWN:
+            if entry.state == EntryState.UNKNOWN:
                 raise Problem("outcome-unknown", "the first call's outcome is unknown (" +
                               (entry.detail or "ambiguous") + "); an operator must resolve the key")
-            if entry.state == UNRECORDABLE:
+            if entry.state == EntryState.UNRECORDABLE:
                 raise Problem("not-replayable", entry.detail or "the response was too large to record")
             joined = await join_remote(request, self.store, kid, started)
             if joined is not None:
@@ -251,7 +251,7 @@ class Proxy:
             if remaining <= 0:
                 raise Problem("in-flight", "the first request with this key has not finished",
                               headers={"Retry-After": "1"})
-            await self.store.wait(kid, remaining)
+            await self.store.journal.wait(kid, remaining)
 
     @staticmethod
     async def _until_joinable(call: Call, deadline: float) -> None:
@@ -295,7 +295,7 @@ class Proxy:
             await asyncio.sleep(interval)
             for call in list(self.calls.values()):
                 try:
-                    if not await self.store.renew(call.kid, call.owner, self.settings.store.lease):
+                    if not await self.store.journal.renew(call.kid, call.owner, self.settings.store.lease):
                         log.warning("lost the lease on %s", call.kid[:12])
                 except StoreUnavailable as exc:
                     log.warning("lease renewal failed: %s", exc)
@@ -305,7 +305,7 @@ class Proxy:
     async def flush_replay_counts(self) -> None:
         if self.replays:
             counts, self.replays = self.replays, {}
-            await self.store.count_replays(counts)
+            await self.store.journal.count_replays(counts)
 
     async def drain(self, timeout: float) -> None:
         """On shutdown: let recorded calls in flight finish and record."""

@@ -26,7 +26,7 @@ class Heartbeats:
             return
         beats, self._pending = self._pending, {}
         try:
-            await self._store.touch(beats)
+            await self._store.runs.touch(beats)
         except StoreUnavailable as exc:
             log.warning("heartbeats for %d run(s) not written: %s", len(beats), exc)
             for key, at in beats.items():  # keep the newest for the next flush

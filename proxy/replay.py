@@ -11,7 +11,7 @@ from aiohttp import web
 from .calls import Call
 from .problems import Problem
 from .store import Store
-from .store.base import COMPLETE, IN_FLIGHT, Entry, Recorded
+from .store.base import Entry, EntryState, Recorded
 
 REPLAYED = "Idempotent-Replayed"
 STREAM = web.RequestKey("stream", web.StreamResponse)  # the answer, once its head is sent
@@ -98,7 +98,7 @@ async def join_remote(request: web.Request, store: Store, kid: str,
     Returns None when the entry is no longer in flight before the stream began (the
     caller then looks at it afresh).
     """
-    head = await store.read_partial(kid, -1)
+    head = await store.journal.read_partial(kid, -1)
     if not head or head[0][0] != 0:
         return None
     meta = orjson.loads(head[0][1])
@@ -109,14 +109,14 @@ async def join_remote(request: web.Request, store: Store, kid: str,
         await resp.write(data)
         seq, sent = s, sent + len(data)
     while True:
-        entry: Entry | None = await store.get(kid)
-        if entry is not None and entry.state == COMPLETE and entry.response is not None:
+        entry: Entry | None = await store.journal.get(kid)
+        if entry is not None and entry.state == EntryState.COMPLETE and entry.response is not None:
             await resp.write(entry.response.body[sent:])
             await resp.write_eof()
             return resp
-        if entry is None or entry.state != IN_FLIGHT or entry.lease_until < time.time():
+        if entry is None or entry.state != EntryState.IN_FLIGHT or entry.lease_until < time.time():
             return cut_short(request)  # the stream broke upstream, or its proxy died
-        for s, data in await store.read_partial(kid, seq):
+        for s, data in await store.journal.read_partial(kid, seq):
             await resp.write(data)
             seq, sent = s, sent + len(data)
-        await store.wait(kid, 1.0)
+        await store.journal.wait(kid, 1.0)

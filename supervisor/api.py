@@ -59,8 +59,7 @@ from ..proxy.forward import NEVER_STORED, NOT_FORWARDED, storable_headers
 from ..proxy.identity import parse_epoch, parse_run
 from ..proxy.problems import Problem
 from ..proxy.store import Store, StoreUnavailable
-from ..proxy.store.base import (COMPLETED, ENDED, FAILED, RUN_STATES, RUNNING, UNKNOWN, Entry, Recorded,
-                                Run)
+from ..proxy.store.base import ENDED, RUN_STATES, Entry, EntryState, Recorded, Run, RunState
 from .hooks import Hooks
 from .loop import restart_run
 
@@ -119,7 +118,7 @@ def run_json(run: Run, proxy_url: str, *, history: bool = False) -> dict[str, An
 async def runs_listing(store: Store, runs: list[Run], proxy_url: str) -> dict[str, Any]:
     """``GET /admin/runs`` and ``idemproxy runs list --json``: each run with its number of
     journal entries as ``steps`` (``GET /admin/runs/{id}`` lists them)."""
-    steps = await store.count_steps([(r.namespace, r.run_id) for r in runs])
+    steps = await store.journal.count_steps([(r.namespace, r.run_id) for r in runs])
     return {"runs": [{**run_json(r, proxy_url, history=True), "steps": steps.get((r.namespace, r.run_id), 0)}
                      for r in runs]}
 
@@ -203,7 +202,7 @@ async def _body(request: web.Request) -> dict[str, Any]:
 
 
 async def _own_run(request: web.Request) -> Run:
-    runs = await request.app[STORE].get_run(_namespace(request), _run_id(request))
+    runs = await request.app[STORE].runs.find(_namespace(request), _run_id(request))
     if not runs:
         raise _no_such_run(request)
     return runs[0]
@@ -216,7 +215,7 @@ def _no_such_run(request: web.Request) -> Problem:
 async def _any_run(request: web.Request) -> Run:
     """The run an operator names: ``?namespace=`` picks one where the id is in several."""
     run_id = _run_id(request)
-    runs = await request.app[STORE].get_run(request.query.get("namespace"), run_id)
+    runs = await request.app[STORE].runs.find(request.query.get("namespace"), run_id)
     if not runs:
         raise Problem("not-found", f"no run {run_id!r}")
     if len(runs) > 1:
@@ -289,7 +288,7 @@ def run_options(body: dict[str, Any], settings: Settings) -> dict[str, Any]:
 def new_run(namespace: str, run_id: str, settings: Settings, now: float) -> Run:
     """A run at epoch 0 with the configured ``[runs]`` defaults."""
     d = settings.runs
-    return Run(namespace, run_id, state=RUNNING, epoch=0, last_seen=now, started_at=now,
+    return Run(namespace, run_id, state=RunState.RUNNING, epoch=0, last_seen=now, started_at=now,
                timeout_s=d.timeout_s, grace_s=d.grace_s, max_restarts=d.max_restarts, hook=d.hook,
                created_at=now)
 
@@ -297,7 +296,7 @@ def new_run(namespace: str, run_id: str, settings: Settings, now: float) -> Run:
 async def _end(request: web.Request, namespace: str, run_id: str, state: str,
                epoch: int | None = None) -> Run:
     """End the run as ``state``, atomically fenced by ``epoch``; idempotent."""
-    ended = await request.app[STORE].end_run(namespace, run_id, state, time.time(), epoch)
+    ended = await request.app[STORE].runs.end(namespace, run_id, state, time.time(), epoch)
     if ended is None:
         raise _no_such_run(request)
     _not_superseded(ended, epoch)
@@ -313,11 +312,11 @@ async def register_run(request: web.Request) -> web.Response:
     store, settings = request.app[STORE], request.app[SETTINGS]
     namespace, run_id = _namespace(request), _run_id(request)
     options = run_options(await _body(request), settings)
-    existing = await store.get_run(namespace, run_id)
+    existing = await store.runs.find(namespace, run_id)
     run = existing[0] if existing else new_run(namespace, run_id, settings, time.time())
     for name, value in options.items():
         setattr(run, name, value)
-    return _answer(request, await store.upsert_run(run), 200 if existing else 201)
+    return _answer(request, await store.runs.upsert(run), 200 if existing else 201)
 
 
 @_endpoint()
@@ -329,7 +328,7 @@ async def show_run(request: web.Request) -> web.Response:
 async def heartbeat(request: web.Request) -> web.Response:
     namespace, run_id = _namespace(request), _run_id(request)
     epoch = await _attempt_epoch(request)
-    run = await request.app[STORE].heartbeat(namespace, run_id, time.time(), epoch)
+    run = await request.app[STORE].runs.heartbeat(namespace, run_id, time.time(), epoch)
     if run is None:
         raise _no_such_run(request)
     _not_superseded(run, epoch)
@@ -339,24 +338,24 @@ async def heartbeat(request: web.Request) -> web.Response:
 @_endpoint()
 async def complete(request: web.Request) -> web.Response:
     namespace, run_id = _namespace(request), _run_id(request)
-    return _answer(request, await _end(request, namespace, run_id, COMPLETED, await _attempt_epoch(request)))
+    return _answer(request, await _end(request, namespace, run_id, RunState.COMPLETED, await _attempt_epoch(request)))
 
 
 @_endpoint()
 async def fail(request: web.Request) -> web.Response:
     namespace, run_id = _namespace(request), _run_id(request)
-    return _answer(request, await _end(request, namespace, run_id, FAILED, await _attempt_epoch(request)))
+    return _answer(request, await _end(request, namespace, run_id, RunState.FAILED, await _attempt_epoch(request)))
 
 
 @_endpoint()
 async def new_attempt(request: web.Request) -> web.Response:
     store = request.app[STORE]
     namespace, run_id = _namespace(request), _run_id(request)
-    runs = await store.get_run(namespace, run_id)
+    runs = await store.runs.find(namespace, run_id)
     if not runs:
-        run = await store.upsert_run(new_run(namespace, run_id, request.app[SETTINGS], time.time()))
+        run = await store.runs.upsert(new_run(namespace, run_id, request.app[SETTINGS], time.time()))
         return _answer(request, run, 201)
-    run = await store.new_attempt(namespace, run_id, None, time.time(), "attempt", restart=False)
+    run = await store.runs.new_attempt(namespace, run_id, None, time.time(), "attempt", restart=False)
     if run is None:
         raise Problem("run-ended", f"run {run_id} has ended ({runs[0].state}); start a new run",
                       state=runs[0].state)
@@ -377,7 +376,7 @@ async def admin_list(request: web.Request) -> web.Response:
     if not 1 <= limit <= 10000:
         raise Problem("invalid-request", "limit must be an integer from 1 to 10000")
     store = request.app[STORE]
-    return _json(await runs_listing(store, await store.list_runs(state, limit), _proxy_url(request)))
+    return _json(await runs_listing(store, await store.runs.list(state, limit), _proxy_url(request)))
 
 
 @_endpoint(admin=True)
@@ -385,11 +384,11 @@ async def admin_show(request: web.Request) -> web.Response:
     store = request.app[STORE]
     run = await _any_run(request)
     body = run_json(run, _proxy_url(request), history=True)
-    entries = await store.journal(run.namespace, run.run_id)
+    entries = await store.journal.entries(run.namespace, run.run_id)
     body["steps"] = [step_json(e) for e in entries]
     if request.query.get("bodies") in ("1", "true", "yes"):
         for step in body["steps"]:
-            full = await store.get(step["kid"])
+            full = await store.journal.get(step["kid"])
             if full is not None and full.response is not None:
                 step["headers"] = full.response.headers
                 step["body_base64"] = base64.b64encode(full.response.body).decode()
@@ -413,13 +412,13 @@ async def admin_restart(request: web.Request) -> web.Response:
 @_endpoint(admin=True)
 async def admin_complete(request: web.Request) -> web.Response:
     run = await _any_run(request)
-    return _answer(request, await _end(request, run.namespace, run.run_id, COMPLETED), history=True)
+    return _answer(request, await _end(request, run.namespace, run.run_id, RunState.COMPLETED), history=True)
 
 
 @_endpoint(admin=True)
 async def admin_delete_journal(request: web.Request) -> web.Response:
     run = await _any_run(request)
-    deleted = await request.app[STORE].delete_journal(run.namespace, run.run_id)
+    deleted = await request.app[STORE].journal.delete_run(run.namespace, run.run_id)
     return _json({"deleted": deleted, "namespace": run.namespace, "run_id": run.run_id})
 
 
@@ -435,13 +434,13 @@ async def resolve_quarantined(store: Store, settings: Settings, kid: str, record
     """Settle an outcome-unknown entry with the operator's decision (see :func:`resolution`).
     The answer's headers are kept as the proxy keeps an upstream's: no hop-by-hop or framing
     headers, no cookies, none of its upstream's ``redact_headers``."""
-    entry = await store.get(kid)
+    entry = await store.journal.get(kid)
     if entry is None:
         raise Problem("not-found", f"no journal entry {kid}")
-    if entry.state == UNKNOWN:
+    if entry.state == EntryState.UNKNOWN:
         if recorded is not None:
             recorded.headers = _storable(recorded.headers, settings.upstreams.get(entry.upstream))
-        if await store.resolve(kid, recorded):
+        if await store.journal.resolve(kid, recorded):
             return entry
     raise Problem("not-quarantined", f"entry {kid} is {entry.state}, not quarantined", state=entry.state)
 
@@ -486,7 +485,7 @@ def resolution(body: dict[str, Any]) -> Recorded | None:
 
 @_endpoint(admin=True)
 async def admin_purge(request: web.Request) -> web.Response:
-    return _json({"purged": await request.app[STORE].purge(time.time())})
+    return _json({"purged": await request.app[STORE].journal.purge(time.time())})
 
 
 @_endpoint(admin=True)

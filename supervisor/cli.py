@@ -21,7 +21,7 @@ from ..proxy.config import Settings
 from ..proxy.problems import Problem
 from ..proxy.server import run
 from ..proxy.store import Store
-from ..proxy.store.base import COMPLETED, ENDED, RUN_STATES, Run
+from ..proxy.store.base import ENDED, RUN_STATES, Run, RunState
 from .api import resolution, resolve_quarantined, run_json, runs_listing, step_json
 from .hooks import Hooks
 from .loop import Supervisor, restart_run
@@ -109,7 +109,7 @@ def cmd_supervise(settings: Settings, args=None) -> int:
 
 def cmd_runs_list(settings: Settings, args) -> int:
     async def work(store: Store) -> int:
-        runs = await store.list_runs(args.state, args.limit)
+        runs = await store.runs.list(args.state, args.limit)
         if args.json:
             _print_json(await runs_listing(store, runs, settings.proxy_url))
             return 0
@@ -125,7 +125,7 @@ def cmd_runs_show(settings: Settings, args) -> int:
     async def work(store: Store) -> int:
         found = await _find(store, args)
         body = run_json(found, settings.proxy_url, history=True)
-        body["steps"] = [step_json(e) for e in await store.journal(found.namespace, found.run_id)]
+        body["steps"] = [step_json(e) for e in await store.journal.entries(found.namespace, found.run_id)]
         if args.json:
             _print_json(body)
         else:
@@ -156,8 +156,8 @@ def cmd_runs_restart(settings: Settings, args) -> int:
 def cmd_runs_complete(settings: Settings, args) -> int:
     async def work(store: Store) -> int:
         found = await _find(store, args)
-        ended = await store.end_run(found.namespace, found.run_id, COMPLETED, time.time())
-        if ended is None or ended.state != COMPLETED:
+        ended = await store.runs.end(found.namespace, found.run_id, RunState.COMPLETED, time.time())
+        if ended is None or ended.state != RunState.COMPLETED:
             raise Problem("run-ended", f"run {found.run_id} already ended as "
                           f"{ended.state if ended else 'unknown'}")
         return _report(args, run_json(ended, settings.proxy_url, history=True),
@@ -166,7 +166,7 @@ def cmd_runs_complete(settings: Settings, args) -> int:
 
 
 async def _find(store: Store, args) -> Run:
-    runs = await store.get_run(args.namespace, args.run_id)
+    runs = await store.runs.find(args.namespace, args.run_id)
     if not runs:
         raise Problem("not-found", f"no run {args.run_id!r}")
     if len(runs) > 1:

@@ -227,7 +227,7 @@ class Hooks:
 
     async def _record(self, call: HookCall, event: dict) -> None:
         try:
-            await self._store.set_run_state(call.namespace, call.run_id, None, time.time(), event)
+            await self._store.runs.set_state(call.namespace, call.run_id, None, time.time(), event)
         except StoreUnavailable as exc:
             log.warning("could not record %s for run %s: %s", event["event"], call.run_id, exc)
 

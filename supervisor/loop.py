@@ -30,7 +30,7 @@ from aiohttp import web
 from ..proxy.config import Settings
 from ..proxy.metrics import Metrics
 from ..proxy.store import Store, StoreUnavailable
-from ..proxy.store.base import DEAD, Run
+from ..proxy.store.base import Run, RunState
 from .hooks import HookCall, Hooks
 
 log = logging.getLogger("idemproxy.supervisor")
@@ -48,7 +48,7 @@ async def restart_run(store: Store, hooks: Hooks, run: Run, proxy_url: str, *, r
     the restart towards ``max_restarts`` (the supervisor's restarts do; an operator's do not).
     """
     now = time.time() if now is None else now
-    new = await store.new_attempt(run.namespace, run.run_id, expected_epoch, now, reason, restart=True,
+    new = await store.runs.new_attempt(run.namespace, run.run_id, expected_epoch, now, reason, restart=True,
                                   window_s=window_s)
     if new is None:
         return None
@@ -88,7 +88,7 @@ class Supervisor:
         """One pass: what was done, as (run_id, action) pairs."""
         now = time.time() if now is None else now
         done = []
-        for run in await self.store.silent_runs(now):
+        for run in await self.store.runs.silent(now):
             action = await self._handle_silent(run, now)
             if action:
                 done.append((run.run_id, action))
@@ -103,7 +103,7 @@ class Supervisor:
             return await self._bury(run, now, f"{len(restarts)} restarts within {window:g}s")
         delay = self.backoff(len(restarts))
         if delay and run.next_restart_at <= max(restarts):  # not yet scheduled since the last one
-            await self.store.set_run_state(run.namespace, run.run_id, None, now,
+            await self.store.runs.set_state(run.namespace, run.run_id, None, now,
                                            {"event": "backoff", "epoch": run.epoch, "delay_s": delay},
                                            next_restart_at=now + delay)
             return "backoff"
@@ -124,17 +124,17 @@ class Supervisor:
 
     async def _bury(self, run: Run, now: float, why: str) -> str | None:
         # Fenced by the epoch found silent: an attempt started meanwhile is not buried.
-        ended = await self.store.end_run(run.namespace, run.run_id, DEAD, now, epoch=run.epoch)
+        ended = await self.store.runs.end(run.namespace, run.run_id, RunState.DEAD, now, epoch=run.epoch)
         # end_run is idempotent: the run carries our ``now`` only if this call ended it,
         # so among several supervisors exactly one fires on_dead.
-        if ended is None or ended.state != DEAD or ended.ended_at != now:
+        if ended is None or ended.state != RunState.DEAD or ended.ended_at != now:
             return None
         log.warning("run %s/%s is dead: %s", run.namespace, run.run_id, why)
-        await self.store.set_run_state(run.namespace, run.run_id, None, now,
+        await self.store.runs.set_state(run.namespace, run.run_id, None, now,
                                        {"event": "why-dead", "epoch": run.epoch, "detail": why})
         on_dead = self.settings.runs.on_dead
         if on_dead:
-            await self.hooks.fire(on_dead, HookCall(DEAD, run.namespace, run.run_id, run.epoch,
+            await self.hooks.fire(on_dead, HookCall(RunState.DEAD, run.namespace, run.run_id, run.epoch,
                                                     run.restarts, self.settings.proxy_url))
         return "dead"
 

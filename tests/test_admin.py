@@ -234,7 +234,7 @@ async def test_a_resolved_answer_keeps_only_headers_fit_to_store(make_proxy, sto
         status, problem = await _call(http, "POST", resolve, headers=ADMIN, json={
             "action": "respond", "status": 200, "body": "{}", "headers": [[name, value]]})
         assert status == 400 and problem["type"] == PROBLEM + "invalid-body", (name, value)
-    assert (await proxy.store.get(kid)).state == "unknown"  # refused: nothing changed
+    assert (await proxy.store.journal.get(kid)).state == "unknown"  # refused: nothing changed
 
     status, _ = await _call(http, "POST", resolve, headers=ADMIN, json={
         "action": "respond", "status": 200, "body": '{"sent": true}',
@@ -242,7 +242,7 @@ async def test_a_resolved_answer_keeps_only_headers_fit_to_store(make_proxy, sto
                     ["Transfer-Encoding", "chunked"], ["Connection", "close"], ["Date", "yesterday"],
                     ["X-Secret", "s3"], ["X-Request-Id", "req\t7"]]})
     assert status == 200
-    stored = (await proxy.store.get(kid)).response
+    stored = (await proxy.store.journal.get(kid)).response
     assert stored.headers == [("Content-Type", "application/json"), ("X-Request-Id", "req\t7")]
     async with http.post(f"{proxy.url}/runs/q-headers/tools/send", json={"to": "bob"},
                          headers={"Idempotency-Key": "email-4"}) as resp:

@@ -8,8 +8,7 @@ import pytest
 from multidict import CIMultiDict
 
 from idemproxy.proxy.config import ConfigError, load_settings, mask_url
-from idemproxy.proxy.store.base import COMPLETE, Scope, Waiters
-
+from idemproxy.proxy.store.base import EntryState, Scope, Waiters
 from conftest import write_config
 from rawhttp import problem, raw_request
 
@@ -27,8 +26,8 @@ async def test_a_terminal_event_split_across_reads_waits_for_the_record(make_pro
         async for chunk in resp.content.iter_any():
             seen += chunk
             if b"[DONE]" in seen:  # the SDK stops here and the agent moves on
-                entry = await proxy.store.get(kid)
-                assert entry is not None and entry.state == COMPLETE
+                entry = await proxy.store.journal.get(kid)
+                assert entry is not None and entry.state == EntryState.COMPLETE
                 break
     assert b"[DONE]" in seen
 
@@ -82,7 +81,7 @@ async def test_an_answer_whose_claim_was_lost_is_withheld(make_proxy, sqlite_url
 
     pending = asyncio.create_task(call())
     await asyncio.sleep(0.25)
-    assert await proxy.store.delete_journal("default", "lost") == 1  # the claim vanishes mid-call
+    assert await proxy.store.journal.delete_run("default", "lost") == 1  # the claim vanishes mid-call
     status, body = await pending
     assert status == 409 and b"in-flight" in body
     async with http.post(proxy.url + "/runs/lost/epochs/0" + CHAT, json=BODY,
@@ -95,7 +94,7 @@ async def test_an_agent_key_cannot_pose_as_a_derived_key(make_proxy, sqlite_url,
     url = proxy.url + "/runs/pose/epochs/0" + CHAT
     async with http.post(url, json=BODY) as r:
         assert r.status == 200
-    (entry,) = await proxy.store.journal("default", "pose")
+    (entry,) = await proxy.store.journal.entries("default", "pose")
     async with http.post(url, json=BODY, headers={"Idempotency-Key": entry.key}) as r:
         assert r.headers["Idempotent-Replayed"] == "false"  # its own scope, not the derived entry
     assert provider.calls["chat"] == 2

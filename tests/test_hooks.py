@@ -41,7 +41,7 @@ async def hooks_on(tmp_path, sqlite_url):
         settings = load_settings(write_config(tmp_path / "hooks.toml", sections), env={})
         store = await open_store(settings)
         now = time.time()
-        await store.upsert_run(Run("default", "r1", epoch=3, restarts=2, last_seen=now,
+        await store.runs.upsert(Run("default", "r1", epoch=3, restarts=2, last_seen=now,
                                    started_at=now, created_at=now))
         made.append((Hooks(settings, store), store))
         return made[-1]
@@ -57,7 +57,7 @@ def _call(proxy_url: str = "http://proxy.test:8787", event: str = "restart") -> 
 
 
 async def _history(store) -> list[dict]:
-    return (await store.get_run("default", "r1"))[0].history
+    return (await store.runs.find("default", "r1"))[0].history
 
 
 async def test_command_hook_runs_detached_with_env_and_a_log_per_attempt(hooks_on, tmp_path, monkeypatch):

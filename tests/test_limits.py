@@ -106,5 +106,5 @@ async def test_expired_entries_run_as_new_and_are_purged(make_proxy, store_url, 
     while purged() < 2:  # the background task deleted the two expired entries
         assert time.monotonic() < deadline, f"expired entries were not purged: {caplog.text[-2000:]}"
         await asyncio.sleep(0.05)
-    assert await proxy.store.purge(time.time()) == 0  # nothing expired is left
+    assert await proxy.store.journal.purge(time.time()) == 0  # nothing expired is left
     assert sqlite_rows(store_url, "purged") in (0, None)  # gone from the file, not just hidden

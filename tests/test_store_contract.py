@@ -14,8 +14,7 @@ import pytest
 
 from idemproxy.proxy.config import StoreSettings
 from idemproxy.proxy.store import Store, make_store
-from idemproxy.proxy.store.base import (COMPLETE, COMPLETED, DEAD, FAILED, IN_FLIGHT, RESTARTING,
-                                        RUNNING, UNKNOWN, UNRECORDABLE, Claim, Recorded, Run, Scope)
+from idemproxy.proxy.store.base import (Claim, EntryState, Recorded, Run, RunState, Scope)
 
 TENANT = "tenant-a"  # whose credential made the call
 NS = "ns-a"  # whose runs these are: a run's journal spans its tenants
@@ -64,7 +63,7 @@ def new_run(run_id: str = "run-1", tenant: str = NS, **fields) -> Run:
 
 
 async def claimed(store: Store, sc: Scope, **kw) -> str:
-    result = await store.claim(claim_of(sc, **kw))
+    result = await store.journal.claim(claim_of(sc, **kw))
     assert result.won
     return result.entry.owner
 
@@ -89,14 +88,14 @@ async def test_secret_is_set_once_and_shared(store, open_store):
 
 async def test_first_claim_wins_and_the_next_one_sees_it(store):
     sc = scope()
-    first = await store.claim(claim_of(sc, owner="a"))
+    first = await store.journal.claim(claim_of(sc, owner="a"))
     assert first.won and first.stale_epoch is None
-    assert (first.entry.kid, first.entry.state, first.entry.owner) == (sc.kid, IN_FLIGHT, "a")
+    assert (first.entry.kid, first.entry.state, first.entry.owner) == (sc.kid, EntryState.IN_FLIGHT, "a")
     assert first.entry.lease_until > time.time() + 20
-    second = await store.claim(claim_of(sc, owner="b"))
+    second = await store.journal.claim(claim_of(sc, owner="b"))
     assert not second.won
-    assert (second.entry.owner, second.entry.fingerprint, second.entry.state) == ("a", "fp-1", IN_FLIGHT)
-    entry = await store.get(sc.kid)
+    assert (second.entry.owner, second.entry.fingerprint, second.entry.state) == ("a", "fp-1", EntryState.IN_FLIGHT)
+    entry = await store.journal.get(sc.kid)
     assert (entry.tenant, entry.run, entry.upstream, entry.key) == (TENANT, "run-1", "tools", "step-1")
     assert (entry.method, entry.path, entry.namespace, entry.response) == ("POST", "/charge", NS, None)
 
@@ -104,29 +103,29 @@ async def test_first_claim_wins_and_the_next_one_sees_it(store):
 async def test_a_lost_claim_carries_the_record_to_replay(store):
     sc = scope()
     owner = await claimed(store, sc)
-    await store.complete(sc.kid, owner, REPLY)
-    lost = await store.claim(claim_of(sc, owner="b"))
-    assert not lost.won and lost.entry.state == COMPLETE
+    await store.journal.complete(sc.kid, owner, REPLY)
+    lost = await store.journal.claim(claim_of(sc, owner="b"))
+    assert not lost.won and lost.entry.state == EntryState.COMPLETE
     assert (lost.entry.response.status, lost.entry.response.body) == (REPLY.status, REPLY.body)
 
 
 async def test_a_claim_with_another_fingerprint_keeps_the_first(store):
     sc = scope()
     await claimed(store, sc, fingerprint="fp-1")
-    other = await store.claim(claim_of(sc, owner="b", fingerprint="fp-2"))
+    other = await store.journal.claim(claim_of(sc, owner="b", fingerprint="fp-2"))
     assert not other.won and other.entry.fingerprint == "fp-1"
-    assert (await store.get(sc.kid)).fingerprint == "fp-1"
+    assert (await store.journal.get(sc.kid)).fingerprint == "fp-1"
 
 
 async def test_tenants_and_runs_never_share_an_entry(store):
     for sc in (scope(tenant="t1"), scope(tenant="t2"), scope(run=None), scope(run="run-2")):
-        assert (await store.claim(claim_of(sc))).won
+        assert (await store.journal.claim(claim_of(sc))).won
 
 
 async def test_concurrent_claims_across_instances_have_one_winner(store, open_store):
     other = await open_store()
     sc = scope("hot-key")
-    results = await asyncio.gather(*(s.claim(claim_of(sc, owner=f"o{i}"))
+    results = await asyncio.gather(*(s.journal.claim(claim_of(sc, owner=f"o{i}"))
                                      for i, s in enumerate([store, other] * 10)))
     winners = [r for r in results if r.won]
     assert len(winners) == 1
@@ -136,7 +135,7 @@ async def test_concurrent_claims_across_instances_have_one_winner(store, open_st
 async def test_claims_arriving_together_each_get_their_own_answer(store):
     """What one batch of claims can hold: new keys, one key twice, a key taken already,
     a fenced attempt and an expired lease to take over, each answered as if alone."""
-    await store.observe_epoch(NS, "run-1", 2, new_run(), time.time())
+    await store.runs.observe_epoch(NS, "run-1", 2, new_run(), time.time())
     await claimed(store, scope("taken"), owner="first")
     await claimed(store, scope("lapsed"), owner="dead", lease_s=0.01)
     await asyncio.sleep(0.05)
@@ -144,49 +143,49 @@ async def test_claims_arriving_together_each_get_their_own_answer(store):
     asks += [claim_of(scope("twice"), owner="t1"), claim_of(scope("twice"), owner="t2"),
              claim_of(scope("taken"), owner="late"), claim_of(scope("stale"), owner="z", epoch=1),
              claim_of(scope("current"), owner="c", epoch=2), claim_of(scope("lapsed"), owner="heir")]
-    results = await asyncio.gather(*(store.claim(ask) for ask in asks))
+    results = await asyncio.gather(*(store.journal.claim(ask) for ask in asks))
     by_owner = dict(zip((ask.owner for ask in asks), results))
     assert all(by_owner[f"n{i}"].won for i in range(5))
     assert sorted((by_owner["t1"].won, by_owner["t2"].won)) == [False, True]
     assert by_owner["t1"].entry.owner == by_owner["t2"].entry.owner
     assert (by_owner["late"].won, by_owner["late"].entry.owner) == (False, "first")
     assert (by_owner["z"].won, by_owner["z"].stale_epoch) == (False, 2)
-    assert await store.get(scope("stale").kid) is None
+    assert await store.journal.get(scope("stale").kid) is None
     assert by_owner["c"].won and by_owner["heir"].won
-    assert (await store.get(scope("lapsed").kid)).owner == "heir"
+    assert (await store.journal.get(scope("lapsed").kid)).owner == "heir"
 
 
 async def test_live_lease_is_not_taken_over(store):
     sc = scope()
     await claimed(store, sc, owner="a", lease_s=30)
-    assert not (await store.claim(claim_of(sc, owner="b", on_expired="retry"))).won
+    assert not (await store.journal.claim(claim_of(sc, owner="b", on_expired="retry"))).won
 
 
 async def test_expired_lease_is_taken_over_under_retry(store):
     sc = scope()
     await claimed(store, sc, owner="dead", lease_s=0.05)
     await asyncio.sleep(0.15)
-    takeover = await store.claim(claim_of(sc, owner="b", on_expired="retry"))
+    takeover = await store.journal.claim(claim_of(sc, owner="b", on_expired="retry"))
     assert takeover.won and takeover.entry.owner == "b"
-    assert not await store.complete(sc.kid, "dead", REPLY)  # the dead proxy's record is refused
-    assert await store.complete(sc.kid, "b", REPLY)
+    assert not await store.journal.complete(sc.kid, "dead", REPLY)  # the dead proxy's record is refused
+    assert await store.journal.complete(sc.kid, "b", REPLY)
 
 
 async def test_a_takeover_drops_the_partials_of_the_dead_call(store):
     sc = scope()
     await claimed(store, sc, owner="dead", lease_s=0.05)
-    await store.append_partial(sc.kid, "dead", 0, b'{"status": 200}')
-    await store.append_partial(sc.kid, "dead", 1, b"data: half")
+    await store.journal.append_partial(sc.kid, "dead", 0, b'{"status": 200}')
+    await store.journal.append_partial(sc.kid, "dead", 1, b"data: half")
     await asyncio.sleep(0.15)
-    assert (await store.claim(claim_of(sc, owner="b"))).won
-    assert await store.read_partial(sc.kid, -1) == []  # nobody joins the dead call's bytes
+    assert (await store.journal.claim(claim_of(sc, owner="b"))).won
+    assert await store.journal.read_partial(sc.kid, -1) == []  # nobody joins the dead call's bytes
 
 
 async def test_expired_lease_with_another_fingerprint_is_not_taken_over(store):
     sc = scope()
     await claimed(store, sc, owner="dead", lease_s=0.05, fingerprint="fp-1")
     await asyncio.sleep(0.15)
-    other = await store.claim(claim_of(sc, owner="b", fingerprint="fp-2"))
+    other = await store.journal.claim(claim_of(sc, owner="b", fingerprint="fp-2"))
     assert not other.won and other.entry.owner == "dead"
 
 
@@ -194,30 +193,30 @@ async def test_expired_lease_is_quarantined_under_quarantine(store):
     sc = scope()
     await claimed(store, sc, owner="dead", lease_s=0.05)
     await asyncio.sleep(0.15)
-    result = await store.claim(claim_of(sc, owner="b", on_expired="quarantine"))
+    result = await store.journal.claim(claim_of(sc, owner="b", on_expired="quarantine"))
     assert not result.won
-    assert (result.entry.state, result.entry.owner) == (UNKNOWN, None)
-    entry = await store.get(sc.kid)
-    assert entry.state == UNKNOWN and entry.detail
-    assert not await store.complete(sc.kid, "dead", REPLY)
-    assert not (await store.claim(claim_of(sc, owner="c", on_expired="retry"))).won
+    assert (result.entry.state, result.entry.owner) == (EntryState.UNKNOWN, None)
+    entry = await store.journal.get(sc.kid)
+    assert entry.state == EntryState.UNKNOWN and entry.detail
+    assert not await store.journal.complete(sc.kid, "dead", REPLY)
+    assert not (await store.journal.claim(claim_of(sc, owner="c", on_expired="retry"))).won
 
 
 async def test_claim_with_a_stale_epoch_is_refused(store):
-    await store.observe_epoch(NS, "run-1", 3, new_run(), time.time())
-    stale = await store.claim(claim_of(scope("a"), epoch=2))
+    await store.runs.observe_epoch(NS, "run-1", 3, new_run(), time.time())
+    stale = await store.journal.claim(claim_of(scope("a"), epoch=2))
     assert (stale.won, stale.entry, stale.stale_epoch) == (False, None, 3)
-    assert await store.get(scope("a").kid) is None
-    assert (await store.claim(claim_of(scope("a"), epoch=3))).won
-    assert (await store.claim(claim_of(scope("b"), epoch=None))).won  # no epoch: not fenced
-    assert (await store.claim(claim_of(scope("c", run="other-run"), epoch=0))).won  # unknown run
-    assert (await store.claim(claim_of(scope("d"), epoch=0, namespace="ns-b"))).won  # another namespace's
+    assert await store.journal.get(scope("a").kid) is None
+    assert (await store.journal.claim(claim_of(scope("a"), epoch=3))).won
+    assert (await store.journal.claim(claim_of(scope("b"), epoch=None))).won  # no epoch: not fenced
+    assert (await store.journal.claim(claim_of(scope("c", run="other-run"), epoch=0))).won  # unknown run
+    assert (await store.journal.claim(claim_of(scope("d"), epoch=0, namespace="ns-b"))).won  # another namespace's
 
 
 async def test_claim_is_fenced_by_a_new_attempt(store):
-    await store.observe_epoch(NS, "run-1", 0, new_run(), time.time())
-    assert await store.new_attempt(NS, "run-1", 0, time.time(), "restart", True)
-    assert (await store.claim(claim_of(scope(), epoch=0))).stale_epoch == 1
+    await store.runs.observe_epoch(NS, "run-1", 0, new_run(), time.time())
+    assert await store.runs.new_attempt(NS, "run-1", 0, time.time(), "restart", True)
+    assert (await store.journal.claim(claim_of(scope(), epoch=0))).stale_epoch == 1
 
 
 # -- outcomes ------------------------------------------------------------------------------
@@ -225,23 +224,23 @@ async def test_claim_is_fenced_by_a_new_attempt(store):
 async def test_only_the_owner_completes_and_the_record_reads_back(store):
     sc = scope()
     await claimed(store, sc, owner="a")
-    assert not await store.complete(sc.kid, "b", REPLY)
-    assert (await store.get(sc.kid)).state == IN_FLIGHT
-    assert await store.complete(sc.kid, "a", REPLY)
-    entry = await store.get(sc.kid)
-    assert (entry.state, entry.owner) == (COMPLETE, None)
+    assert not await store.journal.complete(sc.kid, "b", REPLY)
+    assert (await store.journal.get(sc.kid)).state == EntryState.IN_FLIGHT
+    assert await store.journal.complete(sc.kid, "a", REPLY)
+    entry = await store.journal.get(sc.kid)
+    assert (entry.state, entry.owner) == (EntryState.COMPLETE, None)
     assert entry.completed_at and entry.completed_at >= entry.created_at
     r = entry.response
     assert (r.status, r.headers, r.body, r.streamed, r.timing) == (
         REPLY.status, REPLY.headers, REPLY.body, True, REPLY.timing)
-    assert not await store.complete(sc.kid, "a", REPLY)  # once only
+    assert not await store.journal.complete(sc.kid, "a", REPLY)  # once only
 
 
 async def test_an_empty_body_reads_back_empty(store):
     sc = scope()
     owner = await claimed(store, sc)
-    assert await store.complete(sc.kid, owner, Recorded(204, [], b""))
-    r = (await store.get(sc.kid)).response
+    assert await store.journal.complete(sc.kid, owner, Recorded(204, [], b""))
+    r = (await store.journal.get(sc.kid)).response
     assert (r.status, r.headers, r.body, r.streamed, r.timing) == (204, [], b"", False, [])
 
 
@@ -249,81 +248,81 @@ async def test_concurrent_completes_all_record(store):
     scopes = [scope(f"k{i}") for i in range(30)]
     for sc in scopes:
         await claimed(store, sc, owner=f"o-{sc.key}")
-    kept = await asyncio.gather(*(store.complete(sc.kid, f"o-{sc.key}", Recorded(200, [], sc.key.encode()))
+    kept = await asyncio.gather(*(store.journal.complete(sc.kid, f"o-{sc.key}", Recorded(200, [], sc.key.encode()))
                                   for sc in scopes))
     assert kept == [True] * 30
     for sc in scopes:
-        assert (await store.get(sc.kid)).response.body == sc.key.encode()
+        assert (await store.journal.get(sc.kid)).response.body == sc.key.encode()
 
 
 async def test_renew_extends_only_the_owners_live_claim(store):
     sc = scope()
     await claimed(store, sc, owner="a", lease_s=1)
-    before = (await store.get(sc.kid)).lease_until
-    assert await store.renew(sc.kid, "a", 60)
-    assert (await store.get(sc.kid)).lease_until > before + 30
-    assert not await store.renew(sc.kid, "b", 60)
-    await store.complete(sc.kid, "a", REPLY)
-    assert not await store.renew(sc.kid, "a", 60)
+    before = (await store.journal.get(sc.kid)).lease_until
+    assert await store.journal.renew(sc.kid, "a", 60)
+    assert (await store.journal.get(sc.kid)).lease_until > before + 30
+    assert not await store.journal.renew(sc.kid, "b", 60)
+    await store.journal.complete(sc.kid, "a", REPLY)
+    assert not await store.journal.renew(sc.kid, "a", 60)
 
 
 async def test_release_frees_the_key(store):
     sc = scope()
     await claimed(store, sc, owner="a")
-    await store.release(sc.kid, "b")  # not the owner: nothing happens
-    assert (await store.get(sc.kid)).owner == "a"
-    await store.release(sc.kid, "a")
-    assert await store.get(sc.kid) is None
-    assert (await store.claim(claim_of(sc, owner="c"))).won
+    await store.journal.release(sc.kid, "b")  # not the owner: nothing happens
+    assert (await store.journal.get(sc.kid)).owner == "a"
+    await store.journal.release(sc.kid, "a")
+    assert await store.journal.get(sc.kid) is None
+    assert (await store.journal.claim(claim_of(sc, owner="c"))).won
 
 
 async def test_occurrences_count_per_run_epoch_and_fingerprint(store):
-    n = [await store.next_occurrence(NS, "run-1", 0, "fp", 3600) for _ in range(3)]
+    n = [await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600) for _ in range(3)]
     assert n == [0, 1, 2]
-    assert await store.next_occurrence(NS, "run-1", 1, "fp", 3600) == 0  # a new attempt
-    assert await store.next_occurrence(NS, "run-1", None, "fp", 3600) == 0
-    assert await store.next_occurrence(NS, "run-1", 0, "other", 3600) == 0
-    assert await store.next_occurrence("tenant-b", "run-1", 0, "fp", 3600) == 0
+    assert await store.journal.next_occurrence(NS, "run-1", 1, "fp", 3600) == 0  # a new attempt
+    assert await store.journal.next_occurrence(NS, "run-1", None, "fp", 3600) == 0
+    assert await store.journal.next_occurrence(NS, "run-1", 0, "other", 3600) == 0
+    assert await store.journal.next_occurrence("tenant-b", "run-1", 0, "fp", 3600) == 0
 
 
 async def test_release_gives_back_a_derived_occurrence(store):
-    assert await store.next_occurrence(NS, "run-1", 0, "fp", 3600) == 0
-    assert await store.next_occurrence(NS, "run-1", 0, "fp", 3600) == 1
+    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600) == 0
+    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600) == 1
     sc = scope("derived:fp:1")
     await claimed(store, sc, owner="a", fingerprint="fp", epoch=0)
-    await store.release(sc.kid, "a")
+    await store.journal.release(sc.kid, "a")
     # the retry of the released call maps onto the same slot
-    assert await store.next_occurrence(NS, "run-1", 0, "fp", 3600) == 1
+    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600) == 1
     # releasing an older slot gives nothing back: later calls already hold higher numbers
     sc0 = scope("derived:fp:0")
     await claimed(store, sc0, owner="a", fingerprint="fp", epoch=0)
-    await store.release(sc0.kid, "a")
-    assert await store.next_occurrence(NS, "run-1", 0, "fp", 3600) == 2
+    await store.journal.release(sc0.kid, "a")
+    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600) == 2
 
 
 async def test_quarantine_then_resolve_as_retry(store):
     sc = scope()
     await claimed(store, sc, owner="a")
-    await store.quarantine(sc.kid, "b", "not the owner")
-    assert (await store.get(sc.kid)).state == IN_FLIGHT
-    await store.quarantine(sc.kid, "a", "upstream answered 502")
-    entry = await store.get(sc.kid)
-    assert (entry.state, entry.owner, entry.detail) == (UNKNOWN, None, "upstream answered 502")
-    assert not (await store.claim(claim_of(sc, owner="c"))).won
-    assert await store.resolve(sc.kid, None)
-    assert await store.get(sc.kid) is None
-    assert not await store.resolve(sc.kid, None)
-    assert (await store.claim(claim_of(sc, owner="c"))).won
+    await store.journal.quarantine(sc.kid, "b", "not the owner")
+    assert (await store.journal.get(sc.kid)).state == EntryState.IN_FLIGHT
+    await store.journal.quarantine(sc.kid, "a", "upstream answered 502")
+    entry = await store.journal.get(sc.kid)
+    assert (entry.state, entry.owner, entry.detail) == (EntryState.UNKNOWN, None, "upstream answered 502")
+    assert not (await store.journal.claim(claim_of(sc, owner="c"))).won
+    assert await store.journal.resolve(sc.kid, None)
+    assert await store.journal.get(sc.kid) is None
+    assert not await store.journal.resolve(sc.kid, None)
+    assert (await store.journal.claim(claim_of(sc, owner="c"))).won
 
 
 async def test_resolve_with_a_response_to_replay(store):
     sc = scope()
     await claimed(store, sc, owner="a")
-    assert not await store.resolve(sc.kid, REPLY)  # only unknown keys are resolved
-    await store.quarantine(sc.kid, None, "operator says: unknown")
-    assert await store.resolve(sc.kid, Recorded(200, [("content-type", "text/plain")], b"sent"))
-    entry = await store.get(sc.kid)
-    assert entry.state == COMPLETE
+    assert not await store.journal.resolve(sc.kid, REPLY)  # only unknown keys are resolved
+    await store.journal.quarantine(sc.kid, None, "operator says: unknown")
+    assert await store.journal.resolve(sc.kid, Recorded(200, [("content-type", "text/plain")], b"sent"))
+    entry = await store.journal.get(sc.kid)
+    assert entry.state == EntryState.COMPLETE
     assert (entry.response.status, entry.response.body) == (200, b"sent")
     assert entry.response.headers == [("content-type", "text/plain")]
 
@@ -331,52 +330,52 @@ async def test_resolve_with_a_response_to_replay(store):
 async def test_unrecordable(store):
     sc = scope()
     await claimed(store, sc, owner="a")
-    await store.mark_unrecordable(sc.kid, "a", "response over 100 bytes")
-    entry = await store.get(sc.kid)
-    assert (entry.state, entry.detail, entry.owner) == (UNRECORDABLE, "response over 100 bytes", None)
-    assert not await store.complete(sc.kid, "a", REPLY)
+    await store.journal.mark_unrecordable(sc.kid, "a", "response over 100 bytes")
+    entry = await store.journal.get(sc.kid)
+    assert (entry.state, entry.detail, entry.owner) == (EntryState.UNRECORDABLE, "response over 100 bytes", None)
+    assert not await store.journal.complete(sc.kid, "a", REPLY)
 
 
 async def test_partials_are_kept_in_order_until_the_record(store):
     sc = scope()
     await claimed(store, sc, owner="a")
-    assert await store.read_partial(sc.kid, -1) == []
-    await store.append_partial(sc.kid, "a", 0, b'{"status": 200}')
-    await store.append_partial(sc.kid, "a", 1, b"data: one\n\n")
-    await store.append_partial(sc.kid, "a", 2, b"data: two\n\n")
-    await store.append_partial(sc.kid, "a", 1, b"a seq sent again is ignored")
-    assert await store.read_partial(sc.kid, -1) == [
+    assert await store.journal.read_partial(sc.kid, -1) == []
+    await store.journal.append_partial(sc.kid, "a", 0, b'{"status": 200}')
+    await store.journal.append_partial(sc.kid, "a", 1, b"data: one\n\n")
+    await store.journal.append_partial(sc.kid, "a", 2, b"data: two\n\n")
+    await store.journal.append_partial(sc.kid, "a", 1, b"a seq sent again is ignored")
+    assert await store.journal.read_partial(sc.kid, -1) == [
         (0, b'{"status": 200}'), (1, b"data: one\n\n"), (2, b"data: two\n\n")]
-    assert await store.read_partial(sc.kid, 1) == [(2, b"data: two\n\n")]
-    await store.complete(sc.kid, "a", REPLY)
-    assert await store.read_partial(sc.kid, -1) == []
+    assert await store.journal.read_partial(sc.kid, 1) == [(2, b"data: two\n\n")]
+    await store.journal.complete(sc.kid, "a", REPLY)
+    assert await store.journal.read_partial(sc.kid, -1) == []
 
 
 async def test_replays_are_counted(store):
     sc = scope()
     owner = await claimed(store, sc)
-    await store.complete(sc.kid, owner, REPLY)
-    await store.count_replays({sc.kid: 2})
-    await store.count_replays({sc.kid: 3, scope("no-such-key").kid: 1})
-    assert (await store.get(sc.kid)).replays == 5
+    await store.journal.complete(sc.kid, owner, REPLY)
+    await store.journal.count_replays({sc.kid: 2})
+    await store.journal.count_replays({sc.kid: 3, scope("no-such-key").kid: 1})
+    assert (await store.journal.get(sc.kid)).replays == 5
 
 
 # -- waiting -------------------------------------------------------------------------------
 
 async def _complete(store, sc, owner):
-    await store.complete(sc.kid, owner, REPLY)
+    await store.journal.complete(sc.kid, owner, REPLY)
 
 
 async def _release(store, sc, owner):
-    await store.release(sc.kid, owner)
+    await store.journal.release(sc.kid, owner)
 
 
 async def _quarantine(store, sc, owner):
-    await store.quarantine(sc.kid, owner, "502")
+    await store.journal.quarantine(sc.kid, owner, "502")
 
 
 async def _partial(store, sc, owner):
-    await store.append_partial(sc.kid, owner, 0, b"{}")
+    await store.journal.append_partial(sc.kid, owner, 0, b"{}")
 
 
 @pytest.mark.parametrize("change", [_complete, _release, _quarantine, _partial])
@@ -385,7 +384,7 @@ async def test_wait_wakes_when_the_entry_changes(store, open_store, change):
     sc = scope()
     owner = await claimed(writer, sc)
     started = time.monotonic()
-    waiter = asyncio.create_task(store.wait(sc.kid, 10.0))
+    waiter = asyncio.create_task(store.journal.wait(sc.kid, 10.0))
     await asyncio.sleep(0.05)
     changed = time.monotonic()
     await change(writer, sc, owner)
@@ -396,7 +395,7 @@ async def test_wait_wakes_when_the_entry_changes(store, open_store, change):
 
 async def test_wait_returns_by_its_timeout_when_nothing_changes(store):
     started = time.monotonic()
-    await store.wait(scope().kid, 0.2)
+    await store.journal.wait(scope().kid, 0.2)
     assert time.monotonic() - started < 1.0
 
 
@@ -406,246 +405,246 @@ async def test_expired_entries_run_as_new_and_are_purged(store):
     old = [scope(f"old-{i}") for i in range(5)]
     for sc in old:
         owner = await claimed(store, sc, retention_s=0.2)
-        await store.complete(sc.kid, owner, REPLY)
+        await store.journal.complete(sc.kid, owner, REPLY)
     keep = scope("keep")
     await claimed(store, keep)
     await asyncio.sleep(0.4)
-    assert await store.get(old[0].kid) is None  # expired: gone for readers at once
-    assert (await store.claim(claim_of(old[0], owner="new"))).won  # and runs as new
-    purged = await store.purge(time.time(), batch=2)  # batches are small; one call does all
+    assert await store.journal.get(old[0].kid) is None  # expired: gone for readers at once
+    assert (await store.journal.claim(claim_of(old[0], owner="new"))).won  # and runs as new
+    purged = await store.journal.purge(time.time(), batch=2)  # batches are small; one call does all
     assert isinstance(purged, int) and purged <= 4
-    listed = {e.key for e in await store.journal(NS, "run-1")}
+    listed = {e.key for e in await store.journal.entries(NS, "run-1")}
     assert listed == {"keep", "old-0"}
-    assert (await store.get(keep.kid)).state == IN_FLIGHT
+    assert (await store.journal.get(keep.kid)).state == EntryState.IN_FLIGHT
 
 
 async def test_expired_occurrence_counters_are_purged(store):
-    assert await store.next_occurrence(NS, "run-1", 0, "fp", 0.2) == 0
-    assert await store.next_occurrence(NS, "run-1", 0, "fp", 0.2) == 1
+    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 0.2) == 0
+    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 0.2) == 1
     await asyncio.sleep(0.4)
-    await store.purge(time.time())
-    assert await store.next_occurrence(NS, "run-1", 0, "fp", 3600) == 0
+    await store.journal.purge(time.time())
+    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600) == 0
 
 
 async def test_each_occurrence_extends_the_counters_retention(store):
-    assert await store.next_occurrence(NS, "run-1", 0, "fp", 0.4) == 0
+    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 0.4) == 0
     await asyncio.sleep(0.25)
-    assert await store.next_occurrence(NS, "run-1", 0, "fp", 0.4) == 1
+    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 0.4) == 1
     await asyncio.sleep(0.25)  # past the first call's retention, within the second's
-    await store.purge(time.time())
-    assert await store.next_occurrence(NS, "run-1", 0, "fp", 3600) == 2
+    await store.journal.purge(time.time())
+    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600) == 2
 
 
 async def test_journal_lists_a_runs_entries_without_bodies(store):
     first, second = scope("s1"), scope("s2")
     owner = await claimed(store, first)
-    await store.complete(first.kid, owner, REPLY)
+    await store.journal.complete(first.kid, owner, REPLY)
     await asyncio.sleep(0.01)
     await claimed(store, second)
     await asyncio.sleep(0.01)
     await claimed(store, scope("s3", tenant="tenant-b"))  # same run, another credential
     await claimed(store, scope("elsewhere", run="run-2"))
     await claimed(store, scope("s1", tenant="tenant-c"), namespace="ns-b")  # ns-b's run-1 is another run
-    entries = await store.journal(NS, "run-1")
+    entries = await store.journal.entries(NS, "run-1")
     assert [(e.key, e.tenant) for e in entries] == [("s1", TENANT), ("s2", TENANT), ("s3", "tenant-b")]
-    assert entries[0].state == COMPLETE and entries[0].response.status == REPLY.status
+    assert entries[0].state == EntryState.COMPLETE and entries[0].response.status == REPLY.status
     assert entries[0].response.body == b""  # metadata only
-    assert entries[1].state == IN_FLIGHT and entries[1].response is None
-    assert [e.key for e in await store.journal("ns-b", "run-1")] == ["s1"]
+    assert entries[1].state == EntryState.IN_FLIGHT and entries[1].response is None
+    assert [e.key for e in await store.journal.entries("ns-b", "run-1")] == ["s1"]
 
 
 async def test_delete_journal_removes_only_that_run(store):
-    await store.next_occurrence(NS, "run-1", 0, "fp", 3600)
+    await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600)
     for key in ("s1", "s2"):
         await claimed(store, scope(key))
     await claimed(store, scope("s3", tenant="tenant-b"))
     await claimed(store, scope("s1", run="run-2"))
     await claimed(store, scope("s1", tenant="tenant-c"), namespace="ns-b")
-    assert await store.delete_journal(NS, "run-1") == 3
-    assert await store.journal(NS, "run-1") == []
-    assert await store.get(scope("s1").kid) is None
-    assert len(await store.journal(NS, "run-2")) == 1
-    assert len(await store.journal("ns-b", "run-1")) == 1
-    assert await store.next_occurrence(NS, "run-1", 0, "fp", 3600) == 0  # numbering starts over
+    assert await store.journal.delete_run(NS, "run-1") == 3
+    assert await store.journal.entries(NS, "run-1") == []
+    assert await store.journal.get(scope("s1").kid) is None
+    assert len(await store.journal.entries(NS, "run-2")) == 1
+    assert len(await store.journal.entries("ns-b", "run-1")) == 1
+    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600) == 0  # numbering starts over
 
 
 # -- runs ----------------------------------------------------------------------------------
 
 async def test_upsert_get_and_list_runs(store):
-    made = await store.upsert_run(new_run("run-1"))
+    made = await store.runs.upsert(new_run("run-1"))
     assert (made.run_id, made.state, made.epoch, made.hook, made.metadata) == (
-        "run-1", RUNNING, 0, "agent", {"team": "billing"})
-    await store.new_attempt(NS, "run-1", 0, time.time(), "restart", True)
-    updated = await store.upsert_run(new_run("run-1", timeout_s=5.0, grace_s=1.0, max_restarts=2,
+        "run-1", RunState.RUNNING, 0, "agent", {"team": "billing"})
+    await store.runs.new_attempt(NS, "run-1", 0, time.time(), "restart", True)
+    updated = await store.runs.upsert(new_run("run-1", timeout_s=5.0, grace_s=1.0, max_restarts=2,
                                              hook=None, metadata={"team": "ops", "n": [1, 2]}))
     assert (updated.timeout_s, updated.grace_s, updated.max_restarts, updated.hook) == (5.0, 1.0, 2, None)
     assert updated.metadata == {"team": "ops", "n": [1, 2]}
-    assert (updated.epoch, updated.state) == (1, RESTARTING)  # upsert never resets the attempt
-    await store.upsert_run(new_run("run-1", tenant="ns-b"))
-    await store.upsert_run(new_run("run-2"))
-    await store.end_run(NS, "run-2", COMPLETED, time.time())
-    assert [(r.namespace, r.epoch) for r in await store.get_run(NS, "run-1")] == [(NS, 1)]
-    assert {r.namespace for r in await store.get_run(None, "run-1")} == {NS, "ns-b"}
-    assert await store.get_run(NS, "nope") == []
-    assert {r.run_id for r in await store.list_runs(COMPLETED)} == {"run-2"}
-    assert {(r.namespace, r.run_id) for r in await store.list_runs(RESTARTING)} == {(NS, "run-1")}
-    assert len(await store.list_runs()) == 3
-    assert len(await store.list_runs(limit=2)) == 2
+    assert (updated.epoch, updated.state) == (1, RunState.RESTARTING)  # upsert never resets the attempt
+    await store.runs.upsert(new_run("run-1", tenant="ns-b"))
+    await store.runs.upsert(new_run("run-2"))
+    await store.runs.end(NS, "run-2", RunState.COMPLETED, time.time())
+    assert [(r.namespace, r.epoch) for r in await store.runs.find(NS, "run-1")] == [(NS, 1)]
+    assert {r.namespace for r in await store.runs.find(None, "run-1")} == {NS, "ns-b"}
+    assert await store.runs.find(NS, "nope") == []
+    assert {r.run_id for r in await store.runs.list(RunState.COMPLETED)} == {"run-2"}
+    assert {(r.namespace, r.run_id) for r in await store.runs.list(RunState.RESTARTING)} == {(NS, "run-1")}
+    assert len(await store.runs.list()) == 3
+    assert len(await store.runs.list(limit=2)) == 2
 
 
 async def test_observe_epoch_creates_raises_and_never_lowers(store):
     now = time.time()
     defaults = new_run("ignored", timeout_s=7.0, hook="agent")
-    assert await store.observe_epoch(NS, "run-1", None, defaults, now) == 0
-    [run] = await store.get_run(NS, "run-1")
-    assert (run.state, run.epoch, run.timeout_s, run.hook) == (RUNNING, 0, 7.0, "agent")
-    assert await store.observe_epoch(NS, "run-1", 2, defaults, now + 1) == 2
-    assert await store.observe_epoch(NS, "run-1", 1, defaults, now + 2) == 2
-    assert await store.observe_epoch(NS, "run-1", None, defaults, now + 3) == 2
-    [run] = await store.get_run(NS, "run-1")
+    assert await store.runs.observe_epoch(NS, "run-1", None, defaults, now) == 0
+    [run] = await store.runs.find(NS, "run-1")
+    assert (run.state, run.epoch, run.timeout_s, run.hook) == (RunState.RUNNING, 0, 7.0, "agent")
+    assert await store.runs.observe_epoch(NS, "run-1", 2, defaults, now + 1) == 2
+    assert await store.runs.observe_epoch(NS, "run-1", 1, defaults, now + 2) == 2
+    assert await store.runs.observe_epoch(NS, "run-1", None, defaults, now + 3) == 2
+    [run] = await store.runs.find(NS, "run-1")
     assert run.epoch == 2 and run.started_at == pytest.approx(now + 1)
-    assert await store.observe_epoch(NS, "run-new", 4, defaults, now) == 4
+    assert await store.runs.observe_epoch(NS, "run-new", 4, defaults, now) == 4
 
 
 async def test_observe_epoch_concurrently_from_two_instances(store, open_store):
     other = await open_store()
     now = time.time()
     asked = [(store, 3), (other, 5), (store, 4), (other, 1)]
-    seen = await asyncio.gather(*(s.observe_epoch(NS, "run-1", e, new_run(), now) for s, e in asked))
+    seen = await asyncio.gather(*(s.runs.observe_epoch(NS, "run-1", e, new_run(), now) for s, e in asked))
     # Any order may win the race (epoch 1 first creates the run at 1), but no caller is
     # told less than it asked for, and the run ends at the highest.
     assert max(seen) == 5 and all(got >= e for got, (_, e) in zip(seen, asked))
-    assert (await store.get_run(NS, "run-1"))[0].epoch == 5
+    assert (await store.runs.find(NS, "run-1"))[0].epoch == 5
 
 
 async def test_touch_moves_last_seen_forward_only(store):
-    await store.upsert_run(new_run("run-1", last_seen=100.0))
-    await store.new_attempt(NS, "run-1", 0, 150.0, "restart", True)
-    await store.touch({(NS, "run-1"): 200.0, (NS, "no-such-run"): 200.0})
-    [run] = await store.get_run(NS, "run-1")
-    assert (run.last_seen, run.state) == (200.0, RUNNING)  # traffic means the restart took
-    await store.touch({(NS, "run-1"): 120.0})
-    assert (await store.get_run(NS, "run-1"))[0].last_seen == 200.0
-    await store.touch({})
+    await store.runs.upsert(new_run("run-1", last_seen=100.0))
+    await store.runs.new_attempt(NS, "run-1", 0, 150.0, "restart", True)
+    await store.runs.touch({(NS, "run-1"): 200.0, (NS, "no-such-run"): 200.0})
+    [run] = await store.runs.find(NS, "run-1")
+    assert (run.last_seen, run.state) == (200.0, RunState.RUNNING)  # traffic means the restart took
+    await store.runs.touch({(NS, "run-1"): 120.0})
+    assert (await store.runs.find(NS, "run-1"))[0].last_seen == 200.0
+    await store.runs.touch({})
 
 
 async def test_end_run_once(store):
-    await store.upsert_run(new_run("run-1"))
-    ended = await store.end_run(NS, "run-1", COMPLETED, 500.0)
-    assert (ended.state, ended.ended_at) == (COMPLETED, 500.0)
-    assert ended.history[-1]["event"] == COMPLETED
-    again = await store.end_run(NS, "run-1", FAILED, 600.0)
-    assert (again.state, again.ended_at) == (COMPLETED, 500.0)
-    [run] = await store.get_run(NS, "run-1")
-    assert (run.state, run.ended_at, len(run.history)) == (COMPLETED, 500.0, 1)
-    assert await store.end_run(NS, "no-such-run", COMPLETED, 1.0) is None
-    assert await store.new_attempt(NS, "run-1", None, 700.0, "restart", True) is None
+    await store.runs.upsert(new_run("run-1"))
+    ended = await store.runs.end(NS, "run-1", RunState.COMPLETED, 500.0)
+    assert (ended.state, ended.ended_at) == (RunState.COMPLETED, 500.0)
+    assert ended.history[-1]["event"] == RunState.COMPLETED
+    again = await store.runs.end(NS, "run-1", RunState.FAILED, 600.0)
+    assert (again.state, again.ended_at) == (RunState.COMPLETED, 500.0)
+    [run] = await store.runs.find(NS, "run-1")
+    assert (run.state, run.ended_at, len(run.history)) == (RunState.COMPLETED, 500.0, 1)
+    assert await store.runs.end(NS, "no-such-run", RunState.COMPLETED, 1.0) is None
+    assert await store.runs.new_attempt(NS, "run-1", None, 700.0, "restart", True) is None
 
 
 async def test_new_attempt_is_a_compare_and_set(store):
-    await store.upsert_run(new_run("run-1"))
-    first = await store.new_attempt(NS, "run-1", 0, 100.0, "silent for 60s", True)
+    await store.runs.upsert(new_run("run-1"))
+    first = await store.runs.new_attempt(NS, "run-1", 0, 100.0, "silent for 60s", True)
     assert (first.epoch, first.restarts, first.state, first.started_at, first.last_seen) == (
-        1, 1, RESTARTING, 100.0, 100.0)
+        1, 1, RunState.RESTARTING, 100.0, 100.0)
     assert first.history[-1] == {"at": 100.0, "epoch": 1, "event": "silent for 60s"}
-    assert await store.new_attempt(NS, "run-1", 0, 101.0, "late supervisor", True) is None
-    manual = await store.new_attempt(NS, "run-1", None, 102.0, "attempt", False)
-    assert (manual.epoch, manual.restarts, manual.state) == (2, 1, RUNNING)
-    [run] = await store.get_run(NS, "run-1")
+    assert await store.runs.new_attempt(NS, "run-1", 0, 101.0, "late supervisor", True) is None
+    manual = await store.runs.new_attempt(NS, "run-1", None, 102.0, "attempt", False)
+    assert (manual.epoch, manual.restarts, manual.state) == (2, 1, RunState.RUNNING)
+    [run] = await store.runs.find(NS, "run-1")
     assert (run.epoch, run.restarts, len(run.history)) == (2, 1, 2)
-    assert await store.new_attempt(NS, "no-such-run", None, 1.0, "x", True) is None
+    assert await store.runs.new_attempt(NS, "no-such-run", None, 1.0, "x", True) is None
 
 
 async def test_concurrent_new_attempts_have_one_winner(store, open_store):
     other = await open_store()
-    await store.upsert_run(new_run("run-1"))
-    results = await asyncio.gather(*(s.new_attempt(NS, "run-1", 0, time.time(), f"by {i}", True)
+    await store.runs.upsert(new_run("run-1"))
+    results = await asyncio.gather(*(s.runs.new_attempt(NS, "run-1", 0, time.time(), f"by {i}", True)
                                      for i, s in enumerate([store, other] * 4)))
     assert len([r for r in results if r is not None]) == 1
-    [run] = await store.get_run(NS, "run-1")
+    [run] = await store.runs.find(NS, "run-1")
     assert (run.epoch, run.restarts) == (1, 1)
 
 
 async def test_history_keeps_the_last_fifty_events(store):
-    await store.upsert_run(new_run("run-1"))
+    await store.runs.upsert(new_run("run-1"))
     for i in range(60):
-        assert await store.new_attempt(NS, "run-1", i, float(i), f"event {i}", False)
-    [run] = await store.get_run(NS, "run-1")
+        assert await store.runs.new_attempt(NS, "run-1", i, float(i), f"event {i}", False)
+    [run] = await store.runs.find(NS, "run-1")
     assert len(run.history) == 50
     assert (run.history[0]["event"], run.history[-1]["event"]) == ("event 10", "event 59")
 
 
 async def test_silent_runs_by_timeout_and_grace(store):
     now = time.time()
-    await store.upsert_run(new_run("silent", last_seen=now - 100, started_at=now - 100, timeout_s=60,
+    await store.runs.upsert(new_run("silent", last_seen=now - 100, started_at=now - 100, timeout_s=60,
                                    grace_s=30))
-    await store.upsert_run(new_run("alive", last_seen=now - 10, started_at=now - 100, timeout_s=60))
-    await store.upsert_run(new_run("in-grace", last_seen=now - 100, started_at=now - 10, timeout_s=60,
+    await store.runs.upsert(new_run("alive", last_seen=now - 10, started_at=now - 100, timeout_s=60))
+    await store.runs.upsert(new_run("in-grace", last_seen=now - 100, started_at=now - 10, timeout_s=60,
                                    grace_s=30))
-    await store.upsert_run(new_run("ended", last_seen=now - 100, started_at=now - 100))
-    await store.end_run(NS, "ended", FAILED, now)
-    await store.upsert_run(new_run("backing-off", last_seen=now - 100, started_at=now - 100))
-    await store.set_run_state(NS, "backing-off", RUNNING, now, next_restart_at=now + 30)
-    assert {r.run_id for r in await store.silent_runs(now)} == {"silent"}
-    assert {r.run_id for r in await store.silent_runs(now + 31)} == {"silent", "in-grace", "backing-off"}
+    await store.runs.upsert(new_run("ended", last_seen=now - 100, started_at=now - 100))
+    await store.runs.end(NS, "ended", RunState.FAILED, now)
+    await store.runs.upsert(new_run("backing-off", last_seen=now - 100, started_at=now - 100))
+    await store.runs.set_state(NS, "backing-off", RunState.RUNNING, now, next_restart_at=now + 30)
+    assert {r.run_id for r in await store.runs.silent(now)} == {"silent"}
+    assert {r.run_id for r in await store.runs.silent(now + 31)} == {"silent", "in-grace", "backing-off"}
 
 
 async def test_set_run_state(store):
-    await store.upsert_run(new_run("run-1"))
-    await store.set_run_state(NS, "run-1", DEAD, 300.0, event={"event": "dead", "restarts": 6},
+    await store.runs.upsert(new_run("run-1"))
+    await store.runs.set_state(NS, "run-1", RunState.DEAD, 300.0, event={"event": "dead", "restarts": 6},
                               ended_at=300.0, restarts=6)
-    [run] = await store.get_run(NS, "run-1")
-    assert (run.state, run.ended_at, run.restarts) == (DEAD, 300.0, 6)
+    [run] = await store.runs.find(NS, "run-1")
+    assert (run.state, run.ended_at, run.restarts) == (RunState.DEAD, 300.0, 6)
     assert run.history[-1] == {"at": 300.0, "event": "dead", "restarts": 6}
-    await store.set_run_state(NS, "run-1", DEAD, 301.0)  # no event: history unchanged
-    assert len((await store.get_run(NS, "run-1"))[0].history) == 1
-    await store.set_run_state(NS, "run-1", None, 302.0, event={"event": "note"}, next_restart_at=9.0)
-    [run] = await store.get_run(NS, "run-1")  # None keeps the state
-    assert (run.state, run.next_restart_at, run.history[-1]["event"]) == (DEAD, 9.0, "note")
+    await store.runs.set_state(NS, "run-1", RunState.DEAD, 301.0)  # no event: history unchanged
+    assert len((await store.runs.find(NS, "run-1"))[0].history) == 1
+    await store.runs.set_state(NS, "run-1", None, 302.0, event={"event": "note"}, next_restart_at=9.0)
+    [run] = await store.runs.find(NS, "run-1")  # None keeps the state
+    assert (run.state, run.next_restart_at, run.history[-1]["event"]) == (RunState.DEAD, 9.0, "note")
     with pytest.raises(ValueError):
-        await store.set_run_state(NS, "run-1", RUNNING, 1.0, epoch=9)
-    await store.set_run_state(NS, f"missing-{uuid.uuid4().hex}", RUNNING, 1.0)  # nothing to do
+        await store.runs.set_state(NS, "run-1", RunState.RUNNING, 1.0, epoch=9)
+    await store.runs.set_state(NS, f"missing-{uuid.uuid4().hex}", RunState.RUNNING, 1.0)  # nothing to do
 
 
 async def test_count_runs_by_state(store):
-    assert await store.count_runs() == {}
+    assert await store.runs.count() == {}
     for run_id in ("a", "b", "c"):
-        await store.upsert_run(new_run(run_id))
-    await store.end_run(NS, "c", COMPLETED, time.time())
-    await store.new_attempt(NS, "b", 0, time.time(), "restart", True)
-    assert await store.count_runs() == {RUNNING: 1, RESTARTING: 1, COMPLETED: 1}
+        await store.runs.upsert(new_run(run_id))
+    await store.runs.end(NS, "c", RunState.COMPLETED, time.time())
+    await store.runs.new_attempt(NS, "b", 0, time.time(), "restart", True)
+    assert await store.runs.count() == {RunState.RUNNING: 1, RunState.RESTARTING: 1, RunState.COMPLETED: 1}
 
 
 async def test_heartbeat_and_end_run_are_fenced_by_the_epoch(store):
-    await store.upsert_run(new_run("run-1", last_seen=100.0))
-    await store.new_attempt(NS, "run-1", 0, 150.0, "restart", True)
-    stale = await store.heartbeat(NS, "run-1", 200.0, epoch=0)  # a superseded attempt
-    assert (stale.epoch, stale.last_seen, stale.state) == (1, 150.0, RESTARTING)  # untouched
-    beat = await store.heartbeat(NS, "run-1", 210.0, epoch=1)
-    assert (beat.last_seen, beat.state) == (210.0, RUNNING)
-    assert (await store.heartbeat(NS, "run-1", 205.0)).last_seen == 210.0  # unfenced; never backwards
-    assert await store.heartbeat(NS, "no-such-run", 1.0, epoch=0) is None
+    await store.runs.upsert(new_run("run-1", last_seen=100.0))
+    await store.runs.new_attempt(NS, "run-1", 0, 150.0, "restart", True)
+    stale = await store.runs.heartbeat(NS, "run-1", 200.0, epoch=0)  # a superseded attempt
+    assert (stale.epoch, stale.last_seen, stale.state) == (1, 150.0, RunState.RESTARTING)  # untouched
+    beat = await store.runs.heartbeat(NS, "run-1", 210.0, epoch=1)
+    assert (beat.last_seen, beat.state) == (210.0, RunState.RUNNING)
+    assert (await store.runs.heartbeat(NS, "run-1", 205.0)).last_seen == 210.0  # unfenced; never backwards
+    assert await store.runs.heartbeat(NS, "no-such-run", 1.0, epoch=0) is None
 
-    refused = await store.end_run(NS, "run-1", COMPLETED, 300.0, epoch=0)
-    assert (refused.state, refused.ended_at, refused.epoch) == (RUNNING, None, 1)
-    assert (await store.get_run(NS, "run-1"))[0].state == RUNNING
-    ended = await store.end_run(NS, "run-1", COMPLETED, 310.0, epoch=1)
-    assert (ended.state, ended.ended_at) == (COMPLETED, 310.0)
-    assert (await store.end_run(NS, "run-1", FAILED, 320.0, epoch=5)).state == COMPLETED  # once
+    refused = await store.runs.end(NS, "run-1", RunState.COMPLETED, 300.0, epoch=0)
+    assert (refused.state, refused.ended_at, refused.epoch) == (RunState.RUNNING, None, 1)
+    assert (await store.runs.find(NS, "run-1"))[0].state == RunState.RUNNING
+    ended = await store.runs.end(NS, "run-1", RunState.COMPLETED, 310.0, epoch=1)
+    assert (ended.state, ended.ended_at) == (RunState.COMPLETED, 310.0)
+    assert (await store.runs.end(NS, "run-1", RunState.FAILED, 320.0, epoch=5)).state == RunState.COMPLETED  # once
 
 
 async def test_restart_times_keep_the_window_apart_from_the_history(store):
-    await store.upsert_run(new_run("run-1"))
+    await store.runs.upsert(new_run("run-1"))
     for i, at in enumerate((100.0, 150.0, 190.0, 260.5)):
-        run = await store.new_attempt(NS, "run-1", i, at, "restart", True, window_s=100)
+        run = await store.runs.new_attempt(NS, "run-1", i, at, "restart", True, window_s=100)
     assert run.restart_times == [190.0, 260.5]  # 100 and 150 are more than 100s before 260.5
-    run = await store.new_attempt(NS, "run-1", 4, 270.0, "admin-restart", True)  # not counted
+    run = await store.runs.new_attempt(NS, "run-1", 4, 270.0, "admin-restart", True)  # not counted
     assert (run.restarts, run.restart_times) == (5, [190.0, 260.5])
     for i in range(60):  # events enough to push every restart out of the history
-        await store.set_run_state(NS, "run-1", None, 280.0 + i, {"event": "hook-exit"})
-    [run] = await store.get_run(NS, "run-1")
+        await store.runs.set_state(NS, "run-1", None, 280.0 + i, {"event": "hook-exit"})
+    [run] = await store.runs.find(NS, "run-1")
     assert run.restart_times == [190.0, 260.5] and not any(e["event"] == "restart" for e in run.history)
-    assert (await store.upsert_run(new_run("run-2", restart_times=[5.0]))).restart_times == [5.0]
+    assert (await store.runs.upsert(new_run("run-2", restart_times=[5.0]))).restart_times == [5.0]
 
 
 async def test_count_steps_of_runs(store):
@@ -654,6 +653,6 @@ async def test_count_steps_of_runs(store):
     await claimed(store, scope("s3", tenant="tenant-b"))  # same run, another credential
     await claimed(store, scope("s1", run="run-2"))
     await claimed(store, scope("s1", tenant="tenant-c"), namespace="ns-b")
-    counts = await store.count_steps([(NS, "run-1"), (NS, "run-2"), ("ns-b", "run-1"), (NS, "none")])
+    counts = await store.journal.count_steps([(NS, "run-1"), (NS, "run-2"), ("ns-b", "run-1"), (NS, "none")])
     assert counts == {(NS, "run-1"): 3, (NS, "run-2"): 1, ("ns-b", "run-1"): 1}
-    assert await store.count_steps([]) == {}
+    assert await store.journal.count_steps([]) == {}

@@ -12,7 +12,7 @@ import pytest
 import services
 from idemproxy.proxy.config import StoreSettings
 from idemproxy.proxy.store import StoreUnavailable, make_store
-from idemproxy.proxy.store.base import COMPLETE, Claim, Recorded, Run, Scope
+from idemproxy.proxy.store.base import Claim, EntryState, Recorded, Run, Scope
 from idemproxy.proxy.store.postgres import PostgresStore
 from idemproxy.proxy.store import postgres_sql
 from idemproxy.proxy.store.postgres_sql import MIGRATIONS
@@ -91,15 +91,15 @@ async def test_durability_is_read_from_the_server(open_pg):
 async def test_a_waiter_is_woken_by_notify_from_another_instance(open_pg):
     waiter_store, writer = await open_pg(), await open_pg()
     waiter_store.poll_s = 30.0  # so only a notification can wake it in time
-    owner = (await writer.claim(claim_of("k"))).entry.owner
+    owner = (await writer.journal.claim(claim_of("k"))).entry.owner
     kid = claim_of("k").scope.kid
-    waiter = asyncio.create_task(waiter_store.wait(kid, 20.0))
+    waiter = asyncio.create_task(waiter_store.journal.wait(kid, 20.0))
     await asyncio.sleep(0.1)
     changed = time.monotonic()
-    assert await writer.complete(kid, owner, REPLY)
+    assert await writer.journal.complete(kid, owner, REPLY)
     await asyncio.wait_for(waiter, 5.0)
     assert time.monotonic() - changed < 2.0
-    assert (await waiter_store.get(kid)).state == COMPLETE
+    assert (await waiter_store.journal.get(kid)).state == EntryState.COMPLETE
 
 
 async def test_records_committed_together_wake_every_waiter(open_pg):
@@ -107,11 +107,11 @@ async def test_records_committed_together_wake_every_waiter(open_pg):
     waiter_store, writer = await open_pg(), await open_pg()
     waiter_store.poll_s = 30.0
     claims = [claim_of(f"k{i}", owner=f"o{i}") for i in range(150)]  # more than one payload's worth
-    await asyncio.gather(*(writer.claim(c) for c in claims))
-    waiters = [asyncio.create_task(waiter_store.wait(c.scope.kid, 20.0)) for c in claims]
+    await asyncio.gather(*(writer.journal.claim(c) for c in claims))
+    waiters = [asyncio.create_task(waiter_store.journal.wait(c.scope.kid, 20.0)) for c in claims]
     await asyncio.sleep(0.1)
     changed = time.monotonic()
-    assert all(await asyncio.gather(*(writer.complete(c.scope.kid, c.owner, REPLY) for c in claims)))
+    assert all(await asyncio.gather(*(writer.journal.complete(c.scope.kid, c.owner, REPLY) for c in claims)))
     await asyncio.wait_for(asyncio.gather(*waiters), 5.0)
     assert time.monotonic() - changed < 2.0
 
@@ -129,10 +129,10 @@ async def test_the_listener_comes_back_when_its_connection_is_killed(schema, ope
     deadline = time.monotonic() + 15
     for i in range(100):  # the listener reconnects with backoff; try until it hears us
         key = f"k{i}"
-        owner = (await writer.claim(claim_of(key))).entry.owner
-        waiter = asyncio.create_task(waiter_store.wait(claim_of(key).scope.kid, 20.0))
+        owner = (await writer.journal.claim(claim_of(key))).entry.owner
+        waiter = asyncio.create_task(waiter_store.journal.wait(claim_of(key).scope.kid, 20.0))
         await asyncio.sleep(0.3)
-        await writer.complete(claim_of(key).scope.kid, owner, REPLY)
+        await writer.journal.complete(claim_of(key).scope.kid, owner, REPLY)
         done, _ = await asyncio.wait([waiter], timeout=1.0)
         if done:
             return
@@ -144,9 +144,9 @@ async def test_concurrent_records_share_one_commit(schema, open_pg):
     store = await open_pg()
     kids = []
     for i in range(20):
-        result = await store.claim(claim_of(f"k{i}", owner=f"o{i}"))
+        result = await store.journal.claim(claim_of(f"k{i}", owner=f"o{i}"))
         kids.append((result.entry.kid, f"o{i}"))
-    kept = await asyncio.gather(*(store.complete(kid, owner, REPLY) for kid, owner in kids))
+    kept = await asyncio.gather(*(store.journal.complete(kid, owner, REPLY) for kid, owner in kids))
     assert kept == [True] * 20
     conn = await raw(schema)
     try:  # rows written by one transaction carry its id
@@ -159,7 +159,7 @@ async def test_concurrent_records_share_one_commit(schema, open_pg):
 
 async def test_concurrent_claims_share_one_transaction(schema, open_pg):
     store = await open_pg()
-    results = await asyncio.gather(*(store.claim(claim_of(f"k{i}", owner=f"o{i}")) for i in range(20)))
+    results = await asyncio.gather(*(store.journal.claim(claim_of(f"k{i}", owner=f"o{i}")) for i in range(20)))
     assert all(r.won for r in results)
     conn = await raw(schema)
     try:
@@ -200,52 +200,52 @@ async def test_a_claim_its_caller_gave_up_on_leaves_the_key_free(schema, open_pg
     """A claim stuck behind a lock past the store timeout: the caller hears 503, and the
     key must not be held later by that claim (the agent's retry goes upstream at once)."""
     store = await open_pg(timeout=0.5)
-    await store.observe_epoch("ns", "run-1", 0, Run("ns", "run-1"), time.time())
+    await store.runs.observe_epoch("ns", "run-1", 0, Run("ns", "run-1"), time.time())
     blocker = await raw(schema)
     try:
         locking = blocker.transaction()
         await locking.start()
         await blocker.execute("SELECT 1 FROM runs WHERE tenant = 'ns' AND run_id = 'run-1' FOR UPDATE")
         with pytest.raises(StoreUnavailable):
-            await store.claim(claim_of("stuck", owner="gone", epoch=0))
+            await store.journal.claim(claim_of("stuck", owner="gone", epoch=0))
         await asyncio.sleep(0.2)
         await locking.rollback()
     finally:
         await blocker.close()
     deadline = time.monotonic() + 5
-    while (entry := await store.get(claim_of("stuck").scope.kid)) is not None:
+    while (entry := await store.journal.get(claim_of("stuck").scope.kid)) is not None:
         assert time.monotonic() < deadline, f"the abandoned claim still holds the key: {entry}"
         await asyncio.sleep(0.1)
-    assert (await store.claim(claim_of("stuck", owner="retry", epoch=0))).won
+    assert (await store.journal.claim(claim_of("stuck", owner="retry", epoch=0))).won
 
 
 async def test_a_claim_waits_for_a_restart_in_progress_and_sees_its_epoch(schema, open_pg):
     store = await open_pg()
-    await store.observe_epoch("ns", "run-1", 0, Run("ns", "run-1"), time.time())
+    await store.runs.observe_epoch("ns", "run-1", 0, Run("ns", "run-1"), time.time())
     conn = await raw(schema)
     try:
         async with conn.transaction():  # a supervisor's restart, not yet committed
             await conn.execute("UPDATE runs SET epoch = 1 WHERE tenant = 'ns' AND run_id = 'run-1'")
-            claim = asyncio.create_task(store.claim(claim_of("k", epoch=0)))
+            claim = asyncio.create_task(store.journal.claim(claim_of("k", epoch=0)))
             await asyncio.sleep(0.3)
             assert not claim.done(), "the claim must wait for the epoch it would be fenced by"
         result = await asyncio.wait_for(claim, 5.0)
     finally:
         await conn.close()
     assert (result.won, result.stale_epoch) == (False, 1)
-    assert await store.get(claim_of("k").scope.kid) is None
+    assert await store.journal.get(claim_of("k").scope.kid) is None
 
 
 async def test_purge_skips_rows_another_transaction_holds(schema, open_pg):
     store = await open_pg()
     for i in range(3):
-        await store.claim(Claim(Scope("t", None, "tools", f"k{i}"), "fp", "o", 30.0, 0.05))
+        await store.journal.claim(Claim(Scope("t", None, "tools", f"k{i}"), "fp", "o", 30.0, 0.05))
     await asyncio.sleep(0.1)
     conn = await raw(schema)
     try:
         async with conn.transaction():
             await conn.execute("SELECT 1 FROM journal WHERE key = 'k0' FOR UPDATE")
-            purged = await asyncio.wait_for(store.purge(time.time(), batch=1), 3.0)  # never waits on it
+            purged = await asyncio.wait_for(store.journal.purge(time.time(), batch=1), 3.0)  # never waits on it
         assert purged == 2
         assert await conn.fetchval("SELECT array_agg(key) FROM journal") == ["k0"]
     finally:
@@ -273,18 +273,18 @@ async def test_a_stopped_server_fails_fast_and_the_store_recovers(private_postgr
     url = f"{private_postgres.url}?schema=outage"
     store, writer = await open_pg(url, timeout=1.0), await open_pg(url, timeout=1.0)
     store.poll_s = 30.0
-    owner = (await store.claim(claim_of("before"))).entry.owner
-    assert await store.complete(claim_of("before").scope.kid, owner, REPLY)
+    owner = (await store.journal.claim(claim_of("before"))).entry.owner
+    assert await store.journal.complete(claim_of("before").scope.kid, owner, REPLY)
 
     await asyncio.to_thread(private_postgres.stop)
-    for op in (lambda: store.claim(claim_of("during")), lambda: store.get(claim_of("before").scope.kid),
-               lambda: store.complete(claim_of("x").scope.kid, "o", REPLY), store.ping):
+    for op in (lambda: store.journal.claim(claim_of("during")), lambda: store.journal.get(claim_of("before").scope.kid),
+               lambda: store.journal.complete(claim_of("x").scope.kid, "o", REPLY), store.ping):
         started = time.monotonic()
         with pytest.raises(StoreUnavailable):
             await op()
         assert time.monotonic() - started < 2.5
     started = time.monotonic()
-    await store.wait(claim_of("during").scope.kid, 0.5)  # waiting never hangs either
+    await store.journal.wait(claim_of("during").scope.kid, 0.5)  # waiting never hangs either
     assert time.monotonic() - started < 1.5
 
     await asyncio.to_thread(private_postgres.start)
@@ -296,13 +296,13 @@ async def test_a_stopped_server_fails_fast_and_the_store_recovers(private_postgr
         except StoreUnavailable:
             assert time.monotonic() < deadline, "the store did not recover"
             await asyncio.sleep(0.2)
-    assert (await store.get(claim_of("before").scope.kid)).response.body == b"done"  # nothing lost
+    assert (await store.journal.get(claim_of("before").scope.kid)).response.body == b"done"  # nothing lost
     for i in range(100):  # and the listener is back: a write elsewhere wakes a waiter here
         key = f"after-{i}"
-        result = await writer.claim(claim_of(key))
-        waiter = asyncio.create_task(store.wait(claim_of(key).scope.kid, 20.0))
+        result = await writer.journal.claim(claim_of(key))
+        waiter = asyncio.create_task(store.journal.wait(claim_of(key).scope.kid, 20.0))
         await asyncio.sleep(0.3)
-        await writer.complete(claim_of(key).scope.kid, result.entry.owner, REPLY)
+        await writer.journal.complete(claim_of(key).scope.kid, result.entry.owner, REPLY)
         done, _ = await asyncio.wait([waiter], timeout=1.0)
         if done:
             break

@@ -110,13 +110,13 @@ async def test_open_fails_fast_when_nothing_listens():
 async def test_every_key_and_channel_starts_with_the_prefix(private_redis, open_store):
     server = private_redis().start()
     store = await open_store(server.url + "?prefix=app1:")
-    won = await store.claim(claim(run="run-1"))
-    await store.append_partial(won.entry.kid, "a", 0, b"{}")
-    await store.complete(won.entry.kid, "a", REPLY)
-    await store.next_occurrence("default", "run-1", 0, "fp", 60)
+    won = await store.journal.claim(claim(run="run-1"))
+    await store.journal.append_partial(won.entry.kid, "a", 0, b"{}")
+    await store.journal.complete(won.entry.kid, "a", REPLY)
+    await store.journal.next_occurrence("default", "run-1", 0, "fp", 60)
     await store.secret("tenant-hmac", b"x")
-    await store.upsert_run(Run("default", "run-1", created_at=time.time()))
-    await store.end_run("default", "run-1", "completed", time.time())
+    await store.runs.upsert(Run("default", "run-1", created_at=time.time()))
+    await store.runs.end("default", "run-1", "completed", time.time())
     raw = redis_asyncio.Redis.from_url(server.url)
     try:
         keys = await raw.keys("*")
@@ -131,17 +131,17 @@ async def test_every_key_and_channel_starts_with_the_prefix(private_redis, open_
 async def test_entries_expire_by_ttl_and_runs_do_not(shared_url, open_store):
     url, prefix = shared_url
     store = await open_store(url)
-    won = await store.claim(claim(retention_s=100.0))
+    won = await store.journal.claim(claim(retention_s=100.0))
     kid = won.entry.kid
-    await store.append_partial(kid, "a", 0, b"{}")
-    await store.next_occurrence("default", "run-1", 0, "fp", 100.0)
-    await store.upsert_run(Run("default", "run-1", created_at=time.time()))
+    await store.journal.append_partial(kid, "a", 0, b"{}")
+    await store.journal.next_occurrence("default", "run-1", 0, "fp", 100.0)
+    await store.runs.upsert(Run("default", "run-1", created_at=time.time()))
     raw = redis_asyncio.Redis.from_url(url.split("?")[0])
     try:
         for key in (f"entry:{kid}", f"partial:{kid}", "occ:7:default:run-1"):
             assert 95_000 < await raw.pttl(prefix + key) <= 100_000, key
         assert await raw.pttl(prefix + "run:7:default:run-1") == -1  # runs are kept
-        await store.complete(kid, "a", REPLY)
+        await store.journal.complete(kid, "a", REPLY)
         assert 95_000 < await raw.pttl(prefix + f"entry:{kid}") <= 100_000  # the record keeps it
     finally:
         await raw.aclose()
@@ -153,12 +153,12 @@ async def test_a_change_on_one_instance_wakes_a_waiter_on_another(shared_url, op
     url, prefix = shared_url
     waiter_store, writer = await open_store(url), await open_store(url)
     elsewhere = await open_store(url.replace(prefix, "other" + prefix))  # another prefix: not told
-    won = await writer.claim(claim())
+    won = await writer.journal.claim(claim())
     kid = won.entry.kid
     waits = [asyncio.create_task(s.wait(kid, 5.0)) for s in (waiter_store, elsewhere)]
     await asyncio.sleep(0.05)
     changed = time.monotonic()
-    await writer.complete(kid, "a", REPLY)
+    await writer.journal.complete(kid, "a", REPLY)
     await asyncio.wait_for(waits[0], 2.0)
     assert time.monotonic() - changed < POLL_S / 2  # woken by the message, not the poll
     assert not waits[1].done()
@@ -192,28 +192,28 @@ async def test_stopped_redis_fails_fast_and_the_store_recovers_by_itself(private
     server = private_redis().start()
     store = await open_store(server.url, timeout=1.0)
     other = await open_store(server.url, timeout=1.0)
-    assert (await store.claim(claim("before"))).won
+    assert (await store.journal.claim(claim("before"))).won
 
     server.stop()
-    for operation in (store.get(claim("before").scope.kid), store.claim(claim("during")),
-                      store.complete(claim("before").scope.kid, "a", REPLY), store.ping(),
-                      store.observe_epoch("default", "run-1", 0, Run("default", "run-1"), time.time()),
-                      store.next_occurrence("default", "run-1", 0, "fp", 60)):
+    for operation in (store.journal.get(claim("before").scope.kid), store.journal.claim(claim("during")),
+                      store.journal.complete(claim("before").scope.kid, "a", REPLY), store.ping(),
+                      store.runs.observe_epoch("default", "run-1", 0, Run("default", "run-1"), time.time()),
+                      store.journal.next_occurrence("default", "run-1", 0, "fp", 60)):
         await _fails_within(operation, 1.5)
     started = time.monotonic()
-    await store.wait("some-kid", 0.3)  # waiting never hangs either
+    await store.journal.wait("some-kid", 0.3)  # waiting never hangs either
     assert time.monotonic() - started < 1.0
 
     server.start()  # same port, empty (no persistence): the same store object works again
-    await _eventually(lambda: store.claim(claim("after")))
-    assert (await store.get(claim("after").scope.kid)).owner == "a"
+    await _eventually(lambda: store.journal.claim(claim("after")))
+    assert (await store.journal.get(claim("after").scope.kid)).owner == "a"
 
     async def woken_by_message() -> bool:  # the notification reader resubscribed by itself
-        kid = (await other.claim(claim(f"wake-{uuid.uuid4().hex}"))).entry.kid
-        waiting = asyncio.create_task(store.wait(kid, 5.0))
+        kid = (await other.journal.claim(claim(f"wake-{uuid.uuid4().hex}"))).entry.kid
+        waiting = asyncio.create_task(store.journal.wait(kid, 5.0))
         await asyncio.sleep(0.05)
         changed = time.monotonic()
-        await other.complete(kid, "a", REPLY)
+        await other.journal.complete(kid, "a", REPLY)
         await waiting
         return time.monotonic() - changed < POLL_S / 2
     await _eventually(woken_by_message, within=8.0)
@@ -227,12 +227,12 @@ async def test_scripts_the_server_forgot_are_loaded_again(private_redis, open_st
     try:
         await raw.script_flush()
         claims = [claim(f"k{i}", owner=f"o{i}") for i in range(10)]
-        results = await asyncio.gather(*(store.claim(c) for c in claims), store.get("no-such-kid"))
+        results = await asyncio.gather(*(store.journal.claim(c) for c in claims), store.journal.get("no-such-kid"))
         assert all(r.won for r in results[:10]) and results[10] is None
         await raw.script_flush()
-        kept = await asyncio.gather(*(store.complete(c.scope.kid, c.owner, REPLY) for c in claims))
+        kept = await asyncio.gather(*(store.journal.complete(c.scope.kid, c.owner, REPLY) for c in claims))
         assert kept == [True] * 10
-        assert (await store.get(claims[0].scope.kid)).response.body == REPLY.body
+        assert (await store.journal.get(claims[0].scope.kid)).response.body == REPLY.body
     finally:
         await raw.aclose()
 
@@ -243,11 +243,11 @@ async def test_a_frozen_redis_never_hangs_an_operation(private_redis, open_store
     store = await open_store(server.url, timeout=0.5)
     server.proc.send_signal(signal.SIGSTOP)
     try:
-        await _fails_within(store.claim(claim("frozen")), 1.5)
-        await _fails_within(store.get(claim("frozen").scope.kid), 1.5)
+        await _fails_within(store.journal.claim(claim("frozen")), 1.5)
+        await _fails_within(store.journal.get(claim("frozen").scope.kid), 1.5)
     finally:
         server.proc.send_signal(signal.SIGCONT)
-    await _eventually(lambda: store.claim(claim("thawed")))
+    await _eventually(lambda: store.journal.claim(claim("thawed")))
 
 
 async def test_proxy_on_a_stopped_redis_fails_closed_and_recovers(private_redis, make_proxy, provider, http):

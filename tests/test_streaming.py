@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
-from idemproxy.proxy.store.base import COMPLETE, Scope
+from idemproxy.proxy.store.base import EntryState, Scope
 from rawhttp import problem
 
 CHAT = "/openai/v1/chat/completions"
@@ -36,8 +36,8 @@ async def read_timed(resp: aiohttp.ClientResponse, t0: float) -> tuple[bytes, li
 async def wait_complete(store, kid: str, timeout: float = 5.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        entry = await store.get(kid)
-        if entry is not None and entry.state == COMPLETE:
+        entry = await store.journal.get(kid)
+        if entry is not None and entry.state == EntryState.COMPLETE:
             return entry
         await asyncio.sleep(0.02)
     raise AssertionError(f"entry {kid[:12]} not complete after {timeout}s: {entry}")
@@ -95,8 +95,8 @@ async def test_stream_end_implies_record_is_durable(make_proxy, store_url, provi
     async with http.post(proxy.url + CHAT, json=stream_body(),
                          headers={"Idempotency-Key": "dur", "X-Fake-Chunk-Delay": "0.05"}) as resp:
         await resp.read()
-    entry = await proxy.store.get(kid_of(proxy, "dur"))  # no waiting: it must be there already
-    assert entry is not None and entry.state == COMPLETE
+    entry = await proxy.store.journal.get(kid_of(proxy, "dur"))  # no waiting: it must be there already
+    assert entry is not None and entry.state == EntryState.COMPLETE
 
 
 @pytest.mark.parametrize("upstream, path, marker", [
@@ -113,8 +113,8 @@ async def test_terminal_event_reaches_agent_only_after_record(make_proxy, store_
             chunk = await resp.content.readany()
             assert chunk, "stream ended without its terminal event"
             seen += chunk
-        entry = await proxy.store.get(kid)
-        assert entry is not None and entry.state == COMPLETE, entry and entry.state
+        entry = await proxy.store.journal.get(kid)
+        assert entry is not None and entry.state == EntryState.COMPLETE, entry and entry.state
         await resp.read()
 
 
@@ -185,7 +185,7 @@ async def test_broken_upstream_stream_is_never_recorded_as_complete(make_proxy, 
                          headers={"Idempotency-Key": "brk", "X-Fake-Break": "2"}) as resp:
         broken = await read_broken(resp)
     assert b"[DONE]" not in broken
-    assert await proxy.store.get(kid_of(proxy, "brk")) is None
+    assert await proxy.store.journal.get(kid_of(proxy, "brk")) is None
     async with http.post(proxy.url + CHAT, json=stream_body(), headers={"Idempotency-Key": "brk"}) as resp:
         assert resp.headers["Idempotent-Replayed"] == "false"  # went upstream again
         assert (await resp.read()).endswith(b"data: [DONE]\n\n")
@@ -197,8 +197,8 @@ async def test_broken_stream_on_a_quarantine_upstream_is_outcome_unknown(make_pr
     url = proxy.url + "/raw/v1/chat/completions"
     async with http.post(url, json=stream_body(), headers={"Idempotency-Key": "brq", "X-Fake-Break": "3"}) as resp:
         assert b"[DONE]" not in await read_broken(resp)
-    entry = await proxy.store.get(kid_of(proxy, "brq", upstream="raw"))
-    assert entry is not None and entry.state != COMPLETE and entry.response is None
+    entry = await proxy.store.journal.get(kid_of(proxy, "brq", upstream="raw"))
+    assert entry is not None and entry.state != EntryState.COMPLETE and entry.response is None
     async with http.post(url, json=stream_body(), headers={"Idempotency-Key": "brq"}) as resp:
         await problem(resp, "outcome-unknown", 502)
     assert provider.calls["chat"] == 1

@@ -71,7 +71,7 @@ async def supervised(make_proxy, tmp_path):
 
 
 async def _run(proxy, run_id: str) -> Run:
-    (run,) = await proxy.store.get_run("default", run_id)
+    (run,) = await proxy.store.runs.find("default", run_id)
     return run
 
 
@@ -113,7 +113,7 @@ async def test_silent_run_is_restarted_once_and_its_zombie_fenced(supervised, st
 
 
 async def _ended(proxy, run_id: str) -> Run | None:
-    runs = await proxy.store.get_run("default", run_id)
+    runs = await proxy.store.runs.find("default", run_id)
     if runs and runs[0].state in ("completed", "failed", "dead"):
         return runs[0]
     return None
@@ -132,13 +132,13 @@ async def test_two_supervisors_restart_each_silent_run_exactly_once(store_url, t
         long_ago = time.time() - 100
         ids = [f"silent-{i}" for i in range(20)]
         for run_id in ids:
-            await stores[0].upsert_run(Run("default", run_id, last_seen=long_ago, started_at=long_ago,
+            await stores[0].runs.upsert(Run("default", run_id, last_seen=long_ago, started_at=long_ago,
                                            created_at=long_ago, timeout_s=30, grace_s=30, hook="agent"))
         for _ in range(5):  # both tick at once, over and over
             await asyncio.gather(*(s.tick() for s in supervisors))
         for s in supervisors:
             await s.hooks.wait_idle()
-        runs = {r.run_id: r for r in await stores[1].list_runs()}
+        runs = {r.run_id: r for r in await stores[1].runs.list()}
         assert all((runs[i].epoch, runs[i].restarts, runs[i].state) == (1, 1, "restarting") for i in ids)
         assert sorted(_lines(fired)) == sorted(f"{i} 1 restart" for i in ids)  # one hook each
         assert all(sum(e["event"] == "restart" for e in runs[i].history) == 1 for i in ids)
@@ -264,7 +264,7 @@ async def test_supervise_command_restarts_alone_and_stops_on_sigterm(store_url, 
     store = await open_store(settings)
     try:
         long_ago = time.time() - 100
-        await store.upsert_run(Run("default", "lonely", last_seen=long_ago, started_at=long_ago,
+        await store.runs.upsert(Run("default", "lonely", last_seen=long_ago, started_at=long_ago,
                                    created_at=long_ago, timeout_s=30, grace_s=30, hook="agent"))
         log = open(tmp_path / "supervise.log", "wb")
         proc = await asyncio.create_subprocess_exec(
@@ -287,7 +287,7 @@ async def test_supervise_command_restarts_alone_and_stops_on_sigterm(store_url, 
 
 
 async def _exit_recorded(store) -> bool:
-    (run,) = await store.get_run("default", "lonely")
+    (run,) = await store.runs.find("default", "lonely")
     return any(e["event"] == "hook-exit" for e in run.history)
 
 
@@ -338,7 +338,7 @@ async def test_max_restarts_holds_beyond_what_the_history_keeps(lone_supervisor)
     # 20 restarts, each with its backoff and hook events: far more than the history's 50
     supervisor, store = await lone_supervisor(restart_window_s=10_000, backoff_base_s=1, backoff_max_s=1)
     now = time.time()
-    await store.upsert_run(Run("default", "flaky", last_seen=now, started_at=now, created_at=now,
+    await store.runs.upsert(Run("default", "flaky", last_seen=now, started_at=now, created_at=now,
                                timeout_s=1, grace_s=1, max_restarts=20, hook="agent"))
     actions = []
     for _ in range(100):  # each tick 10s later: silent every time, backoff (1s) always over
@@ -346,7 +346,7 @@ async def test_max_restarts_holds_beyond_what_the_history_keeps(lone_supervisor)
         actions += [action for _, action in await supervisor.tick(now)]
         if "dead" in actions:
             break
-    (run,) = await store.get_run("default", "flaky")
+    (run,) = await store.runs.find("default", "flaky")
     assert (run.state, run.restarts, run.epoch) == ("dead", 20, 20)
     assert actions.count("restart") == 20 and actions[-1] == "dead"
     assert len(run.restart_times) == 20
@@ -357,12 +357,12 @@ async def test_max_restarts_holds_beyond_what_the_history_keeps(lone_supervisor)
 async def test_restarts_outside_the_window_are_forgotten(lone_supervisor):
     supervisor, store = await lone_supervisor(restart_window_s=100, backoff_base_s=1)
     now = time.time()
-    await store.upsert_run(Run("default", "slow-flaky", last_seen=now, started_at=now, created_at=now,
+    await store.runs.upsert(Run("default", "slow-flaky", last_seen=now, started_at=now, created_at=now,
                                timeout_s=1, grace_s=1, max_restarts=2, hook="agent"))
     for _ in range(5):  # a crash every 1000s: never 2 within 100s, so never dead, never backed off
         now += 1000
         assert await supervisor.tick(now) == [("slow-flaky", "restart")]
-    (run,) = await store.get_run("default", "slow-flaky")
+    (run,) = await store.runs.find("default", "slow-flaky")
     assert (run.state, run.restarts, run.restart_times) == ("restarting", 5, [now])
     # an operator's restart is deliberate: it does not count towards max_restarts
     run = await restart_run(store, supervisor.hooks, run, "http://proxy.test", reason="admin-restart",
@@ -386,15 +386,15 @@ async def test_a_sqlite_journal_from_before_restart_times_is_upgraded(sqlite_url
     settings = load_settings(config, env={})
     store = await open_store(settings)
     try:
-        (run,) = await store.get_run("default", "old")
+        (run,) = await store.runs.find("default", "old")
         assert (run.epoch, run.restart_times) == (2, [])
-        run = await store.new_attempt("default", "old", 2, 50.0, "restart", True, window_s=100)
+        run = await store.runs.new_attempt("default", "old", 2, 50.0, "restart", True, window_s=100)
         assert run.restart_times == [50.0]
     finally:
         await store.aclose()
     store = await open_store(settings)  # opened again: nothing left to upgrade, nothing lost
     try:
-        (run,) = await store.get_run("default", "old")
+        (run,) = await store.runs.find("default", "old")
         assert (run.epoch, run.restart_times) == (3, [50.0])
     finally:
         await store.aclose()

@@ -1,6 +1,7 @@
 """The store contract: the journal, the runs, and the server's secrets.
 
-Every backend (sqlite, postgres, redis) implements :class:`Store` and passes the one
+Every backend (sqlite, postgres, redis) implements :class:`Store` (its ``journal`` and
+its ``runs``) and passes the one
 contract suite in ``tests/test_store_contract.py``. Errors a driver raises are
 translated inside the backend::
 
@@ -17,12 +18,30 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
-IN_FLIGHT, COMPLETE, UNKNOWN, UNRECORDABLE = "in_flight", "complete", "unknown", "unrecordable"
-RUNNING, RESTARTING, COMPLETED, FAILED, DEAD = "running", "restarting", "completed", "failed", "dead"
-ENDED = frozenset({COMPLETED, FAILED, DEAD})
-RUN_STATES = (RUNNING, RESTARTING, COMPLETED, FAILED, DEAD)  # in the order listings show them
+
+
+class EntryState(StrEnum):
+    """Where a journal entry is in its life (stored as these strings)."""
+    IN_FLIGHT = "in_flight"        # claimed; the call is upstream now
+    COMPLETE = "complete"          # the outcome is recorded: replays answer it
+    UNKNOWN = "unknown"            # quarantined: the upstream may have acted; an operator decides
+    UNRECORDABLE = "unrecordable"  # answered once, too large to keep: replays get 409
+
+
+class RunState(StrEnum):
+    """A run's state (SPEC §8), in the order listings show them."""
+    RUNNING = "running"
+    RESTARTING = "restarting"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    DEAD = "dead"
+
+
+ENDED = frozenset({RunState.COMPLETED, RunState.FAILED, RunState.DEAD})
+RUN_STATES = tuple(RunState)
 HISTORY_LIMIT = 50  # a run keeps its last 50 events
 
 
@@ -74,7 +93,7 @@ class Entry:
     upstream: str
     key: str
     fingerprint: str
-    state: str
+    state: EntryState
     owner: str | None = None
     lease_until: float = 0.0
     created_at: float = 0.0
@@ -108,7 +127,7 @@ class Claim:
         """The in-flight entry this claim makes when it wins at ``now``."""
         scope = self.scope
         return Entry(scope.kid, scope.tenant, scope.run, self.epoch, scope.upstream, scope.key,
-                     self.fingerprint, IN_FLIGHT, self.owner, now + self.lease_s, now, None,
+                     self.fingerprint, EntryState.IN_FLIGHT, self.owner, now + self.lease_s, now, None,
                      now + self.retention_s, method=self.method, path=self.path,
                      namespace=self.namespace)
 
@@ -124,7 +143,7 @@ class ClaimResult:
 class Run:
     namespace: str  # the trusted tenant, or "default" (identity.TenantResolver.namespace)
     run_id: str
-    state: str = RUNNING
+    state: RunState = RunState.RUNNING
     epoch: int = 0
     restarts: int = 0
     last_seen: float = 0.0
@@ -167,7 +186,7 @@ def advance_attempt(run: Run, now: float, reason: str, restart: bool, window_s: 
     """
     run.epoch += 1
     run.restarts += int(restart)
-    run.state = RESTARTING if restart else RUNNING
+    run.state = RunState.RESTARTING if restart else RunState.RUNNING
     run.started_at = run.last_seen = now
     run.history = remembered(run.history, {"at": now, "epoch": run.epoch, "event": reason})
     if window_s is not None:
@@ -215,20 +234,13 @@ class Waiters:
 
 
 @runtime_checkable
-class Store(Protocol):
-    """What the proxy and the supervisor need from a durable store."""
+class Journal(Protocol):
+    """Journal entries: claimed, completed or quarantined, replayed, purged (SPEC §4-§6)."""
 
-    durability: str  # one sentence: how durable an acknowledged record is
     # True when claim() answers a taken key with its entry as cheaply as get(): the proxy
     # then asks claim() first, and a new key costs one round trip less
     claim_reads: bool
 
-    async def open(self) -> None: """Connect and migrate; retries with backoff."""
-    async def aclose(self) -> None: """Flush pending work and close."""
-    async def ping(self) -> None: """Raise StoreUnavailable unless the store answers."""
-    async def secret(self, name: str, generate: bytes) -> bytes: """Get, or set once, a named secret."""
-
-    # -- journal -----------------------------------------------------------------------
     async def get(self, kid: str) -> Entry | None: """The live entry, with its response."""
     async def claim(self, claim: Claim) -> ClaimResult: """Own ``claim.scope`` unless taken."""
     async def next_occurrence(self, namespace: str, run: str, epoch: int | None, fingerprint: str,
@@ -250,14 +262,21 @@ class Store(Protocol):
         """Return when ``kid`` may have changed (or after ``timeout``)."""
     async def count_replays(self, counts: dict[str, int]) -> None: """Add replay counts."""
     async def purge(self, now: float, batch: int = 1000) -> int: """Delete expired entries."""
-    async def journal(self, namespace: str, run: str) -> list[Entry]:
+    async def entries(self, namespace: str, run: str) -> list[Entry]:
         """A run's entries (every tenant's), oldest first, with status but no body."""
-    async def delete_journal(self, namespace: str, run: str) -> int: ...
+    async def delete_run(self, namespace: str, run: str) -> int: """Delete a run's entries."""
+    async def count_steps(self, runs: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
+        """Journal entries of each (namespace, run) not purged yet; runs without any are left out."""
 
-    # -- runs --------------------------------------------------------------------------
-    async def upsert_run(self, run: Run) -> Run: """Create, or update timeouts/hook/metadata."""
-    async def get_run(self, namespace: str | None, run_id: str) -> list[Run]: ...
-    async def list_runs(self, state: str | None = None, limit: int = 1000) -> list[Run]: ...
+
+@runtime_checkable
+class RunRegistry(Protocol):
+    """Runs: epochs, heartbeats, attempts and ends (SPEC §8)."""
+
+    async def upsert(self, run: Run) -> Run: """Create, or update timeouts/hook/metadata."""
+    async def find(self, namespace: str | None, run_id: str) -> list[Run]:
+        """The run in ``namespace``; with None, the runs of that id in every namespace."""
+    async def list(self, state: str | None = None, limit: int = 1000) -> list[Run]: ...
     async def observe_epoch(self, namespace: str, run_id: str, epoch: int | None, defaults: Run,
                             now: float) -> int:
         """Create the run if new; raise its epoch to ``epoch``; return the current epoch."""
@@ -266,18 +285,30 @@ class Store(Protocol):
                         epoch: int | None = None) -> Run | None:
         """One beat from outside the proxy, as ``touch`` does, unless the run is past ``epoch``
         (a superseded attempt: nothing changes). The run afterwards; None if there is none."""
-    async def end_run(self, namespace: str, run_id: str, state: str, now: float,
-                      epoch: int | None = None) -> Run | None:
+    async def end(self, namespace: str, run_id: str, state: str, now: float,
+                  epoch: int | None = None) -> Run | None:
         """End the run as ``state``, unless it has ended already or is past ``epoch`` (then
         nothing changes). The run afterwards; None if there is none."""
     async def new_attempt(self, namespace: str, run_id: str, expected_epoch: int | None, now: float,
                           reason: str, restart: bool, window_s: float | None = None) -> Run | None:
         """Compare-and-set the epoch to epoch+1; None when another caller won. With
         ``window_s``, ``now`` joins ``restart_times``, which keeps the last ``window_s`` seconds."""
-    async def silent_runs(self, now: float) -> list[Run]: """Running runs past timeout and grace."""
-    async def set_run_state(self, namespace: str, run_id: str, state: str | None, now: float,
-                            event: dict[str, Any] | None = None, **fields: Any) -> None:
+    async def silent(self, now: float) -> list[Run]: """Running runs past timeout and grace."""
+    async def set_state(self, namespace: str, run_id: str, state: str | None, now: float,
+                        event: dict[str, Any] | None = None, **fields: Any) -> None:
         """Set state (None keeps it), append ``event`` to the history, set ``fields``."""
-    async def count_runs(self) -> dict[str, int]: """Number of runs in each state."""
-    async def count_steps(self, runs: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
-        """Journal entries of each (namespace, run) not purged yet; runs without any are left out."""
+    async def count(self) -> dict[str, int]: """Number of runs in each state."""
+
+
+@runtime_checkable
+class Store(Protocol):
+    """A durable store: its journal and its runs, sharing one connection."""
+
+    durability: str  # one sentence: how durable an acknowledged record is
+    journal: Journal
+    runs: RunRegistry
+
+    async def open(self) -> None: """Connect and migrate; retries with backoff."""
+    async def aclose(self) -> None: """Flush pending work and close."""
+    async def ping(self) -> None: """Raise StoreUnavailable unless the store answers."""
+    async def secret(self, name: str, generate: bytes) -> bytes: """Get, or set once, a named secret."""

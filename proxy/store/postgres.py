@@ -37,8 +37,7 @@ import orjson
 
 from ..config import mask_url
 from . import postgres_sql as sql
-from .base import (IN_FLIGHT, UNKNOWN, UNRECORDABLE, Claim, ClaimResult, Entry, Recorded,
-                   StoreUnavailable, Waiters)
+from .base import Claim, ClaimResult, Entry, EntryState, Recorded, StoreUnavailable, Waiters
 from .batching import Batches, GiveBack
 from .postgres_runs import PostgresRuns
 
@@ -136,6 +135,7 @@ class PostgresStore(PostgresRuns):
     """The journal, the runs and the secrets in PostgreSQL; see the module docstring."""
 
     def __init__(self, url: str, timeout: float = 5.0):
+        self.journal = self.runs = self  # one object plays both parts until the split into packages
         self.url = url
         self.timeout = timeout
         self._dsn, self.schema, self._pool_size = _parse_url(url)
@@ -350,7 +350,7 @@ class PostgresStore(PostgresRuns):
                 return ClaimResult(True, claim.entry(now))
             if run_epoch is not None and claim.epoch is not None and run_epoch > claim.epoch:
                 return ClaimResult(False, None, stale_epoch=run_epoch)
-            lapsed = live is not None and live.state == IN_FLIGHT and live.lease_until <= now
+            lapsed = live is not None and live.state == EntryState.IN_FLIGHT and live.lease_until <= now
             if claim.on_expired == "quarantine" and lapsed:  # its proxy died mid-call: outcome unknown
                 quarantined = await self._fetchrow("claim", sql.QUARANTINE_EXPIRED, kid, time.time(),
                                                    "the proxy holding the claim stopped mid-call",
@@ -446,10 +446,10 @@ class PostgresStore(PostgresRuns):
             self._wake(kid)
 
     async def quarantine(self, kid: str, owner: str | None, detail: str) -> None:
-        await self._set_state(kid, owner, UNKNOWN, detail)
+        await self._set_state(kid, owner, EntryState.UNKNOWN, detail)
 
     async def mark_unrecordable(self, kid: str, owner: str, detail: str) -> None:
-        await self._set_state(kid, owner, UNRECORDABLE, detail)
+        await self._set_state(kid, owner, EntryState.UNRECORDABLE, detail)
 
     async def resolve(self, kid: str, recorded: Recorded | None) -> bool:
         try:
@@ -487,9 +487,9 @@ class PostgresStore(PostgresRuns):
             if n < batch and m < batch:
                 return total
 
-    async def journal(self, namespace: str, run: str) -> list[Entry]:
+    async def entries(self, namespace: str, run: str) -> list[Entry]:
         rows = await self._fetch("journal", sql.JOURNAL, namespace, run)
         return [_entry(r, None if r["status"] is None else Recorded(r["status"], [], b"")) for r in rows]
 
-    async def delete_journal(self, namespace: str, run: str) -> int:
+    async def delete_run(self, namespace: str, run: str) -> int:
         return (await self._fetchrow("delete_journal", sql.DELETE_JOURNAL, namespace, run))[0]

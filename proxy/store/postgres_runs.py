@@ -13,7 +13,6 @@ import asyncpg
 from . import postgres_sql as sql
 from .base import ENDED, HISTORY_LIMIT, Run, advance_attempt, check_settable, remembered
 
-
 def _run(row: asyncpg.Record) -> Run:
     run = Run(*row)
     run.metadata, run.history = run.metadata or {}, run.history or []
@@ -22,18 +21,18 @@ def _run(row: asyncpg.Record) -> Run:
 
 
 class PostgresRuns:
-    async def upsert_run(self, run: Run) -> Run:
+    async def upsert(self, run: Run) -> Run:
         return _run(await self._fetchrow(
             "upsert_run", sql.UPSERT_RUN, run.namespace, run.run_id, run.state, run.epoch, run.restarts,
             run.last_seen, run.started_at, run.timeout_s, run.grace_s, run.max_restarts, run.hook,
             run.metadata, run.created_at, run.ended_at, run.next_restart_at, run.history[-HISTORY_LIMIT:],
             run.restart_times))
 
-    async def get_run(self, namespace: str | None, run_id: str) -> list[Run]:
+    async def find(self, namespace: str | None, run_id: str) -> list[Run]:
         rows = await self._fetch("get_run", sql.GET_RUN, namespace, run_id)
         return [_run(r) for r in rows]
 
-    async def list_runs(self, state: str | None = None, limit: int = 1000) -> list[Run]:
+    async def list(self, state: str | None = None, limit: int = 1000) -> list[Run]:
         rows = await self._fetch("list_runs", sql.LIST_RUNS, state or None, limit)
         return [_run(r) for r in rows]
 
@@ -66,7 +65,7 @@ class PostgresRuns:
             row = await self._fetchrow("heartbeat", sql.GET_RUN, namespace, run_id)
         return None if row is None else _run(row)
 
-    async def end_run(self, namespace: str, run_id: str, state: str, now: float,
+    async def end(self, namespace: str, run_id: str, state: str, now: float,
                       epoch: int | None = None) -> Run | None:
         async def op(c: asyncpg.Connection) -> Run | None:
             run = await self._locked_run(c, namespace, run_id)
@@ -90,11 +89,11 @@ class PostgresRuns:
             return run
         return await self._tx("new_attempt", op)
 
-    async def silent_runs(self, now: float) -> list[Run]:
+    async def silent(self, now: float) -> list[Run]:
         rows = await self._fetch("silent_runs", sql.SILENT_RUNS, now)
         return [_run(r) for r in rows]
 
-    async def set_run_state(self, namespace: str, run_id: str, state: str | None, now: float,
+    async def set_state(self, namespace: str, run_id: str, state: str | None, now: float,
                             event: dict[str, Any] | None = None, **fields: Any) -> None:
         check_settable(fields)
 
@@ -109,7 +108,7 @@ class PostgresRuns:
                             *fields.values())
         await self._tx("set_run_state", op)
 
-    async def count_runs(self) -> dict[str, int]:
+    async def count(self) -> dict[str, int]:
         rows = await self._fetch("count_runs", sql.COUNT_RUNS)
         return {state: n for state, n in rows}
 

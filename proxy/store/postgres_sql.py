@@ -12,7 +12,7 @@ import hashlib
 
 import asyncpg
 
-from .base import COMPLETE, IN_FLIGHT, RESTARTING, RUNNING, UNKNOWN
+from .base import EntryState, RunState
 
 # Append only: a deployed migration never changes; the next change is version N+1.
 MIGRATIONS: list[tuple[int, str]] = [(1, """
@@ -98,7 +98,7 @@ live AS (
     SELECT j.* FROM c, LATERAL (
         SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing FROM journal
         WHERE journal.kid = c.kid AND journal.expires_at > $15
-          AND NOT ($16 AND journal.state = '{IN_FLIGHT}' AND journal.lease_until <= $15
+          AND NOT ($16 AND journal.state = '{EntryState.IN_FLIGHT}' AND journal.lease_until <= $15
                    AND journal.fingerprint = c.fingerprint)
         LIMIT 1) AS j),
 asks AS (SELECT * FROM c WHERE kid NOT IN (SELECT kid FROM live)),
@@ -110,7 +110,7 @@ claimed AS (
     INSERT INTO journal (kid, tenant, run, epoch, upstream, key, fingerprint, method, path, namespace,
                          state, owner, lease_until, created_at, expires_at)
     SELECT kid, tenant, run, epoch, upstream, key, fingerprint, method, path, namespace,
-           '{IN_FLIGHT}', owner, lease_until, created_at, expires_at
+           '{EntryState.IN_FLIGHT}', owner, lease_until, created_at, expires_at
     FROM asks WHERE NOT EXISTS (
         SELECT 1 FROM fence f WHERE f.tenant = asks.namespace AND f.run_id = asks.run AND f.epoch > asks.epoch)
     ORDER BY kid
@@ -123,7 +123,7 @@ claimed AS (
         headers = NULL, body = NULL, streamed = false, timing = NULL, detail = NULL,
         completed_at = NULL, replays = 0
     -- an expired entry runs as new; a dead proxy's claim is taken over under "retry"
-    WHERE journal.expires_at <= $15 OR ($16 AND journal.state = '{IN_FLIGHT}'
+    WHERE journal.expires_at <= $15 OR ($16 AND journal.state = '{EntryState.IN_FLIGHT}'
           AND journal.lease_until <= $15 AND journal.fingerprint = excluded.fingerprint)
     RETURNING kid),
 -- a new claim, or a takeover: bytes a dead call left behind must not be joined
@@ -138,20 +138,20 @@ FROM c LEFT JOIN live ON live.kid = c.kid"""
 
 # $1 kid, $2 now, $3 detail, $4 fingerprint, $5 channel: a dead proxy's claim under "quarantine"
 QUARANTINE_EXPIRED = f"""
-UPDATE journal SET state = '{UNKNOWN}', owner = NULL, detail = $3
-WHERE kid = $1 AND state = '{IN_FLIGHT}' AND lease_until <= $2 AND expires_at > $2 AND fingerprint = $4
+UPDATE journal SET state = '{EntryState.UNKNOWN}', owner = NULL, detail = $3
+WHERE kid = $1 AND state = '{EntryState.IN_FLIGHT}' AND lease_until <= $2 AND expires_at > $2 AND fingerprint = $4
 RETURNING {ENTRY_COLUMNS}, pg_notify($5, kid)"""
 
 # Arrays, one element per record: $1 kid, $2 owner, $3 status, $4 headers (JSON text),
 # $5 body, $6 streamed, $7 timing (JSON text); then $8 now, $9 channel.
 COMPLETE_MANY = f"""
 WITH done AS (
-    UPDATE journal j SET state = '{COMPLETE}', owner = NULL, status = u.status,
+    UPDATE journal j SET state = '{EntryState.COMPLETE}', owner = NULL, status = u.status,
         headers = u.headers::jsonb, body = u.body, streamed = u.streamed, timing = u.timing::jsonb,
         completed_at = $8
     FROM unnest($1::text[], $2::text[], $3::int[], $4::text[], $5::bytea[], $6::bool[], $7::text[])
         AS u(kid, owner, status, headers, body, streamed, timing)
-    WHERE j.kid = u.kid AND j.owner = u.owner AND j.state = '{IN_FLIGHT}'
+    WHERE j.kid = u.kid AND j.owner = u.owner AND j.state = '{EntryState.IN_FLIGHT}'
     RETURNING j.kid, u.owner),
 dropped AS (DELETE FROM partials WHERE kid = ANY($1::text[])),
 -- one notification per hundred kids, not one each (a payload holds 8000 bytes)
@@ -180,12 +180,12 @@ WITH changed AS (
 DELETE FROM partials WHERE kid = $1"""
 
 # $1 kid, $2 channel
-RESOLVE_AS_RETRY = f"DELETE FROM journal WHERE kid = $1 AND state = '{UNKNOWN}' RETURNING pg_notify($2, kid)"
+RESOLVE_AS_RETRY = f"DELETE FROM journal WHERE kid = $1 AND state = '{EntryState.UNKNOWN}' RETURNING pg_notify($2, kid)"
 # $1 kid, $2 status, $3 headers, $4 body, $5 now, $6 channel
 RESOLVE_WITH_ANSWER = f"""
-UPDATE journal SET state = '{COMPLETE}', status = $2, headers = $3, body = $4, streamed = false,
+UPDATE journal SET state = '{EntryState.COMPLETE}', status = $2, headers = $3, body = $4, streamed = false,
     completed_at = $5, detail = 'resolved by operator'
-WHERE kid = $1 AND state = '{UNKNOWN}' RETURNING pg_notify($6, kid)"""
+WHERE kid = $1 AND state = '{EntryState.UNKNOWN}' RETURNING pg_notify($6, kid)"""
 
 # $1 kid, $2 seq, $3 data, $4 channel
 APPEND_PARTIAL = ("INSERT INTO partials (kid, seq, data) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING "
@@ -220,22 +220,22 @@ RETURNING {RUN_COLUMNS}"""
 # $6 grace_s, $7 max_restarts, $8 hook, $9 metadata. Returns nothing when the epoch is not higher.
 RAISE_EPOCH = f"""
 INSERT INTO runs ({RUN_COLUMNS})
-VALUES ($1, $2, '{RUNNING}', $3, 0, $4, $4, $5, $6, $7, $8, $9, $4, NULL, 0, '[]', '[]')
+VALUES ($1, $2, '{RunState.RUNNING}', $3, 0, $4, $4, $5, $6, $7, $8, $9, $4, NULL, 0, '[]', '[]')
 ON CONFLICT (tenant, run_id) DO UPDATE SET epoch = excluded.epoch, started_at = excluded.started_at,
-    state = CASE WHEN runs.state = '{RESTARTING}' THEN '{RUNNING}' ELSE runs.state END
+    state = CASE WHEN runs.state = '{RunState.RESTARTING}' THEN '{RunState.RUNNING}' ELSE runs.state END
 WHERE excluded.epoch > runs.epoch
 RETURNING epoch"""
 
 # $1 at, $2 namespace, $3 run_id. Traffic after a restart means the new attempt is up.
 TOUCH = f"""
 UPDATE runs SET last_seen = greatest(last_seen, $1),
-    state = CASE WHEN state = '{RESTARTING}' THEN '{RUNNING}' ELSE state END
+    state = CASE WHEN state = '{RunState.RESTARTING}' THEN '{RunState.RUNNING}' ELSE state END
 WHERE tenant = $2 AND run_id = $3"""
 # $1 at, $2 namespace, $3 run_id, $4 epoch (NULL: unfenced). A superseded attempt's beat
 # changes nothing (no row comes back).
 HEARTBEAT = f"""
 UPDATE runs SET last_seen = greatest(last_seen, $1),
-    state = CASE WHEN state = '{RESTARTING}' THEN '{RUNNING}' ELSE state END
+    state = CASE WHEN state = '{RunState.RESTARTING}' THEN '{RunState.RUNNING}' ELSE state END
 WHERE tenant = $2 AND run_id = $3 AND ($4::bigint IS NULL OR epoch <= $4)
 RETURNING {RUN_COLUMNS}"""
 # $1 namespaces, $2 run ids (arrays of the same length)
@@ -258,7 +258,7 @@ SECRET = ("INSERT INTO secrets (name, value) VALUES ($1, $2) "
 NEXT_OCCURRENCE = ("INSERT INTO occurrences (tenant, run, epoch, fingerprint, n, expires_at) "
                    "VALUES ($1, $2, $3, $4, 1, $5) ON CONFLICT (tenant, run, epoch, fingerprint) "
                    "DO UPDATE SET n = occurrences.n + 1, expires_at = excluded.expires_at RETURNING n")
-RENEW = f"UPDATE journal SET lease_until = $1 WHERE kid = $2 AND owner = $3 AND state = '{IN_FLIGHT}'"
+RENEW = f"UPDATE journal SET lease_until = $1 WHERE kid = $2 AND owner = $3 AND state = '{EntryState.IN_FLIGHT}'"
 READ_PARTIAL = "SELECT seq, data FROM partials WHERE kid = $1 AND seq > $2 ORDER BY seq"
 COUNT_REPLAYS = "UPDATE journal SET replays = replays + $1 WHERE kid = $2"
 JOURNAL = f"SELECT {ENTRY_COLUMNS}, status FROM journal WHERE namespace = $1 AND run = $2 ORDER BY created_at"
@@ -270,6 +270,6 @@ LOCK_RUN = f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = $1 AND run_id = $2 FO
 END_RUN = "UPDATE runs SET state = $1, ended_at = $2, history = $3 WHERE tenant = $4 AND run_id = $5"
 NEW_ATTEMPT = ("UPDATE runs SET epoch = $1, restarts = $2, state = $3, started_at = $4, last_seen = $4, "
                "history = $5, restart_times = $6 WHERE tenant = $7 AND run_id = $8")
-SILENT_RUNS = (f"SELECT {RUN_COLUMNS} FROM runs WHERE state IN ('{RUNNING}', '{RESTARTING}') "
+SILENT_RUNS = (f"SELECT {RUN_COLUMNS} FROM runs WHERE state IN ('{RunState.RUNNING}', '{RunState.RESTARTING}') "
                "AND last_seen + timeout_s < $1 AND started_at + grace_s < $1 AND next_restart_at <= $1")
 COUNT_RUNS = "SELECT state, count(*) FROM runs GROUP BY state"

@@ -41,9 +41,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from ..config import mask_url
-from .base import (COMPLETE, HISTORY_LIMIT, RESTARTING, RUN_STATES, RUNNING, UNKNOWN,
-                   UNRECORDABLE, Claim, ClaimResult, Entry, Recorded, Run, StoreUnavailable, Waiters,
-                   check_settable)
+from .base import (HISTORY_LIMIT, RUN_STATES, Claim, ClaimResult, Entry, EntryState, Recorded, Run, RunState,
+                   StoreUnavailable, Waiters, check_settable)
 from .batching import Batches, GiveBack
 from .redis_scripts import ENTRY_FIELDS, READ_FIELDS, SCRIPTS
 
@@ -136,13 +135,14 @@ def _run(raw: dict | list, history: list[bytes], restart_times: list[bytes]) -> 
 
 
 def _response_fields(recorded: Recorded, now: float) -> dict[str, Any]:
-    return {"state": COMPLETE, "status": recorded.status, "headers": orjson.dumps(recorded.headers),
+    return {"state": EntryState.COMPLETE, "status": recorded.status, "headers": orjson.dumps(recorded.headers),
             "body": recorded.body, "streamed": int(recorded.streamed),
             "timing": orjson.dumps(recorded.timing), "completed_at": now}
 
 
 class RedisStore:
     def __init__(self, url: str, timeout: float = 5.0):
+        self.journal = self.runs = self  # one object plays both parts until the split into packages
         self.url, self.prefix = split_url(url)
         self.timeout = timeout
         self.durability = "unknown until the store is opened"
@@ -408,10 +408,10 @@ class RedisStore:
             self._notify(kid)
 
     async def quarantine(self, kid: str, owner: str | None, detail: str) -> None:
-        await self._set_state(kid, owner, UNKNOWN, detail)
+        await self._set_state(kid, owner, EntryState.UNKNOWN, detail)
 
     async def mark_unrecordable(self, kid: str, owner: str, detail: str) -> None:
-        await self._set_state(kid, owner, UNRECORDABLE, detail)
+        await self._set_state(kid, owner, EntryState.UNRECORDABLE, detail)
 
     async def resolve(self, kid: str, recorded: Recorded | None) -> bool:
         answer = []
@@ -448,7 +448,7 @@ class RedisStore:
             if seen < batch or gone == 0:
                 return total
 
-    async def journal(self, namespace: str, run: str) -> list[Entry]:
+    async def entries(self, namespace: str, run: str) -> list[Entry]:
         kids = await self._do(self._redis.zrange(self._key("steps", run_ref(namespace, run)), 0, -1))
         pipe = self._redis.pipeline(transaction=False)
         for kid in kids:
@@ -456,7 +456,7 @@ class RedisStore:
         rows = await self._do(pipe.execute()) if kids else []
         return [_entry(row) for row in rows if row[0] is not None]
 
-    async def delete_journal(self, namespace: str, run: str) -> int:
+    async def delete_run(self, namespace: str, run: str) -> int:
         rk = run_ref(namespace, run)
         return await self._script("delete_journal", [self._key("steps", rk), self._key("occ", rk),
                                                      self._key("steps-expiry")], [self.prefix, rk])
@@ -484,7 +484,7 @@ class RedisStore:
                   "next_restart_at": run.next_restart_at}
         return {k: None if v is None else str(v) for k, v in fields.items()}
 
-    async def upsert_run(self, run: Run) -> Run:
+    async def upsert(self, run: Run) -> Run:
         new = self._new_run_fields(run)
         update = {k: new[k] for k in ("timeout_s", "grace_s", "max_restarts", "hook", "metadata")}
         history = [orjson.dumps(event).decode() for event in run.history[-HISTORY_LIMIT:]]
@@ -494,18 +494,18 @@ class RedisStore:
                                                       *map(repr, run.restart_times)])
         return _run(*reply)
 
-    async def get_run(self, namespace: str | None, run_id: str) -> list[Run]:
+    async def find(self, namespace: str | None, run_id: str) -> list[Run]:
         if namespace is not None:
             return await self._runs([run_ref(namespace, run_id)])
         rks = await self._do(self._redis.smembers(self._key("runs-named", run_id)))
         return await self._runs(sorted(rk.decode() for rk in rks))
 
-    async def list_runs(self, state: str | None = None, limit: int = 1000) -> list[Run]:
+    async def list(self, state: str | None = None, limit: int = 1000) -> list[Run]:
         index = self._key("runs", state) if state else self._key("runs")
         rks = await self._do(self._redis.zrevrange(index, 0, limit - 1))
         return await self._runs([rk.decode() for rk in rks])
 
-    async def count_runs(self) -> dict[str, int]:
+    async def count(self) -> dict[str, int]:
         pipe = self._redis.pipeline(transaction=False)
         for state in RUN_STATES:
             pipe.zcard(self._key("runs", state))
@@ -527,7 +527,7 @@ class RedisStore:
         current = await self._do(self._redis.hget(self._key("run", rk), "epoch"))
         if current is not None and (epoch is None or epoch <= int(current)):
             return int(current)  # the common case: a known run at its current epoch, no write
-        new = Run(namespace, run_id, RUNNING, epoch or 0, 0, now, now, defaults.timeout_s, defaults.grace_s,
+        new = Run(namespace, run_id, RunState.RUNNING, epoch or 0, 0, now, now, defaults.timeout_s, defaults.grace_s,
                   defaults.max_restarts, defaults.hook, defaults.metadata, now)
         return int(await self._script("observe_epoch", [], [
             self.prefix, rk, "" if epoch is None else epoch, repr(now),
@@ -544,7 +544,7 @@ class RedisStore:
                                                      "" if epoch is None else epoch])
         return _run(*reply) if reply else None
 
-    async def end_run(self, namespace: str, run_id: str, state: str, now: float,
+    async def end(self, namespace: str, run_id: str, state: str, now: float,
                       epoch: int | None = None) -> Run | None:
         reply = await self._script("end_run", [], [self.prefix, run_ref(namespace, run_id), state, repr(now),
                                                    "" if epoch is None else epoch])
@@ -557,13 +557,13 @@ class RedisStore:
             repr(now), reason, int(restart), "" if window_s is None else repr(float(window_s))])
         return _run(*reply) if reply else None
 
-    async def silent_runs(self, now: float) -> list[Run]:
+    async def silent(self, now: float) -> list[Run]:
         rks = await self._do(self._redis.zrangebyscore(self._key("runs-deadline"), "-inf", f"({now!r}"))
         runs = await self._runs([rk.decode() for rk in rks])
-        return [r for r in runs if r.state in (RUNNING, RESTARTING) and r.last_seen + r.timeout_s < now
+        return [r for r in runs if r.state in (RunState.RUNNING, RunState.RESTARTING) and r.last_seen + r.timeout_s < now
                 and r.started_at + r.grace_s < now and r.next_restart_at <= now]
 
-    async def set_run_state(self, namespace: str, run_id: str, state: str | None, now: float,
+    async def set_state(self, namespace: str, run_id: str, state: str | None, now: float,
                             event: dict[str, Any] | None = None, **fields: Any) -> None:
         check_settable(fields)
         changes = {k: None if v is None else str(v) for k, v in fields.items()}

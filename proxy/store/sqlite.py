@@ -20,8 +20,7 @@ from typing import Any, Callable
 
 import orjson
 
-from .base import (COMPLETE, IN_FLIGHT, UNKNOWN, UNRECORDABLE, Claim, ClaimResult, Entry, Recorded,
-                   StoreUnavailable, Waiters)
+from .base import Claim, ClaimResult, Entry, EntryState, Recorded, StoreUnavailable, Waiters
 from .sqlite_runs import SQLiteRuns
 
 log = logging.getLogger("idemproxy.store")
@@ -96,6 +95,7 @@ def _migrate(conn: sqlite3.Connection) -> None:
 
 class SQLiteStore(SQLiteRuns):
     def __init__(self, path: str, timeout: float = 5.0):
+        self.journal = self.runs = self  # one object plays both parts until the split into packages
         self.path = path
         self.timeout = timeout
         self.durability = "SQLite WAL with synchronous=FULL: every answer is fsynced first"
@@ -273,13 +273,13 @@ class SQLiteStore(SQLiteRuns):
                             "FROM journal WHERE kid = ?", (kid,)).fetchone()
             if row is not None and row["expires_at"] > now:
                 existing = _entry(row, _recorded(row))
-                if (existing.state != IN_FLIGHT or existing.lease_until > now
+                if (existing.state != EntryState.IN_FLIGHT or existing.lease_until > now
                         or existing.fingerprint != claim.fingerprint):
                     return ClaimResult(False, existing)
                 if claim.on_expired == "quarantine":  # its proxy died mid-call: outcome unknown
                     c.execute("UPDATE journal SET state = ?, owner = NULL, detail = ? WHERE kid = ?",
-                              (UNKNOWN, "the proxy holding the claim stopped mid-call", kid))
-                    existing.state, existing.owner = UNKNOWN, None
+                              (EntryState.UNKNOWN, "the proxy holding the claim stopped mid-call", kid))
+                    existing.state, existing.owner = EntryState.UNKNOWN, None
                     return ClaimResult(False, existing)
             # a new claim, or a takeover: bytes a dead call left behind must not be joined
             c.execute("DELETE FROM partials WHERE kid = ?", (kid,))
@@ -288,7 +288,7 @@ class SQLiteStore(SQLiteRuns):
                 "method, path, namespace, state, owner, lease_until, created_at, expires_at) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (kid, scope.tenant, scope.run, claim.epoch, scope.upstream, scope.key,
-                 claim.fingerprint, claim.method, claim.path, claim.namespace, IN_FLIGHT, claim.owner,
+                 claim.fingerprint, claim.method, claim.path, claim.namespace, EntryState.IN_FLIGHT, claim.owner,
                  now + claim.lease_s, now, now + claim.retention_s))
             return ClaimResult(True, claim.entry(now))
         return await self._write(op)
@@ -308,7 +308,7 @@ class SQLiteStore(SQLiteRuns):
     async def renew(self, kid: str, owner: str, lease_s: float) -> bool:
         def op(c):
             return c.execute("UPDATE journal SET lease_until = ? WHERE kid = ? AND owner = ? "
-                             "AND state = ?", (time.time() + lease_s, kid, owner, IN_FLIGHT)).rowcount == 1
+                             "AND state = ?", (time.time() + lease_s, kid, owner, EntryState.IN_FLIGHT)).rowcount == 1
         return await self._write(op)
 
     async def complete(self, kid: str, owner: str, recorded: Recorded) -> bool:
@@ -318,8 +318,8 @@ class SQLiteStore(SQLiteRuns):
             done = c.execute(
                 "UPDATE journal SET state = ?, owner = NULL, status = ?, headers = ?, body = ?, "
                 "streamed = ?, timing = ?, completed_at = ? WHERE kid = ? AND owner = ? AND state = ?",
-                (COMPLETE, recorded.status, headers, recorded.body, int(recorded.streamed), timing,
-                 time.time(), kid, owner, IN_FLIGHT)).rowcount == 1
+                (EntryState.COMPLETE, recorded.status, headers, recorded.body, int(recorded.streamed), timing,
+                 time.time(), kid, owner, EntryState.IN_FLIGHT)).rowcount == 1
             c.execute("DELETE FROM partials WHERE kid = ?", (kid,))
             return done
         try:
@@ -355,21 +355,21 @@ class SQLiteStore(SQLiteRuns):
             self._notify(kid)
 
     async def quarantine(self, kid: str, owner: str | None, detail: str) -> None:
-        await self._set_state(kid, owner, UNKNOWN, detail)
+        await self._set_state(kid, owner, EntryState.UNKNOWN, detail)
 
     async def mark_unrecordable(self, kid: str, owner: str, detail: str) -> None:
-        await self._set_state(kid, owner, UNRECORDABLE, detail)
+        await self._set_state(kid, owner, EntryState.UNRECORDABLE, detail)
 
     async def resolve(self, kid: str, recorded: Recorded | None) -> bool:
         def op(c):
             if recorded is None:
                 return c.execute("DELETE FROM journal WHERE kid = ? AND state = ?",
-                                 (kid, UNKNOWN)).rowcount == 1
+                                 (kid, EntryState.UNKNOWN)).rowcount == 1
             return c.execute(
                 "UPDATE journal SET state = ?, status = ?, headers = ?, body = ?, streamed = 0, "
                 "completed_at = ?, detail = 'resolved by operator' WHERE kid = ? AND state = ?",
-                (COMPLETE, recorded.status, orjson.dumps(recorded.headers), recorded.body,
-                 time.time(), kid, UNKNOWN)).rowcount == 1
+                (EntryState.COMPLETE, recorded.status, orjson.dumps(recorded.headers), recorded.body,
+                 time.time(), kid, EntryState.UNKNOWN)).rowcount == 1
         try:
             return await self._write(op)
         finally:
@@ -408,7 +408,7 @@ class SQLiteStore(SQLiteRuns):
             if n < batch:
                 return total
 
-    async def journal(self, namespace: str, run: str) -> list[Entry]:
+    async def entries(self, namespace: str, run: str) -> list[Entry]:
         rows = self._read(f"SELECT {ENTRY_COLUMNS}, status FROM journal WHERE namespace = ? AND run = ? "
                           "ORDER BY created_at", (namespace, run))
         out = []
@@ -419,7 +419,7 @@ class SQLiteStore(SQLiteRuns):
             out.append(entry)
         return out
 
-    async def delete_journal(self, namespace: str, run: str) -> int:
+    async def delete_run(self, namespace: str, run: str) -> int:
         def op(c):
             c.execute("DELETE FROM partials WHERE kid IN (SELECT kid FROM journal WHERE namespace = ? "
                       "AND run = ?)", (namespace, run))

@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from .base import (ENDED, HISTORY_LIMIT, RESTARTING, RUNNING, Run, advance_attempt, check_settable,
+from .base import (ENDED, HISTORY_LIMIT, Run, RunState, advance_attempt, check_settable,
                    remembered)
 
 RUN_COLUMNS = ("tenant, run_id, state, epoch, restarts, last_seen, started_at, timeout_s, grace_s, "
@@ -34,7 +34,7 @@ def _run_in(c: sqlite3.Connection, namespace: str, run_id: str) -> Run | None:
 
 
 class SQLiteRuns:
-    async def upsert_run(self, run: Run) -> Run:
+    async def upsert(self, run: Run) -> Run:
         def op(c):
             c.execute(
                 f"INSERT INTO runs ({RUN_COLUMNS}) VALUES ({', '.join('?' * 17)}) "
@@ -47,7 +47,7 @@ class SQLiteRuns:
             return _run_in(c, run.namespace, run.run_id)
         return await self._write(op)
 
-    async def get_run(self, namespace: str | None, run_id: str) -> list[Run]:
+    async def find(self, namespace: str | None, run_id: str) -> list[Run]:
         if namespace is None:
             rows = self._read(f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = ?", (run_id,))
         else:
@@ -55,7 +55,7 @@ class SQLiteRuns:
                               (namespace, run_id))
         return [_run(r) for r in rows]
 
-    async def list_runs(self, state: str | None = None, limit: int = 1000) -> list[Run]:
+    async def list(self, state: str | None = None, limit: int = 1000) -> list[Run]:
         if state:
             rows = self._read(f"SELECT {RUN_COLUMNS} FROM runs WHERE state = ? "
                               "ORDER BY created_at DESC LIMIT ?", (state, limit))
@@ -77,9 +77,9 @@ class SQLiteRuns:
                 "ON CONFLICT DO UPDATE SET epoch = excluded.epoch, started_at = excluded.started_at, "
                 "state = CASE WHEN state = ? THEN ? ELSE state END "
                 "WHERE excluded.epoch > runs.epoch",
-                (namespace, run_id, RUNNING, epoch or 0, now, now, defaults.timeout_s, defaults.grace_s,
+                (namespace, run_id, RunState.RUNNING, epoch or 0, now, now, defaults.timeout_s, defaults.grace_s,
                  defaults.max_restarts, defaults.hook, orjson.dumps(defaults.metadata), now, b"[]", b"[]",
-                 RESTARTING, RUNNING))
+                 RunState.RESTARTING, RunState.RUNNING))
             return c.execute("SELECT epoch FROM runs WHERE tenant = ? AND run_id = ?",
                              (namespace, run_id)).fetchone()[0]
         return await self._write(op)
@@ -87,7 +87,7 @@ class SQLiteRuns:
     async def touch(self, beats: dict[tuple[str, str], float]) -> None:
         await self._write(lambda c: c.executemany(
             "UPDATE runs SET last_seen = max(last_seen, ?), "
-            f"state = CASE WHEN state = '{RESTARTING}' THEN '{RUNNING}' ELSE state END "
+            f"state = CASE WHEN state = '{RunState.RESTARTING}' THEN '{RunState.RUNNING}' ELSE state END "
             "WHERE tenant = ? AND run_id = ?",
             [(at, namespace, run) for (namespace, run), at in beats.items()]))
 
@@ -95,13 +95,13 @@ class SQLiteRuns:
                         epoch: int | None = None) -> Run | None:
         def op(c):
             c.execute("UPDATE runs SET last_seen = max(last_seen, ?), "
-                      f"state = CASE WHEN state = '{RESTARTING}' THEN '{RUNNING}' ELSE state END "
+                      f"state = CASE WHEN state = '{RunState.RESTARTING}' THEN '{RunState.RUNNING}' ELSE state END "
                       "WHERE tenant = ? AND run_id = ? AND (? IS NULL OR epoch <= ?)",
                       (now, namespace, run_id, epoch, epoch))
             return _run_in(c, namespace, run_id)
         return await self._write(op)
 
-    async def end_run(self, namespace: str, run_id: str, state: str, now: float,
+    async def end(self, namespace: str, run_id: str, state: str, now: float,
                       epoch: int | None = None) -> Run | None:
         def op(c):
             run = _run_in(c, namespace, run_id)
@@ -132,13 +132,13 @@ class SQLiteRuns:
             return run
         return await self._write(op)
 
-    async def silent_runs(self, now: float) -> list[Run]:
+    async def silent(self, now: float) -> list[Run]:
         rows = self._read(f"SELECT {RUN_COLUMNS} FROM runs WHERE state IN (?, ?) "
                           "AND last_seen + timeout_s < ? AND started_at + grace_s < ? "
-                          "AND next_restart_at <= ?", (RUNNING, RESTARTING, now, now, now))
+                          "AND next_restart_at <= ?", (RunState.RUNNING, RunState.RESTARTING, now, now, now))
         return [_run(r) for r in rows]
 
-    async def set_run_state(self, namespace: str, run_id: str, state: str | None, now: float,
+    async def set_state(self, namespace: str, run_id: str, state: str | None, now: float,
                             event: dict[str, Any] | None = None, **fields: Any) -> None:
         check_settable(fields)
 
@@ -156,7 +156,7 @@ class SQLiteRuns:
                       (state, orjson.dumps(history), *fields.values(), namespace, run_id))
         await self._write(op)
 
-    async def count_runs(self) -> dict[str, int]:
+    async def count(self) -> dict[str, int]:
         return {state: n for state, n in self._read("SELECT state, count(*) FROM runs GROUP BY state")}
 
     async def count_steps(self, runs: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
