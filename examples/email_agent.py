@@ -1,12 +1,13 @@
 """An async agent that drafts emails with a model and sends them through idemproxy.
 
-For each recipient it asks the model for a draft (``run.async_openai()``) and sends it
-with the email tool (examples/email_tool_server.py, upstream ``email``), which has no
-deduplication of its own. Every send carries the explicit key ``run.key("email", to)``:
-the same in every attempt, known before the call. Started with ``--crash-at K`` the
-process SIGKILLs itself right after the K-th email went out. The supervisor starts this
-script again (hook ``email_agent`` in examples/config.toml); the first K sends are
-answered from the journal, the rest go out, and the outbox holds each email once.
+For each recipient it asks the model for a draft (``run.openai()``, an ``AsyncOpenAI``
+under ``AsyncRun``) and sends it with the email tool (examples/email_tool_server.py,
+upstream ``email``), which has no deduplication of its own. Every send carries the
+explicit key ``run.key("email", to)``: the same in every attempt, known before the call.
+Started with ``--crash-at K`` the process SIGKILLs itself right after the K-th email went
+out. The supervisor starts this script again (hook ``email_agent`` in
+examples/config.toml); the first K sends are answered from the journal, the rest go out,
+and the outbox holds each email once.
 
     IDEM_RUN_ID=email-1 python examples/email_agent.py --to ada@example.com --to alan@example.com \\
         --crash-at 1
@@ -24,7 +25,7 @@ import os
 import signal
 import sys
 
-from idemproxy_client import Run
+from idemproxy_client import AsyncRun
 
 DEFAULT_RECIPIENTS = ["ada@example.com", "alan@example.com", "grace@example.com",
                       "edsger@example.com", "barbara@example.com"]
@@ -46,12 +47,12 @@ def served(headers) -> str:
 async def main() -> int:
     args = parse_args()
     metadata = {"recipients": args.to} if args.to else None
-    async with Run(hook="email_agent", metadata=metadata) as run:
+    async with AsyncRun(hook="email_agent", metadata=metadata) as run:
         recipients = list(run.info.metadata.get("recipients", DEFAULT_RECIPIENTS)
                           if run.info else DEFAULT_RECIPIENTS)
         total = len(recipients)
         print(f"run {run.run_id} epoch {run.epoch}: {total} emails", flush=True)
-        async with run.async_openai() as llm, run.aiohttp_session("email") as email:
+        async with run.openai() as llm, run.aiohttp_session("email") as email:
             for n, to in enumerate(recipients, 1):
                 raw = await llm.chat.completions.with_raw_response.create(
                     model="gpt-4o-mini",

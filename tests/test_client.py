@@ -1,8 +1,8 @@
 """idemproxy-client against a real proxy: runs, epochs, keys, heartbeats, SDK clients.
 
-The client is sync httpx (and async httpx); the proxy and the fake provider run on this
-test's event loop, so sync client code runs in a worker thread (``asyncio.to_thread``)
-while the loop serves it. Restarted agents are real subprocesses.
+``Run`` is sync httpx and ``AsyncRun`` async httpx; the proxy and the fake provider run on
+this test's event loop, so sync client code runs in a worker thread
+(``asyncio.to_thread``) while the loop serves it. Restarted agents are real subprocesses.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import httpx
 import pytest
 
 from idemproxy.proxy.identity import parse_key
-from idemproxy_client import (ProxyUnreachable, Run, RunEnded, RunExists, Superseded,
-                              step_key)
+from idemproxy_client import (AsyncRun, ProxyUnreachable, Run, RunEnded, RunExists, RunInfo,
+                              RunState, Superseded, step_key)
 
 REPO = Path(__file__).resolve().parent.parent
 CLIENT = REPO / "clients" / "python"
@@ -88,7 +88,7 @@ def agent_script(tmp_path) -> Path:
 async def test_sync_run_registers_calls_through_the_proxy_and_completes(proxy, provider, http):
     def agent():
         with Run("trip-1", proxy_url=proxy.url, timeout_s=30, metadata={"user": "ann"}, env={}) as run:
-            assert run.epoch == 0 and run.info.state == "running"
+            assert run.epoch == 0 and run.info.state is RunState.RUNNING
             assert run.base_url == f"{proxy.url}/runs/trip-1/epochs/0"
             assert run.url("openai", "/v1") == f"{proxy.url}/runs/trip-1/epochs/0/openai/v1"
             with run.openai(api_key="sk-test") as llm:
@@ -299,14 +299,14 @@ async def test_a_zombie_that_never_noticed_cannot_end_the_run(proxy, http):
     state = await run_state(http, proxy.url, "late")
     assert (state["state"], state["epoch"]) == ("running", 1)
 
-    old = await Run("late-async", proxy_url=proxy.url, heartbeat=False, env={}).astart()
+    old = await AsyncRun("late-async", proxy_url=proxy.url, heartbeat=False, env={}).start()
     try:
         async with http.post(f"{proxy.url}/runs/late-async/attempts") as resp:
             assert (await resp.json())["epoch"] == 1
         with pytest.raises(Superseded):
-            await old.afail()
+            await old.fail()
         with pytest.raises(Superseded):
-            await old.aheartbeat()
+            await old.heartbeat()
         assert old.superseded
     finally:
         await old.aclose()
@@ -317,16 +317,16 @@ async def test_a_zombie_that_never_noticed_cannot_end_the_run(proxy, http):
 # -- async ----------------------------------------------------------------------------------
 
 async def test_async_run_with_sdk_clients_and_heartbeat_task(proxy, provider, http):
-    async with Run("async-1", proxy_url=proxy.url, timeout_s=0.6, env={}) as run:
+    async with AsyncRun("async-1", proxy_url=proxy.url, timeout_s=0.6, env={}) as run:
         registered = run.info.last_seen
-        async with run.async_openai() as llm, run.async_anthropic(api_key="sk-ant") as claude:
+        async with run.openai() as llm, run.anthropic(api_key="sk-ant") as claude:
             chat = await llm.chat.completions.create(**CHAT)
             message = await claude.messages.create(
                 model="claude", max_tokens=10, messages=[{"role": "user", "content": "hi"}])
-        async with run.async_client("tools") as tools:
+        async with run.client("tools") as tools:
             sent = await tools.post("/notify", headers=run.headers(run.key("notify", 1)))
         await asyncio.sleep(1.0)  # the heartbeat task keeps the run alive meanwhile
-        beat = (await run.arefresh()).last_seen
+        beat = (await run.refresh()).last_seen
     assert chat.choices[0].message.content.startswith("reply")
     assert message.content[0].text.startswith("claude reply")
     assert sent.status_code == 200 and beat > registered + 0.5
@@ -336,24 +336,61 @@ async def test_async_run_with_sdk_clients_and_heartbeat_task(proxy, provider, ht
 
 async def test_async_run_fails_on_exception_and_resumes_with_new_epoch(proxy, provider, http):
     with pytest.raises(RuntimeError):
-        async with Run("async-2", proxy_url=proxy.url, heartbeat=False, env={}):
+        async with AsyncRun("async-2", proxy_url=proxy.url, heartbeat=False, env={}):
             raise RuntimeError("model said no")
     assert (await run_state(http, proxy.url, "async-2"))["state"] == "failed"
 
-    async with Run("async-3", proxy_url=proxy.url, heartbeat=False, finish=False, env={}) as run:
-        async with run.async_openai() as llm:
+    async with AsyncRun("async-3", proxy_url=proxy.url, heartbeat=False, finish=False, env={}) as run:
+        async with run.openai() as llm:
             first = await llm.chat.completions.create(**CHAT)
-    async with Run("async-3", proxy_url=proxy.url, heartbeat=False, env={}) as again:
+    async with AsyncRun("async-3", proxy_url=proxy.url, heartbeat=False, env={}) as again:
         assert again.epoch == 1
-        async with again.async_openai() as llm:
+        async with again.openai() as llm:
             replay = await llm.chat.completions.with_raw_response.create(**CHAT)
     assert replay.headers["Idempotent-Replayed"] == "true"
     assert replay.parse().choices[0].message.content == first.choices[0].message.content
     assert provider.calls["chat"] == 1
 
 
+async def test_async_run_step_by_step_starts_beats_and_completes(proxy, http):
+    run = await AsyncRun("async-steps", proxy_url=proxy.url, timeout_s=30, heartbeat=False,
+                         env={}).start()
+    try:
+        assert (run.epoch, run.info.state) == (0, RunState.RUNNING)
+        registered = run.info.last_seen
+        await asyncio.sleep(0.05)
+        beat = await run.heartbeat()
+        assert beat.state is RunState.RUNNING and beat.last_seen > registered
+        assert (await run.refresh()).last_seen == beat.last_seen
+        done = await run.complete()
+        assert done is not None and done.state is RunState.COMPLETED and run.info is done
+        assert await run.complete() is None  # marked once; the block's end would do nothing
+        with pytest.raises(RunEnded):
+            await run.heartbeat()  # an ended run takes no beats
+        with pytest.raises(RuntimeError):
+            await run.start()  # one start per AsyncRun
+    finally:
+        await run.aclose()
+    assert (await run_state(http, proxy.url, "async-steps"))["state"] == RunState.COMPLETED
+
+
+async def test_async_superseded_attempt_stops_beating_and_does_not_end_the_run(proxy, http):
+    async with AsyncRun("twice-async", proxy_url=proxy.url, timeout_s=0.3, env={}) as old:
+        async with AsyncRun("twice-async", proxy_url=proxy.url, heartbeat=False, finish=False,
+                            env={}) as new:
+            assert new.epoch == old.epoch + 1
+        deadline = time.monotonic() + 5
+        while not old.superseded:  # the heartbeat task learns it from a refused beat
+            assert time.monotonic() < deadline, "the old attempt never noticed"
+            await asyncio.sleep(0.05)
+        with pytest.raises(Superseded):
+            await old.heartbeat()
+    state = await run_state(http, proxy.url, "twice-async")
+    assert (state["state"], state["epoch"]) == ("running", 1)  # the zombie completed nothing
+
+
 async def test_aiohttp_session_extra(proxy, provider):
-    async with Run("aio", proxy_url=proxy.url, heartbeat=False, env={}) as run:
+    async with AsyncRun("aio", proxy_url=proxy.url, heartbeat=False, env={}) as run:
         async with run.aiohttp_session("tools") as session:
             async with session.post("ping", headers={"Idempotency-Key": run.key("ping")}) as r:
                 assert r.status == 200 and (await r.json())["tool"] == "ping"
@@ -367,6 +404,15 @@ def test_unreachable_proxy_is_reported(tmp_path):
         port = s.getsockname()[1]
     with pytest.raises(ProxyUnreachable):
         Run("nobody", proxy_url=f"http://127.0.0.1:{port}", env={}).start()
+
+
+def test_run_states_are_the_strings_the_proxy_sends():
+    info = RunInfo.from_json({"run_id": "r", "state": "dead", "epoch": 2})
+    assert info.state is RunState.DEAD and info.state == "dead" and f"{info.state}" == "dead"
+    assert info.ended and RunInfo.from_json({"run_id": "r"}).state is RunState.RUNNING
+    assert [state for state in RunState if state.ended] == ["completed", "failed", "dead"]
+    with pytest.raises(ValueError):
+        RunState("paused")
 
 
 def test_environment_names_the_run_and_the_proxy():

@@ -7,13 +7,23 @@
         key = run.key("charge", order_id)            # the same key in every attempt
         run.client("tools").post("/charge", json=..., headers={"Idempotency-Key": key})
 
+asyncio code uses ``AsyncRun`` the same way, with async clients and awaited methods:
+
+    from idemproxy_client import AsyncRun
+
+    async with AsyncRun("order-42", timeout_s=120) as run:
+        async with run.openai() as llm:              # an openai.AsyncOpenAI
+            reply = await llm.chat.completions.create(...)
+
 A crashed run restarted by the supervisor (or started again by anything else) replays
 its recorded calls from the proxy's journal and goes live where it stopped.
+``run.info.state`` is a ``RunState`` (running, restarting, completed, failed, dead).
 """
 
+from .async_run import AsyncRun
 from .errors import (IdemProxyError, ProblemError, ProxyUnreachable, RunEnded, RunExists,
                      RunNotFound, Superseded)
-from .info import RunInfo
+from .info import RunInfo, RunState
 from .keys import step_key
 from .launch import Launch
 from .run import Run
@@ -21,6 +31,6 @@ from .run import Run
 __version__ = "0.1.0"
 
 __all__ = [
-    "IdemProxyError", "Launch", "ProblemError", "ProxyUnreachable", "Run", "RunEnded",
-    "RunExists", "RunInfo", "RunNotFound", "Superseded", "step_key",
+    "AsyncRun", "IdemProxyError", "Launch", "ProblemError", "ProxyUnreachable", "Run",
+    "RunEnded", "RunExists", "RunInfo", "RunNotFound", "RunState", "Superseded", "step_key",
 ]

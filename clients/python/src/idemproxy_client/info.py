@@ -2,15 +2,32 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Mapping
 
-RUNNING = "running"
-RESTARTING = "restarting"
-COMPLETED = "completed"
-FAILED = "failed"
-DEAD = "dead"
-ENDED_STATES = frozenset({COMPLETED, FAILED, DEAD})
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:  # the client supports 3.10, which lacks StrEnum: members are their value as str
+    class StrEnum(str, Enum):
+        def __str__(self) -> str:
+            return str(self.value)
+
+
+class RunState(StrEnum):
+    """A run's state; each member equals the string the proxy sends (``"running"``, …)."""
+
+    RUNNING = "running"
+    RESTARTING = "restarting"  # the supervisor is starting a new attempt
+    COMPLETED = "completed"
+    FAILED = "failed"
+    DEAD = "dead"  # given up: out of restarts, or silent with no hook to start it again
+
+    @property
+    def ended(self) -> bool:
+        """Completed, failed or dead: the run takes no new attempt."""
+        return self in (RunState.COMPLETED, RunState.FAILED, RunState.DEAD)
 
 
 @dataclass(frozen=True)
@@ -18,7 +35,7 @@ class RunInfo:
     """One snapshot of a run. Times are UNIX seconds; ``raw`` keeps every member sent."""
 
     run_id: str
-    state: str
+    state: RunState
     epoch: int
     namespace: str = "default"
     restarts: int = 0
@@ -37,7 +54,7 @@ class RunInfo:
     @property
     def ended(self) -> bool:
         """Completed, failed or dead: the run takes no new attempt."""
-        return self.state in ENDED_STATES
+        return self.state.ended
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> RunInfo:
@@ -45,7 +62,7 @@ class RunInfo:
         ended_at = body.get("ended_at")
         return cls(
             run_id=str(body["run_id"]),
-            state=str(body.get("state", RUNNING)),
+            state=RunState(body.get("state", RunState.RUNNING)),
             epoch=int(body.get("epoch", 0)),
             namespace=str(body.get("namespace", "default")),
             restarts=int(body.get("restarts", 0)),

@@ -14,7 +14,7 @@ from typing import Awaitable, Callable, Generator, TypeVar
 from . import api
 from .api import Answer, Call, RunOptions
 from .errors import IdemProxyError, RunEnded, RunExists, RunNotFound, Superseded
-from .info import RunInfo
+from .info import RunInfo, RunState
 
 log = logging.getLogger("idemproxy_client")
 
@@ -50,11 +50,7 @@ def begin(run_id: str, handed_epoch: int | None, options: RunOptions, resume: bo
     return answer.run
 
 
-COMPLETED = "completed"
-FAILED = "failed"
-
-
-def outcome_of(error: BaseException | None) -> str | None:
+def outcome_of(error: BaseException | None) -> RunState | None:
     """How a block that ended with ``error`` (None: normally) marks its run.
 
     - Normal exit, or ``SystemExit`` with code 0/None: ``completed``.
@@ -65,18 +61,18 @@ def outcome_of(error: BaseException | None) -> str | None:
       resumes it.
     """
     if error is None or (isinstance(error, SystemExit) and error.code in (None, 0)):
-        return COMPLETED
+        return RunState.COMPLETED
     if isinstance(error, Exception):
-        return FAILED
+        return RunState.FAILED
     return None
 
 
-def finish(run_id: str, epoch: int, outcome: str | None) -> Plan[RunInfo | None]:
+def finish(run_id: str, epoch: int, outcome: RunState | None) -> Plan[RunInfo | None]:
     """Mark the run ``outcome`` (``completed`` or ``failed``); None leaves it running."""
     if outcome is None:
         log.info("run %s left running: its process was interrupted", run_id)
         return None
-    call = api.complete(run_id, epoch) if outcome == COMPLETED else api.fail(run_id, epoch)
+    call = api.complete(run_id, epoch) if outcome is RunState.COMPLETED else api.fail(run_id, epoch)
     try:
         answer = yield call
     except RunEnded as exc:
