@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from idemproxy.proxy.server import run, until_signalled  # idemproxy serve's own loop and stop
+from idemproxy.proxy.eventloop import run, until_signalled  # idemproxy serve's own loop and stop
 
 __all__ = ["run", "serve_until_signalled"]
 

@@ -1,4 +1,5 @@
-"""The aiohttp application: routes, and the lifecycle of the store and upstream pools."""
+"""The aiohttp application: routes, and the lifecycle of the store, the upstream pools and
+the runs service."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
+from .appkeys import METRICS, PROXY, RUNS, SETTINGS, STORE, TENANTS
 from .config import Settings
+from .errors import problem_middleware
 from .forward import make_session
 from .handler import Proxy
 from .heartbeats import Heartbeats
@@ -19,51 +22,32 @@ from .identity import TenantResolver
 from .metrics import Metrics
 from .problems import Problem
 from .replay import server_timing
-from .store import Store, StoreUnavailable, make_store
+from .runs import Launcher, RunsService, admin, api
+from .store import Store, StoreUnavailable, open_store
 
 log = logging.getLogger("idemproxy.proxy")
 
-SETTINGS = web.AppKey("settings", Settings)
-STORE = web.AppKey("store", Store)
-PROXY = web.AppKey("proxy", Proxy)
-METRICS = web.AppKey("metrics", Metrics)
-OPEN_ATTEMPTS = 8
 RUNS_COUNT_TTL_S = 1.0  # scrapes closer together than this show the same count of runs
 
+# Builds what fires hooks, once the store is open: the composition root hands in the
+# supervisor's Hooks, so this package never imports the supervisor.
+LauncherFactory = Callable[[Settings, Store], Launcher]
 
-def create_app(settings: Settings, *, extra_routes: Callable[[web.Application], None] | None = None
-               ) -> web.Application:
+
+def create_app(settings: Settings, launcher: LauncherFactory) -> web.Application:
     # We read bodies ourselves to answer 413 as problem+json; aiohttp's own cap sits above ours.
     app = web.Application(client_max_size=settings.server.max_request_bytes + 1024,
-                          middlewares=[_origin_form_only])
+                          middlewares=[problem_middleware, _origin_form_only])
     app[SETTINGS] = settings
     app[METRICS] = Metrics()
-    app.cleanup_ctx.append(_lifecycle)
+    app.cleanup_ctx.append(lambda app: _lifecycle(app, launcher))
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
-    if extra_routes is not None:
-        extra_routes(app)
+    api.add_routes(app.router)
+    app.add_subapp("/admin/", admin.admin_app())
     app.router.add_route("*", "/{tail:.*}", _proxy)
     return app
-
-
-async def open_store(settings: Settings) -> Store:
-    """Open the configured store, retrying with backoff while it is not reachable yet."""
-    store = make_store(settings.store)
-    for attempt in range(1, OPEN_ATTEMPTS + 1):
-        try:
-            await store.open()
-            log.info("store %r open; durability: %s", store, store.durability)
-            return store
-        except StoreUnavailable as exc:
-            if attempt == OPEN_ATTEMPTS:
-                raise
-            delay = min(0.25 * 2 ** attempt, 10.0)
-            log.warning("store not reachable (attempt %d/%d, next in %.1fs): %s",
-                        attempt, OPEN_ATTEMPTS, delay, exc)
-            await asyncio.sleep(delay)
-    raise AssertionError("unreachable")
 
 
 async def tenant_secret(settings: Settings, store: Store) -> bytes:
@@ -74,15 +58,16 @@ async def tenant_secret(settings: Settings, store: Store) -> bytes:
     return await store.secret("tenant-hmac", os.urandom(32))
 
 
-async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+async def _lifecycle(app: web.Application, make_launcher: LauncherFactory) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     store = app[STORE] = await open_store(settings)
     t = settings.tenants
+    tenants = app[TENANTS] = TenantResolver(await tenant_secret(settings, store), t.credential_headers,
+                                            t.header, t.trusted_sources)
+    launcher = make_launcher(settings, store)
+    app[RUNS] = RunsService(store, settings, launcher)
     proxy = app[PROXY] = Proxy(
-        settings, store,
-        TenantResolver(await tenant_secret(settings, store), t.credential_headers, t.header,
-                       t.trusted_sources),
-        Heartbeats(store), app[METRICS],
+        settings, store, tenants, Heartbeats(store), app[METRICS],
         sessions={name: make_session(up) for name, up in settings.upstreams.items()})
     tasks = [asyncio.create_task(loop, name=name) for name, loop in (
         ("heartbeats", proxy.heartbeats.run()),
@@ -102,6 +87,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             await proxy.flush_replay_counts()
         for session in proxy.sessions.values():
             await session.close()
+        await launcher.aclose()
         await store.aclose()
 
 

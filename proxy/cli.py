@@ -1,19 +1,71 @@
-"""The idemproxy command: serve the proxy, supervise runs, inspect runs and the journal."""
+"""The idemproxy command, and the composition root: the one place where the proxy and the
+supervisor meet (uvicorn's main.py does the same for its server and supervisors).
+
+Everything below builds parts and hands them to each other; no part imports the other's
+package. The runs service (proxy/runs) fires hooks through the supervisor's ``Hooks``,
+and the supervisor's loop runs beside the proxy app in ``serve``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
+from typing import AsyncIterator
 
+from aiohttp import web
+
+from ..supervisor import Hooks, Supervisor, commands as supervisor_commands
 from . import commands, server
+from .app import create_app
+from .appkeys import METRICS, RUNS, SETTINGS
 from .config import ConfigError, Settings, load_settings
 
 log = logging.getLogger("idemproxy")
 
 
-def _settings(args: argparse.Namespace) -> Settings:
+def build_app(settings: Settings, *, supervise: bool) -> web.Application:
+    """The proxy app, its runs service firing the supervisor's hooks; with ``supervise``,
+    the supervisor's loop runs with it (started after the store opens, stopped before)."""
+    app = create_app(settings, launcher=Hooks)
+    if supervise:
+        app.cleanup_ctx.append(_supervisor)
+    return app
+
+
+async def _supervisor(app: web.Application) -> AsyncIterator[None]:
+    stop = asyncio.Event()
+    loop = asyncio.create_task(Supervisor(app[RUNS], app[SETTINGS], app[METRICS]).run(stop))
+    yield
+    stop.set()  # graceful: the tick in progress finishes, claims get their hooks
+    await loop
+
+
+async def serve_app(settings: Settings, *, supervise: bool, reuse_port: bool = False) -> None:
+    await server.serve_until_signalled(build_app(settings, supervise=supervise), settings,
+                                       reuse_port=reuse_port)
+
+
+def serve(settings: Settings, args: argparse.Namespace | None = None) -> int:
+    return server.serve(settings, serve_app)
+
+
+def common_options() -> argparse.ArgumentParser:
+    """Options every command takes, declared once. SUPPRESS: a value given before a
+    subcommand's name stays when the subcommand does not repeat it."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", "-c", default=argparse.SUPPRESS,
+                        help="TOML file (default: $IDEMPROXY_CONFIG, else the embedded config/default.toml)")
+    common.add_argument("--set", action="append", default=argparse.SUPPRESS,
+                        metavar="SECTION.OPTION=VALUE", help="override one option; may repeat")
+    common.add_argument("--store", default=argparse.SUPPRESS,
+                        help="store URL: sqlite:///file.db, postgresql://..., redis://...")
+    return common
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
     overrides = {
         "server.host": getattr(args, "host", None),
         "server.port": getattr(args, "port", None),
@@ -27,42 +79,25 @@ def _settings(args: argparse.Namespace) -> Settings:
         if not sep:
             raise ConfigError(f"--set wants section.option=value, got {item!r}")
         overrides[dotted.strip()] = value
-    return load_settings(args.config, overrides=overrides)
+    # IDEMPROXY_CONFIG lets a container image name its config file once for every
+    # command (serve, supervise, check in a HEALTHCHECK) instead of in each argv.
+    config = getattr(args, "config", None) or os.environ.get("IDEMPROXY_CONFIG") or None
+    return load_settings(config, overrides=overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="idemproxy", description=__doc__)
+    parser = argparse.ArgumentParser(prog="idemproxy", description=__doc__.split("\n")[0])
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
-
-    def command(name: str, help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help)
-        # IDEMPROXY_CONFIG lets a container image name its config file once for every
-        # command (serve, supervise, check in a HEALTHCHECK) instead of in each argv.
-        p.add_argument("--config", "-c", default=os.environ.get("IDEMPROXY_CONFIG") or None,
-                       help="TOML file (default: $IDEMPROXY_CONFIG, else the embedded "
-                            "config/default.toml)")
-        p.add_argument("--set", action="append", metavar="SECTION.OPTION=VALUE",
-                       help="override one option; may repeat")
-        return p
-
-    serve = command("serve", "run the proxy (and the supervisor, unless disabled)")
-    serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
-    serve.add_argument("--store", help="store URL: sqlite:///file.db, postgresql://..., redis://...")
-    serve.add_argument("--workers", type=int, help="processes sharing the port (SO_REUSEPORT)")
-    serve.add_argument("--no-supervisor", action="store_true")
-    serve.set_defaults(handler=server.serve)
-    check = command("check", "check configuration and store; exit 0 when healthy")
-    check.add_argument("--store")
-    check.set_defaults(handler=commands.check)
-    commands.add_subcommands(sub, command)
+    common = common_options()
+    commands.add_commands(sub, common, serve)
+    supervisor_commands.add_commands(sub, common)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
-        settings = _settings(args)
+        settings = settings_from(args)
     except ConfigError as exc:
         print(f"idemproxy: configuration error: {exc}", file=sys.stderr)
         return 1 if args.command == "check" else 2  # 2 means something else to a HEALTHCHECK

@@ -1,16 +1,32 @@
-"""Commands that talk to a store: ``check``, and (from supervisor/) runs and journal."""
+"""The proxy's commands: ``serve`` and ``check`` (the supervisor's are in supervisor/commands.py)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import sys
+from typing import Callable
 
-from .app import open_store
+from .store import open_store
 from .config import Settings, mask_url
-from .server import run
+from .eventloop import run
+
+Command = Callable[[Settings, argparse.Namespace], int]
 
 
-def check(settings: Settings, args=None) -> int:
+def add_commands(sub, common: argparse.ArgumentParser, serve: Command) -> None:
+    """Add ``serve`` (run by ``serve``, which the composition root gives) and ``check``."""
+    p = sub.add_parser("serve", parents=[common], help="run the proxy (and the supervisor, unless disabled)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--workers", type=int, help="processes sharing the port (SO_REUSEPORT)")
+    p.add_argument("--no-supervisor", action="store_true")
+    p.set_defaults(handler=serve)
+    p = sub.add_parser("check", parents=[common], help="check configuration and store; exit 0 when healthy")
+    p.set_defaults(handler=check)
+
+
+def check(settings: Settings, args: argparse.Namespace | None = None) -> int:
     """Configuration loads and the store answers: exit 0; otherwise print why, exit 1."""
 
     async def probe() -> int:
@@ -31,9 +47,3 @@ def check(settings: Settings, args=None) -> int:
         return 0
 
     return run(probe)
-
-
-def add_subcommands(sub, command) -> None:
-    from ..supervisor.cli import add_subcommands as add_run_commands  # supervise, runs, journal
-
-    add_run_commands(sub, command)

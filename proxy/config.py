@@ -17,6 +17,7 @@ import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
+from enum import StrEnum
 from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
@@ -25,6 +26,17 @@ from urllib.parse import urlsplit, urlunsplit
 ENV_PREFIX = "IDEMPROXY_"
 MODEL_PROVIDERS = {"api.openai.com", "api.anthropic.com", "generativelanguage.googleapis.com",
                    "api.mistral.ai", "api.groq.com", "api.together.xyz", "api.deepseek.com"}
+
+
+class Policy(StrEnum):
+    """What the proxy does with a request (SPEC §4): a rule's ``policy``, or ``Idem-Policy``."""
+    RECORD = "record"
+    PASSTHROUGH = "passthrough"
+
+
+# Path words with a meaning of their own in the proxy's routes; no upstream may take these names.
+RESERVED_NAMES = frozenset({"runs", "admin", "healthz", "readyz", "metrics", "epochs",
+                            "heartbeat", "complete", "fail", "attempts"})
 
 
 class ConfigError(ValueError):
@@ -329,9 +341,6 @@ def _coerce(hint, value):
 
 
 def _validate(s: Settings) -> None:
-    from .policy import POLICIES  # the one list of policy names
-    from .routing import RESERVED  # path words with a meaning of their own
-
     for up in s.upstreams.values():
         parts = urlsplit(up.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -345,11 +354,11 @@ def _validate(s: Settings) -> None:
                 raise ConfigError(f"upstreams.{up.name}.prices.{model} must be [input, output] USD per "
                                   "million tokens")
         for rule in up.rules:
-            if rule.policy not in POLICIES:
+            if rule.policy not in tuple(Policy):
                 raise ConfigError(f"upstreams.{up.name}.rules: unknown policy {rule.policy!r}")
-        if not re.fullmatch(r"[A-Za-z0-9_.~-]+", up.name) or up.name in RESERVED:
+        if not re.fullmatch(r"[A-Za-z0-9_.~-]+", up.name) or up.name in RESERVED_NAMES:
             raise ConfigError(f"upstream name {up.name!r} is not usable in a path "
-                              f"(reserved: {', '.join(sorted(RESERVED))})")
+                              f"(reserved: {', '.join(sorted(RESERVED_NAMES))})")
     for hook in s.hooks.values():
         if bool(hook.command) == bool(hook.url):
             raise ConfigError(f"hooks.{hook.name}: set exactly one of command or url")

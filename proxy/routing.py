@@ -18,11 +18,6 @@ from .config import UpstreamSettings
 from .identity import parse_epoch, parse_run
 from .problems import Problem
 
-# Path words with a meaning of their own; an upstream may not take these names.
-RESERVED = frozenset({"runs", "admin", "healthz", "readyz", "metrics", "epochs",
-                      "heartbeat", "complete", "fail", "attempts"})
-
-
 @dataclass(frozen=True, slots=True)
 class Route:
     upstream: UpstreamSettings

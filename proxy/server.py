@@ -1,8 +1,7 @@
-"""Running the proxy: one process, or several sharing one port (SO_REUSEPORT)."""
+"""Running an app: one process, or several sharing one port (SO_REUSEPORT)."""
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import logging
 import multiprocessing
@@ -13,9 +12,9 @@ from typing import Any, Callable, Coroutine
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
-from .app import create_app
-from .handler import OUTCOME
 from .config import Settings
+from .eventloop import run, until_signalled
+from .handler import OUTCOME
 
 log = logging.getLogger("idemproxy")
 access_log = logging.getLogger("idemproxy.access")
@@ -33,60 +32,40 @@ class AccessLogger(AbstractAccessLogger):
                          response.status, request.get(OUTCOME, "-"), duration * 1000)
 
 
-def run(main: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
-    """Run ``main()`` on uvloop where it is installed."""
-    try:
-        import uvloop
-        factory = uvloop.new_event_loop
-    except ImportError:
-        factory = None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(main())
+ServeApp = Callable[..., Coroutine[Any, Any, None]]  # (settings, *, supervise, reuse_port)
 
 
-async def until_signalled() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-
-
-async def serve_app(settings: Settings, *, supervise: bool, reuse_port: bool = False) -> None:
-    from ..supervisor import routes, supervisor_task  # runs API, admin API and the loop
-
-    app = create_app(settings, extra_routes=routes)
+async def serve_until_signalled(app: web.Application, settings: Settings, *, reuse_port: bool = False) -> None:
+    """Serve ``app`` on the configured address until SIGTERM or SIGINT, then drain."""
     runner = web.AppRunner(app, access_log_class=AccessLogger,
                            access_log=access_log if settings.server.access_log else None,
                            handler_cancellation=False)
     await runner.setup()
-    site = web.TCPSite(runner, settings.server.host, settings.server.port, reuse_port=reuse_port,
-                       shutdown_timeout=settings.server.shutdown_timeout, backlog=1024)
-    await site.start()
-    # Everything allocated so far lives as long as the process: keep the cyclic GC from
-    # walking it again on every full collection (~13 ms each under load, measured in bench/).
-    gc.freeze()
-    log.info("idemproxy listening on http://%s:%d (upstreams: %s)", settings.server.host,
-             settings.server.port, ", ".join(settings.upstreams) or "none")
-    sup = asyncio.create_task(supervisor_task(app, settings)) if supervise else None
     try:
+        site = web.TCPSite(runner, settings.server.host, settings.server.port, reuse_port=reuse_port,
+                           shutdown_timeout=settings.server.shutdown_timeout, backlog=1024)
+        await site.start()
+        # Everything allocated so far lives as long as the process: keep the cyclic GC from
+        # walking it again on every full collection (~13 ms each under load, measured in bench/).
+        gc.freeze()
+        log.info("idemproxy listening on http://%s:%d (upstreams: %s)", settings.server.host,
+                 settings.server.port, ", ".join(settings.upstreams) or "none")
         await until_signalled()
         log.info("shutting down")
     finally:
-        if sup is not None:
-            sup.cancel()
-            await asyncio.gather(sup, return_exceptions=True)
         await runner.cleanup()
 
 
-def serve(settings: Settings, args=None) -> int:
+def serve(settings: Settings, serve_app: ServeApp) -> int:
+    """Run ``serve_app`` in this process, or in ``server.workers`` processes sharing the port;
+    the supervisor runs in one of them only."""
     if settings.server.workers == 1:
         run(lambda: serve_app(settings, supervise=settings.supervisor.enabled))
         return 0
-    return _serve_workers(settings)
+    return _serve_workers(settings, serve_app)
 
 
-def _worker(settings: Settings, index: int) -> None:
+def _worker(settings: Settings, index: int, serve_app: ServeApp) -> None:
     logging.basicConfig(level=logging.getLogger().level or logging.INFO,
                         format=f"%(asctime)s %(levelname)s %(name)s[w{index}] %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
@@ -94,7 +73,7 @@ def _worker(settings: Settings, index: int) -> None:
                           reuse_port=True))
 
 
-def _serve_workers(settings: Settings) -> int:
+def _serve_workers(settings: Settings, serve_app: ServeApp) -> int:
     """Start N workers on one port; restart one that dies; stop all on SIGTERM/SIGINT."""
     ctx = multiprocessing.get_context("spawn")
     stopping = False
@@ -107,7 +86,7 @@ def _serve_workers(settings: Settings) -> int:
     signal.signal(signal.SIGINT, stop)
 
     def start(i: int):
-        p = ctx.Process(target=_worker, args=(settings, i), name=f"idemproxy-worker-{i}")
+        p = ctx.Process(target=_worker, args=(settings, i, serve_app), name=f"idemproxy-worker-{i}")
         p.start()
         return p
 

@@ -31,6 +31,7 @@ import orjson
 
 from ..proxy.config import ENV_PREFIX, HookSettings, Settings
 from ..proxy.store import Store, StoreUnavailable
+from ..proxy.store.base import Run
 
 log = logging.getLogger("idemproxy.supervisor")
 
@@ -98,21 +99,26 @@ def sign(secret: str, body: bytes) -> str:
 
 
 class Hooks:
-    """Fires hooks and records what became of them in the store."""
+    """Fires hooks and records what became of them in the store (the runs service's
+    :class:`~idemproxy.proxy.runs.Launcher`)."""
 
     def __init__(self, settings: Settings, store: Store):
         self._hooks = settings.hooks
+        # What hooks are told, from configuration only: never from a request's Host header.
+        self._proxy_url = settings.proxy_url
         self._store = store
         self._deliveries: set[asyncio.Task] = set()  # http hooks being delivered
         self._watchers: set[asyncio.Task] = set()  # started commands, until they exit
         self._session: aiohttp.ClientSession | None = None
 
-    async def fire(self, name: str | None, call: HookCall) -> str | None:
-        """Start hook ``name`` for ``call``: None once started, else why it could not start.
+    async def fire(self, name: str | None, event: str, run: Run) -> str | None:
+        """Start hook ``name`` for ``run``'s current attempt: None once started, else why
+        it could not start.
 
         A command hook has started when its process exists; an http hook is delivered in
         the background (with retries) and its failure is recorded when it gives up.
         """
+        call = HookCall(event, run.namespace, run.run_id, run.epoch, run.restarts, self._proxy_url)
         hook = self._hooks.get(name) if name else None
         if hook is None:
             error = f"no hook named {name!r} is configured" if name else "the run has no hook"

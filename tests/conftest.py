@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import fake_provider  # noqa: E402
 import services  # noqa: E402
 
-from idemproxy.proxy.app import PROXY, STORE, create_app  # noqa: E402
+from idemproxy.proxy.appkeys import PROXY, STORE  # noqa: E402
+from idemproxy.proxy.cli import build_app  # noqa: E402
 from idemproxy.proxy.config import Settings, load_settings  # noqa: E402
-from idemproxy.supervisor import routes  # noqa: E402
 
 BACKENDS = [b for b in os.environ.get("IDEMPROXY_TEST_BACKENDS", "sqlite,postgres,redis").split(",") if b]
 REPO = Path(__file__).resolve().parent.parent
@@ -175,11 +175,14 @@ async def make_proxy(request, tmp_path, provider):
     started: list[TestServer] = []
 
     async def make(store_url: str, **extra: dict[str, Any]) -> RunningProxy:
-        path = write_config(tmp_path / f"proxy-{uuid.uuid4().hex[:6]}.toml",
-                            proxy_sections(provider.url, store_url, **extra))
+        # the port is chosen first: it is what hooks are told (supervisor.proxy_url)
+        port = services.free_port()
+        sections = proxy_sections(provider.url, store_url, **extra)
+        sections.setdefault("supervisor", {}).setdefault("proxy_url", f"http://127.0.0.1:{port}")
+        path = write_config(tmp_path / f"proxy-{uuid.uuid4().hex[:6]}.toml", sections)
         settings = load_settings(path, env={})
-        app = create_app(settings, extra_routes=routes)
-        server = TestServer(app, host="127.0.0.1")
+        app = build_app(settings, supervise=settings.supervisor.enabled)
+        server = TestServer(app, host="127.0.0.1", port=port)
         await server.start_server()
         started.append(server)
         return RunningProxy(str(server.make_url("")).rstrip("/"), app, settings, server)

@@ -14,10 +14,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from conftest import proxy_sections, write_config
-from idemproxy.proxy.app import open_store
+from idemproxy.proxy.store import open_store
 from idemproxy.proxy.config import load_settings
 from idemproxy.proxy.store.base import Run
-from idemproxy.supervisor.hooks import HookCall, Hooks
+from idemproxy.supervisor.hooks import Hooks
 
 # Writes its environment, session and pid to argv[1], talks on both streams, exits 7.
 REPORTER = """
@@ -38,6 +38,7 @@ async def hooks_on(tmp_path, sqlite_url):
     async def make(**hooks):
         sections = proxy_sections("http://127.0.0.1:9", sqlite_url,
                                   **{f"hooks.{name}": body for name, body in hooks.items()})
+        sections["supervisor"]["proxy_url"] = "http://proxy.test:8787"  # what hooks are told
         settings = load_settings(write_config(tmp_path / "hooks.toml", sections), env={})
         store = await open_store(settings)
         now = time.time()
@@ -52,8 +53,9 @@ async def hooks_on(tmp_path, sqlite_url):
         await store.aclose()
 
 
-def _call(proxy_url: str = "http://proxy.test:8787", event: str = "restart") -> HookCall:
-    return HookCall(event, "default", "r1", 3, 2, proxy_url)
+def _call(event: str = "restart") -> tuple[str, Run]:
+    """(event, run) for ``Hooks.fire``: run r1 at epoch 3 after 2 restarts."""
+    return event, Run("default", "r1", epoch=3, restarts=2)
 
 
 async def _history(store) -> list[dict]:
@@ -67,7 +69,7 @@ async def test_command_hook_runs_detached_with_env_and_a_log_per_attempt(hooks_o
     logs = tmp_path / "logs"
     hooks, store = await hooks_on(agent={"command": [sys.executable, str(script), str(out)],
                                          "log_dir": str(logs)})
-    assert await hooks.fire("agent", _call()) is None
+    assert await hooks.fire("agent", *_call()) is None
     await hooks.wait_idle()
 
     seen = json.loads(out.read_text())
@@ -90,7 +92,7 @@ async def test_command_hook_runs_detached_with_env_and_a_log_per_attempt(hooks_o
 async def test_on_dead_hook_gets_its_own_log(hooks_on, tmp_path):
     hooks, store = await hooks_on(alarm={"command": [sys.executable, "-c", "print('paged')"],
                                          "log_dir": str(tmp_path / "logs")})
-    assert await hooks.fire("alarm", _call(event="dead")) is None
+    assert await hooks.fire("alarm", *_call(event="dead")) is None
     await hooks.wait_idle()
     assert (tmp_path / "logs" / "default.r1.3.dead.log").read_text() == "paged\n"
 
@@ -98,10 +100,10 @@ async def test_on_dead_hook_gets_its_own_log(hooks_on, tmp_path):
 async def test_a_hook_that_cannot_start_is_recorded_as_failed(hooks_on, tmp_path):
     hooks, store = await hooks_on(agent={"command": [str(tmp_path / "no-such-agent")],
                                          "log_dir": str(tmp_path / "logs")})
-    error = await hooks.fire("agent", _call())
+    error = await hooks.fire("agent", *_call())
     assert error and "no-such-agent" in error
-    assert await hooks.fire("unconfigured", _call()) == "no hook named 'unconfigured' is configured"
-    assert await hooks.fire(None, _call()) == "the run has no hook"
+    assert await hooks.fire("unconfigured", *_call()) == "no hook named 'unconfigured' is configured"
+    assert await hooks.fire(None, *_call()) == "the run has no hook"
     failed = [e for e in await _history(store) if e["event"] == "hook-failed"]
     assert len(failed) == 3 and failed[0]["hook"] == "agent" and "no-such-agent" in failed[0]["error"]
 
@@ -128,7 +130,7 @@ async def test_http_hook_is_signed_and_retried(hooks_on, receiver):
     url, got, statuses = receiver
     statuses += [503, 500]
     hooks, store = await hooks_on(pager={"url": url, "secret": "s3cret", "retries": 3})
-    assert await hooks.fire("pager", _call()) is None
+    assert await hooks.fire("pager", *_call()) is None
     await hooks.wait_idle()
 
     assert len(got) == 3  # two failures, then delivered
@@ -151,13 +153,13 @@ async def test_http_hook_failure_is_recorded(hooks_on, receiver):
     statuses += [500, 502, 503]
     hooks, store = await hooks_on(pager={"url": url, "secret": "s", "retries": 2},
                                   picky={"url": url, "secret": "s", "retries": 5})
-    await hooks.fire("pager", _call())
+    await hooks.fire("pager", *_call())
     await hooks.wait_idle()
     failed = [e for e in await _history(store) if e["event"] == "hook-failed"]
     assert len(failed) == 1 and failed[0]["tries"] == 3 and "503" in failed[0]["error"]
 
     statuses.append(400)  # a refusal is final: not retried
-    await hooks.fire("picky", _call())
+    await hooks.fire("picky", *_call())
     await hooks.wait_idle()
     assert len(got) == 4
     failed = [e for e in await _history(store) if e["event"] == "hook-failed"]
@@ -169,7 +171,7 @@ ENV_REPORTER = "import json, os, sys; json.dump(dict(os.environ), open(sys.argv[
 
 
 async def _environment_of(hooks, name: str, out) -> dict[str, str]:
-    assert await hooks.fire(name, _call()) is None
+    assert await hooks.fire(name, *_call()) is None
     await hooks.wait_idle()
     return json.loads(out.read_text())
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import os
 import signal
@@ -15,12 +14,13 @@ from pathlib import Path
 import pytest
 
 from conftest import proxy_sections, write_config
-from idemproxy.proxy.app import METRICS, open_store
+from idemproxy.proxy.appkeys import METRICS
+from idemproxy.proxy.store import open_store
 from idemproxy.proxy.config import load_settings
 from idemproxy.proxy.store.base import Run
-from idemproxy.supervisor import supervisor_task
 from idemproxy.supervisor.hooks import Hooks
-from idemproxy.supervisor.loop import Supervisor, restart_run
+from idemproxy.proxy.runs import RunsService
+from idemproxy.supervisor.loop import Supervisor
 
 PROBLEM = "https://idemproxy.dev/problems/"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "work"}]}
@@ -51,23 +51,12 @@ def _lines(path: Path) -> list[str]:
 
 
 @pytest.fixture
-async def supervised(make_proxy, tmp_path):
+async def supervised(make_proxy):
     """``await supervised(store_url, **sections)``: a proxy with its supervisor in-process."""
-    tasks = []
-
     async def make(store_url: str, **sections):
         sections.setdefault("supervisor", {"enabled": True, "interval_s": 0.1})
-        proxy = await make_proxy(store_url, **sections)
-        # the test server listens on a port chosen at start: that is what hooks are told
-        settings = dataclasses.replace(proxy.settings, supervisor=dataclasses.replace(
-            proxy.settings.supervisor, proxy_url=proxy.url))
-        tasks.append(asyncio.create_task(supervisor_task(proxy.app, settings)))
-        return proxy
-
-    yield make
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+        return await make_proxy(store_url, **sections)
+    return make
 
 
 async def _run(proxy, run_id: str) -> Run:
@@ -127,7 +116,7 @@ async def test_two_supervisors_restart_each_silent_run_exactly_once(store_url, t
                                   "log_dir": str(tmp_path / "logs")})
     settings = load_settings(write_config(tmp_path / "two.toml", sections), env={})
     stores = [await open_store(settings) for _ in range(2)]
-    supervisors = [Supervisor(s, settings, Hooks(settings, s)) for s in stores]
+    supervisors = [Supervisor(RunsService(s, settings, Hooks(settings, s)), settings) for s in stores]
     try:
         long_ago = time.time() - 100
         ids = [f"silent-{i}" for i in range(20)]
@@ -137,14 +126,14 @@ async def test_two_supervisors_restart_each_silent_run_exactly_once(store_url, t
         for _ in range(5):  # both tick at once, over and over
             await asyncio.gather(*(s.tick() for s in supervisors))
         for s in supervisors:
-            await s.hooks.wait_idle()
+            await s.runs.launcher.wait_idle()
         runs = {r.run_id: r for r in await stores[1].runs.list()}
         assert all((runs[i].epoch, runs[i].restarts, runs[i].state) == (1, 1, "restarting") for i in ids)
         assert sorted(_lines(fired)) == sorted(f"{i} 1 restart" for i in ids)  # one hook each
         assert all(sum(e["event"] == "restart" for e in runs[i].history) == 1 for i in ids)
     finally:
         for s, store in zip(supervisors, stores):
-            await s.hooks.aclose()
+            await s.runs.launcher.aclose()
             await store.aclose()
 
 
@@ -324,13 +313,13 @@ async def lone_supervisor(store_url, tmp_path):
                                   hooks__agent={"command": ["true"], "log_dir": str(tmp_path / "logs")})
         settings = load_settings(write_config(tmp_path / "lone.toml", sections), env={})
         store = await open_store(settings)
-        made.append(Supervisor(store, settings, Hooks(settings, store)))
+        made.append(Supervisor(RunsService(store, settings, Hooks(settings, store)), settings))
         return made[-1], store
 
     yield make
     for supervisor in made:
-        await supervisor.hooks.wait_idle()
-        await supervisor.hooks.aclose()
+        await supervisor.runs.launcher.wait_idle()
+        await supervisor.runs.launcher.aclose()
         await supervisor.store.aclose()
 
 
@@ -365,8 +354,7 @@ async def test_restarts_outside_the_window_are_forgotten(lone_supervisor):
     (run,) = await store.runs.find("default", "slow-flaky")
     assert (run.state, run.restarts, run.restart_times) == ("restarting", 5, [now])
     # an operator's restart is deliberate: it does not count towards max_restarts
-    run = await restart_run(store, supervisor.hooks, run, "http://proxy.test", reason="admin-restart",
-                            expected_epoch=None, now=now + 1)
+    run = await supervisor.runs.restart(run, now=now + 1)
     assert (run.restarts, run.restart_times) == (6, [now])
 
 

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from importlib import import_module
 from urllib.parse import unquote, urlsplit
 
-from ..config import StoreSettings
+from ..config import Settings, StoreSettings
 from .base import Store, StoreError, StoreUnavailable
 
-__all__ = ["Store", "StoreError", "StoreUnavailable", "make_store"]
+__all__ = ["Store", "StoreError", "StoreUnavailable", "make_store", "open_store"]
 
+log = logging.getLogger("idemproxy.store")
+
+OPEN_ATTEMPTS = 8
 # scheme -> (module, class, extra that installs its driver)
 BACKENDS = {
     "sqlite": ("sqlite", "SQLiteStore", None),
@@ -38,3 +43,21 @@ def make_store(settings: StoreSettings) -> Store:
             raise ValueError("sqlite URL must look like sqlite:///path/to/file.db")
         return cls(path, timeout=settings.timeout)
     return cls(settings.url, timeout=settings.timeout)
+
+
+async def open_store(settings: Settings) -> Store:
+    """Open the configured store, retrying with backoff while it is not reachable yet."""
+    store = make_store(settings.store)
+    for attempt in range(1, OPEN_ATTEMPTS + 1):
+        try:
+            await store.open()
+            log.info("store %r open; durability: %s", store, store.durability)
+            return store
+        except StoreUnavailable as exc:
+            if attempt == OPEN_ATTEMPTS:
+                raise
+            delay = min(0.25 * 2 ** attempt, 10.0)
+            log.warning("store not reachable (attempt %d/%d, next in %.1fs): %s",
+                        attempt, OPEN_ATTEMPTS, delay, exc)
+            await asyncio.sleep(delay)
+    raise AssertionError("unreachable")

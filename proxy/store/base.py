@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
+from ..config import RunSettings
+
 
 
 class EntryState(StrEnum):
@@ -43,6 +45,7 @@ class RunState(StrEnum):
 ENDED = frozenset({RunState.COMPLETED, RunState.FAILED, RunState.DEAD})
 RUN_STATES = tuple(RunState)
 HISTORY_LIMIT = 50  # a run keeps its last 50 events
+_RUN_DEFAULTS = RunSettings()
 
 
 class StoreError(Exception):
@@ -148,9 +151,10 @@ class Run:
     restarts: int = 0
     last_seen: float = 0.0
     started_at: float = 0.0  # start of the current attempt; grace counts from here
-    timeout_s: float = 60.0
-    grace_s: float = 30.0
-    max_restarts: int = 5
+    # defaults declared once, in RunSettings
+    timeout_s: float = _RUN_DEFAULTS.timeout_s
+    grace_s: float = _RUN_DEFAULTS.grace_s
+    max_restarts: int = _RUN_DEFAULTS.max_restarts
     hook: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     created_at: float = 0.0
@@ -160,6 +164,13 @@ class Run:
     # times of the restarts that count towards max_restarts, within the restart window;
     # kept apart from the history, whose other events would push them out
     restart_times: list[float] = field(default_factory=list)
+
+    @classmethod
+    def new(cls, namespace: str, run_id: str, defaults: RunSettings, now: float) -> "Run":
+        """A run at epoch 0 with the configured ``[runs]`` defaults, started ``now``."""
+        return cls(namespace, run_id, epoch=0, last_seen=now, started_at=now, created_at=now,
+                   timeout_s=defaults.timeout_s, grace_s=defaults.grace_s,
+                   max_restarts=defaults.max_restarts, hook=defaults.hook)
 
 
 # What set_run_state may set besides the state (the supervisor's bookkeeping)

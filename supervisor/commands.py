@@ -1,4 +1,4 @@
-"""Commands for runs: ``supervise``, ``runs list|show|restart|complete``, ``journal resolve``.
+"""The supervisor's commands: ``supervise``, ``runs list|show|restart|complete``, ``journal resolve``.
 
 They talk to the store named by the same configuration as ``serve`` (``--config``,
 ``--store``, ``IDEMPROXY_*``), print aligned tables for people and JSON with ``--json``.
@@ -16,40 +16,43 @@ from typing import Any, Awaitable, Callable
 
 import orjson
 
-from ..proxy.app import open_store
+from ..proxy.store import open_store
 from ..proxy.config import Settings
 from ..proxy.problems import Problem
-from ..proxy.server import run
-from ..proxy.store import Store
-from ..proxy.store.base import ENDED, RUN_STATES, Run, RunState
-from .api import resolution, resolve_quarantined, run_json, runs_listing, step_json
+from ..proxy.runs import RunsService
+from ..proxy.runs.options import resolution
+from ..proxy.runs.views import listing_json, run_json, step_json
+from ..proxy.eventloop import run
+from ..proxy.store.base import RUN_STATES, RunState
 from .hooks import Hooks
-from .loop import Supervisor, restart_run
+from .loop import Supervisor
 
 
-def add_subcommands(sub, command) -> None:
-    """Add our commands to the ``idemproxy`` parser (called by proxy/commands.py)."""
-    supervise = command("supervise", "run the supervisor alone against the store (no proxy)")
-    supervise.add_argument("--store", help="store URL")
+def add_commands(sub, common: argparse.ArgumentParser) -> None:
+    """Add our commands to the ``idemproxy`` parser (called by the composition root)."""
+    supervise = sub.add_parser("supervise", parents=[common],
+                               help="run the supervisor alone against the store (no proxy)")
     supervise.set_defaults(handler=cmd_supervise)
 
-    runs = command("runs", "list, show, restart and complete runs").add_subparsers(
-        dest="runs_command", required=True, metavar="{list,show,restart,complete}")
-    listing = _leaf(runs, "list", "runs, newest first")
+    runs = sub.add_parser("runs", parents=[common], help="list, show, restart and complete runs"
+                          ).add_subparsers(dest="runs_command", required=True,
+                                           metavar="{list,show,restart,complete}")
+    listing = _leaf(runs, common, "list", "runs, newest first")
     listing.add_argument("--state", choices=RUN_STATES)
     listing.add_argument("--limit", type=int, default=100)
     listing.set_defaults(handler=cmd_runs_list)
     for name, handler, help in (("show", cmd_runs_show, "one run, its history and its journal"),
                                 ("restart", cmd_runs_restart, "start a new attempt now and fire its hook"),
                                 ("complete", cmd_runs_complete, "mark a run completed")):
-        leaf = _leaf(runs, name, help)
+        leaf = _leaf(runs, common, name, help)
         leaf.add_argument("run_id")
         leaf.add_argument("--namespace", help="where the run id exists in several namespaces")
         leaf.set_defaults(handler=handler)
 
-    journal = command("journal", "act on journal entries").add_subparsers(
+    journal = sub.add_parser("journal", parents=[common], help="act on journal entries").add_subparsers(
         dest="journal_command", required=True, metavar="{resolve}")
-    resolve = _leaf(journal, "resolve", "decide a quarantined key: retry it, or give its answer")
+    resolve = journal.add_parser("resolve", parents=[common],
+                                 help="decide a quarantined key: retry it, or give its answer")
     resolve.add_argument("kid", help="the entry's kid (idemproxy runs show RUN)")
     decision = resolve.add_mutually_exclusive_group(required=True)
     decision.add_argument("--retry", action="store_true", help="the next call goes upstream again")
@@ -60,28 +63,25 @@ def add_subcommands(sub, command) -> None:
     resolve.set_defaults(handler=cmd_journal_resolve)
 
 
-def _leaf(sub, name: str, help: str) -> argparse.ArgumentParser:
-    """A sub-subcommand that also takes the common options after its name."""
-    p = sub.add_parser(name, help=help, description=help)
-    # SUPPRESS: given before the subcommand, the value set there stays.
-    p.add_argument("--config", "-c", default=argparse.SUPPRESS, help="TOML file")
-    p.add_argument("--set", action="append", default=argparse.SUPPRESS,
-                   metavar="SECTION.OPTION=VALUE", help="override one option; may repeat")
-    p.add_argument("--store", default=argparse.SUPPRESS, help="store URL")
-    if name != "resolve":
-        p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+def _leaf(sub, common: argparse.ArgumentParser, name: str, help: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, parents=[common], help=help, description=help)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
 
-def _with_store(settings: Settings, work: Callable[[Store], Awaitable[int]]) -> int:
+def _with_runs(settings: Settings, work: Callable[[RunsService], Awaitable[int]]) -> int:
+    """Run ``work`` over the runs service of the configured store; a refusal is one line
+    on stderr and exit code 1."""
     async def main() -> int:
         store = await open_store(settings)
+        hooks = Hooks(settings, store)
         try:
-            return await work(store)
+            return await work(RunsService(store, settings, hooks))
         except Problem as problem:
             print(f"idemproxy: {problem.detail}", file=sys.stderr)
             return 1
         finally:
+            await hooks.aclose(timeout=30.0)  # a restart's http hook is delivered before we exit
             await store.aclose()
     return run(main)
 
@@ -89,90 +89,61 @@ def _with_store(settings: Settings, work: Callable[[Store], Awaitable[int]]) -> 
 # -- supervise ----------------------------------------------------------------------------------
 
 def cmd_supervise(settings: Settings, args=None) -> int:
-    async def main() -> int:
-        store = await open_store(settings)
-        hooks = Hooks(settings, store)
+    async def work(runs: RunsService) -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)  # only enqueue; the loop decides when
-        try:
-            await Supervisor(store, settings, hooks).run(stop)
-        finally:
-            await hooks.aclose()
-            await store.aclose()
+        await Supervisor(runs, settings).run(stop)
         return 0
-    return run(main)
+    return _with_runs(settings, work)
 
 
 # -- runs ---------------------------------------------------------------------------------------
 
 def cmd_runs_list(settings: Settings, args) -> int:
-    async def work(store: Store) -> int:
-        runs = await store.runs.list(args.state, args.limit)
+    async def work(service: RunsService) -> int:
+        runs, steps = await service.listing(args.state, args.limit)
         if args.json:
-            _print_json(await runs_listing(store, runs, settings.proxy_url))
+            _print_json(listing_json(runs, steps, settings.proxy_url))
             return 0
         now = time.time()
         print(table(["RUN", "NAMESPACE", "STATE", "EPOCH", "RESTARTS", "LAST SEEN", "HOOK"],
                     [[r.run_id, r.namespace, r.state, r.epoch, r.restarts, ago(r.last_seen, now),
                       r.hook or "-"] for r in runs]) if runs else "no runs")
         return 0
-    return _with_store(settings, work)
+    return _with_runs(settings, work)
 
 
 def cmd_runs_show(settings: Settings, args) -> int:
-    async def work(store: Store) -> int:
-        found = await _find(store, args)
+    async def work(service: RunsService) -> int:
+        found = await service.find(args.run_id, args.namespace)
         body = run_json(found, settings.proxy_url, history=True)
-        body["steps"] = [step_json(e) for e in await store.journal.entries(found.namespace, found.run_id)]
+        body["steps"] = [step_json(e) for e in await service.journal(found)]
         if args.json:
             _print_json(body)
         else:
             print(describe(body, time.time()))
         return 0
-    return _with_store(settings, work)
+    return _with_runs(settings, work)
 
 
 def cmd_runs_restart(settings: Settings, args) -> int:
-    async def work(store: Store) -> int:
-        found = await _find(store, args)
-        if found.state in ENDED:
-            raise Problem("run-ended", f"run {found.run_id} has ended ({found.state})")
-        hooks = Hooks(settings, store)
-        try:
-            new = await restart_run(store, hooks, found, settings.proxy_url, reason="admin-restart",
-                                    expected_epoch=None)
-        finally:
-            await hooks.aclose(timeout=30.0)
-        if new is None:
-            raise Problem("run-ended", f"run {found.run_id} ended meanwhile")
+    async def work(service: RunsService) -> int:
+        new = await service.restart_now(args.run_id, args.namespace)
         return _report(args, run_json(new, settings.proxy_url, history=True),
                        f"run {new.run_id}: restarted at epoch {new.epoch} (restart {new.restarts}); "
                        f"hook {new.hook or '-'}")
-    return _with_store(settings, work)
+    return _with_runs(settings, work)
 
 
 def cmd_runs_complete(settings: Settings, args) -> int:
-    async def work(store: Store) -> int:
-        found = await _find(store, args)
-        ended = await store.runs.end(found.namespace, found.run_id, RunState.COMPLETED, time.time())
-        if ended is None or ended.state != RunState.COMPLETED:
-            raise Problem("run-ended", f"run {found.run_id} already ended as "
-                          f"{ended.state if ended else 'unknown'}")
+    async def work(service: RunsService) -> int:
+        found = await service.find(args.run_id, args.namespace)
+        ended = await service.end(found.namespace, found.run_id, RunState.COMPLETED)
         return _report(args, run_json(ended, settings.proxy_url, history=True),
                        f"run {ended.run_id}: completed")
-    return _with_store(settings, work)
-
-
-async def _find(store: Store, args) -> Run:
-    runs = await store.runs.find(args.namespace, args.run_id)
-    if not runs:
-        raise Problem("not-found", f"no run {args.run_id!r}")
-    if len(runs) > 1:
-        raise Problem("ambiguous-run", f"run {args.run_id!r} exists in namespaces "
-                      f"{', '.join(sorted(r.namespace for r in runs))}; pass --namespace")
-    return runs[0]
+    return _with_runs(settings, work)
 
 
 # -- journal ------------------------------------------------------------------------------------
@@ -193,12 +164,12 @@ def cmd_journal_resolve(settings: Settings, args) -> int:
         print(f"idemproxy: {problem.detail}", file=sys.stderr)
         return 2
 
-    async def work(store: Store) -> int:
-        await resolve_quarantined(store, settings, args.kid, recorded)
+    async def work(service: RunsService) -> int:
+        await service.resolve(args.kid, recorded)
         then = "the next call goes upstream" if recorded is None else f"calls replay {recorded.status}"
         print(f"{args.kid}: resolved; {then}")
         return 0
-    return _with_store(settings, work)
+    return _with_runs(settings, work)
 
 
 # -- printing -----------------------------------------------------------------------------------

@@ -1,0 +1,17 @@
+"""The typed state an idemproxy app keeps (aiohttp ``web.AppKey``), in one place."""
+
+from aiohttp import web
+
+from .config import Settings
+from .handler import Proxy
+from .identity import TenantResolver
+from .metrics import Metrics
+from .runs import RunsService
+from .store import Store
+
+SETTINGS = web.AppKey("settings", Settings)
+STORE = web.AppKey("store", Store)
+PROXY = web.AppKey("proxy", Proxy)
+METRICS = web.AppKey("metrics", Metrics)
+RUNS = web.AppKey("runs", RunsService)
+TENANTS = web.AppKey("tenants", TenantResolver)

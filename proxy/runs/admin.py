@@ -1,0 +1,125 @@
+"""The admin API, for operators (SPEC §9): a thin aiohttp face over :class:`RunsService`.
+
+Every endpoint needs ``Authorization: Bearer <[admin] token>``; with no token configured
+the API is off (always 401), never open::
+
+    GET    /admin/runs?state=&limit=        {"runs": [run JSON + history + steps (a count)]}
+    GET    /admin/runs/{id}[?namespace=][&bodies=1]
+                                            run JSON + history + steps (the journal entries;
+                                            bodies in base64 with bodies=1)
+    POST   /admin/runs/{id}/restart         a new attempt now, its hook fired
+    POST   /admin/runs/{id}/complete        marked completed
+    DELETE /admin/runs/{id}/journal         {"deleted": n}
+    POST   /admin/journal/{kid}/resolve     {"action": "retry"} or {"action": "respond",
+                                            "status", "headers": [[name, value]], "body" |
+                                            "body_base64"}
+    POST   /admin/purge                     {"purged": n}
+
+A run id found in several namespaces needs ``?namespace=`` (409 ``ambiguous-run``).
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+
+from aiohttp import web
+
+from ..appkeys import METRICS, RUNS, SETTINGS
+from ..problems import Problem
+from ..store.base import RUN_STATES, RunState
+from .api import answer, json_response, proxy_url, run_id
+from .options import json_object, resolution
+from .views import listing_json, run_json, step_json
+
+CHALLENGE = {"WWW-Authenticate": 'Bearer realm="idemproxy-admin"'}
+
+
+def admin_app() -> web.Application:
+    """The admin API as a sub-application: its token check guards every route in it."""
+    app = web.Application(middlewares=[_require_token])
+    add = app.router
+    add.add_get("/runs", list_runs)
+    add.add_get("/runs/{run_id}", show_run)
+    add.add_post("/runs/{run_id}/restart", restart)
+    add.add_post("/runs/{run_id}/complete", complete)
+    add.add_delete("/runs/{run_id}/journal", delete_journal)
+    add.add_post("/journal/{kid}/resolve", resolve)
+    add.add_post("/purge", purge)
+    add.add_route("*", "/{tail:.*}", unknown)
+    return app
+
+
+@web.middleware
+async def _require_token(request: web.Request, handler) -> web.StreamResponse:
+    token = request.config_dict[SETTINGS].admin.token
+    if not token:
+        raise Problem("unauthorized", "the admin API is disabled: no [admin] token is configured",
+                      headers=CHALLENGE)
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), str(token).encode()):
+        raise Problem("unauthorized", "send Authorization: Bearer <admin token>", headers=CHALLENGE)
+    return await handler(request)
+
+
+async def list_runs(request: web.Request) -> web.Response:
+    state = request.query.get("state") or None
+    if state is not None and state not in RUN_STATES:
+        raise Problem("invalid-request", f"state must be one of {', '.join(RUN_STATES)}")
+    try:
+        limit = int(request.query.get("limit", "100"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 10000:
+        raise Problem("invalid-request", "limit must be an integer from 1 to 10000")
+    runs, steps = await request.config_dict[RUNS].listing(state, limit)
+    return json_response(listing_json(runs, steps, proxy_url(request)))
+
+
+async def show_run(request: web.Request) -> web.Response:
+    service = request.config_dict[RUNS]
+    run = await service.find(run_id(request), request.query.get("namespace"))
+    bodies = request.query.get("bodies") in ("1", "true", "yes")
+    body = run_json(run, proxy_url(request), history=True)
+    body["steps"] = []
+    for entry in await service.journal(run, bodies=bodies):
+        step = step_json(entry)
+        if bodies and entry.response is not None:
+            step["headers"] = entry.response.headers
+            step["body_base64"] = base64.b64encode(entry.response.body).decode()
+        body["steps"].append(step)
+    return json_response(body)
+
+
+async def restart(request: web.Request) -> web.Response:
+    new = await request.config_dict[RUNS].restart_now(run_id(request), request.query.get("namespace"))
+    request.config_dict[METRICS].restarts.inc()
+    return answer(request, new, history=True)
+
+
+async def complete(request: web.Request) -> web.Response:
+    service = request.config_dict[RUNS]
+    run = await service.find(run_id(request), request.query.get("namespace"))
+    return answer(request, await service.end(run.namespace, run.run_id, RunState.COMPLETED), history=True)
+
+
+async def delete_journal(request: web.Request) -> web.Response:
+    service = request.config_dict[RUNS]
+    run = await service.find(run_id(request), request.query.get("namespace"))
+    deleted = await service.delete_journal(run)
+    return json_response({"deleted": deleted, "namespace": run.namespace, "run_id": run.run_id})
+
+
+async def resolve(request: web.Request) -> web.Response:
+    kid = request.match_info["kid"]
+    recorded = resolution(json_object(await request.read()))
+    await request.config_dict[RUNS].resolve(kid, recorded)
+    return json_response({"resolved": True, "kid": kid, "action": "retry" if recorded is None else "respond"})
+
+
+async def purge(request: web.Request) -> web.Response:
+    return json_response({"purged": await request.config_dict[RUNS].purge()})
+
+
+async def unknown(request: web.Request) -> web.Response:
+    raise Problem("not-found", f"no admin endpoint {request.method} {request.path}")

@@ -1,0 +1,111 @@
+"""The runs API, for agents (SPEC §8): a thin aiohttp face over :class:`RunsService`.
+
+Runs live in the caller's namespace: the tenant named by the ``Idem-Tenant`` header from a
+trusted source, else ``default``. Refusals are raised as :class:`~..problems.Problem`; the
+app's one error middleware answers them as problem+json. Times are UNIX seconds.
+
+No token; the run JSON agents get has no ``history``, which is for operators::
+
+    POST /runs/{id}            register: {timeout_s, grace_s, hook, max_restarts, metadata},
+                               all optional -> 201 new, 200 updated
+    GET  /runs/{id}            the run                                       404 if none
+    POST /runs/{id}/heartbeat  alive now (work outside the proxy)            404, 412
+    POST /runs/{id}/complete   ended for good: never restarted               404, 409, 412
+    POST /runs/{id}/fail       likewise, as failed                           404, 409, 412
+    POST /runs/{id}/attempts   a new attempt: epoch + 1, fencing the last -> 201 (creates
+                               the run at epoch 0 if unknown)                409 run-ended
+
+Heartbeat, complete and fail take the caller's epoch (``Idem-Epoch``, or ``{"epoch": n}``
+as the body): from a superseded attempt they change nothing and answer **412**
+``stale-epoch``, so a zombie can neither keep its run alive nor end it.
+
+The run JSON: ``run_id, namespace, state, epoch, restarts, last_seen, started_at,
+timeout_s, grace_s, max_restarts, hook, metadata, created_at, ended_at, next_restart_at,
+base_url`` (= ``{proxy}/runs/{id}/epochs/{epoch}``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from ..appkeys import RUNS, SETTINGS, TENANTS
+from ..identity import parse_run
+from ..problems import Problem
+from ..store.base import Run, RunState
+from .options import attempt_epoch, json_object, run_options
+from .views import run_json
+
+
+def add_routes(router: web.UrlDispatcher) -> None:
+    router.add_get("/runs/{run_id}", show)
+    router.add_post("/runs/{run_id}", register)
+    router.add_post("/runs/{run_id}/heartbeat", heartbeat)
+    router.add_post("/runs/{run_id}/complete", complete)
+    router.add_post("/runs/{run_id}/fail", fail)
+    router.add_post("/runs/{run_id}/attempts", new_attempt)
+
+
+async def register(request: web.Request) -> web.Response:
+    options = run_options(json_object(await request.read()), request.config_dict[SETTINGS])
+    run, created = await request.config_dict[RUNS].register(*_which(request), options)
+    return answer(request, run, 201 if created else 200)
+
+
+async def show(request: web.Request) -> web.Response:
+    return answer(request, await request.config_dict[RUNS].get(*_which(request)))
+
+
+async def heartbeat(request: web.Request) -> web.Response:
+    epoch = await _epoch(request)
+    return answer(request, await request.config_dict[RUNS].heartbeat(*_which(request), epoch))
+
+
+async def complete(request: web.Request) -> web.Response:
+    epoch = await _epoch(request)
+    return answer(request, await request.config_dict[RUNS].end(*_which(request), RunState.COMPLETED, epoch))
+
+
+async def fail(request: web.Request) -> web.Response:
+    epoch = await _epoch(request)
+    return answer(request, await request.config_dict[RUNS].end(*_which(request), RunState.FAILED, epoch))
+
+
+async def new_attempt(request: web.Request) -> web.Response:
+    return answer(request, await request.config_dict[RUNS].new_attempt(*_which(request)), 201)
+
+
+# -- shared with the admin API -------------------------------------------------------------------
+
+def run_id(request: web.Request) -> str:
+    try:
+        return parse_run(request.match_info["run_id"])
+    except Problem:
+        raise Problem("invalid-request", "a run id is 1-128 characters of [A-Za-z0-9._:-]") from None
+
+
+def proxy_url(request: web.Request) -> str:
+    """Where the run JSON's ``base_url`` points: the configured URL, else the one the caller
+    used (shown to that caller only; hooks are always told the configured one)."""
+    configured = request.config_dict[SETTINGS].supervisor.proxy_url
+    return configured.rstrip("/") if configured else f"{request.scheme}://{request.host}"
+
+
+def answer(request: web.Request, run: Run, status: int = 200, *, history: bool = False) -> web.Response:
+    return json_response(run_json(run, proxy_url(request), history=history), status)
+
+
+def json_response(body: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+
+
+def _which(request: web.Request) -> tuple[str, str]:
+    """(namespace, run id) of the caller's run."""
+    namespace = request.config_dict[TENANTS].namespace(request.headers, request.remote)
+    return namespace, run_id(request)
+
+
+async def _epoch(request: web.Request) -> int | None:
+    return attempt_epoch(request.headers.get("Idem-Epoch"), json_object(await request.read()))

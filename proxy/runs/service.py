@@ -1,0 +1,184 @@
+"""The runs service: every change to a run, whoever asks for it (SPEC §8-§9).
+
+The agents' runs API, the admin API, the CLI and the supervisor all call this, so a
+rule about runs lives in one place. It is plain Python: refusals are
+:class:`~..problems.Problem` (the HTTP faces turn them into problem+json, the CLI into a
+line on stderr), and hooks are fired through a :class:`Launcher` the composition root
+hands in (supervisor/hooks.py's ``Hooks``), so this package never imports the supervisor.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+from ..config import Settings
+from ..forward import NEVER_STORED, NOT_FORWARDED, storable_headers
+from ..problems import Problem
+from ..store import Store
+from ..store.base import ENDED, Entry, EntryState, Recorded, Run, RunState
+
+log = logging.getLogger("idemproxy.supervisor")
+
+RESTART = "restart"  # the history event of a supervisor's restart
+ADMIN_RESTART = "admin-restart"
+
+
+class Launcher(Protocol):
+    """Starts a run's hook (a process or a webhook) for an attempt."""
+
+    async def fire(self, hook: str | None, event: str, run: Run) -> str | None:
+        """Fire ``hook`` for ``run``'s current attempt: None once started, else why not."""
+
+    async def aclose(self, timeout: float = 5.0) -> None: """Let deliveries in flight finish."""
+
+
+class RunsService:
+    """Runs in a store, changed by the rules of SPEC §8: fenced by epoch, ended for good."""
+
+    def __init__(self, store: Store, settings: Settings, launcher: Launcher):
+        self.store = store
+        self.settings = settings
+        self.launcher = launcher
+
+    # -- agents: their own runs, in their namespace -------------------------------------------
+
+    async def register(self, namespace: str, run_id: str, options: dict) -> tuple[Run, bool]:
+        """Create the run or update its options; (the run, whether it is new)."""
+        existing = await self.store.runs.find(namespace, run_id)
+        run = existing[0] if existing else self.new_run(namespace, run_id, time.time())
+        for name, value in options.items():
+            setattr(run, name, value)
+        return await self.store.runs.upsert(run), not existing
+
+    async def get(self, namespace: str, run_id: str) -> Run:
+        runs = await self.store.runs.find(namespace, run_id)
+        if not runs:
+            raise _no_such_run(run_id)
+        return runs[0]
+
+    async def heartbeat(self, namespace: str, run_id: str, epoch: int | None) -> Run:
+        run = await self.store.runs.heartbeat(namespace, run_id, time.time(), epoch)
+        if run is None:
+            raise _no_such_run(run_id)
+        _not_superseded(run, epoch)
+        return run
+
+    async def end(self, namespace: str, run_id: str, state: RunState, epoch: int | None = None) -> Run:
+        """End the run as ``state``, atomically fenced by ``epoch``; idempotent."""
+        ended = await self.store.runs.end(namespace, run_id, state, time.time(), epoch)
+        if ended is None:
+            raise _no_such_run(run_id)
+        _not_superseded(ended, epoch)
+        if ended.state != state:
+            raise Problem("run-ended", f"run {run_id} already ended as {ended.state}", state=ended.state)
+        return ended
+
+    async def new_attempt(self, namespace: str, run_id: str) -> Run:
+        """Epoch + 1, fencing the attempt before; creates the run at epoch 0 if unknown."""
+        runs = await self.store.runs.find(namespace, run_id)
+        if not runs:
+            return await self.store.runs.upsert(self.new_run(namespace, run_id, time.time()))
+        run = await self.store.runs.new_attempt(namespace, run_id, None, time.time(), "attempt", restart=False)
+        if run is None:
+            raise Problem("run-ended", f"run {run_id} has ended ({runs[0].state}); start a new run",
+                          state=runs[0].state)
+        return run
+
+    def new_run(self, namespace: str, run_id: str, now: float) -> Run:
+        """A run at epoch 0 with the configured ``[runs]`` defaults."""
+        return Run.new(namespace, run_id, self.settings.runs, now)
+
+    # -- operators and the supervisor: any run ------------------------------------------------
+
+    async def find(self, run_id: str, namespace: str | None = None) -> Run:
+        """The run an operator names; ``namespace`` picks one where the id is in several."""
+        runs = await self.store.runs.find(namespace, run_id)
+        if not runs:
+            raise Problem("not-found", f"no run {run_id!r}")
+        if len(runs) > 1:
+            names = sorted(r.namespace for r in runs)
+            raise Problem("ambiguous-run", f"run {run_id!r} exists in several namespaces "
+                          f"({', '.join(names)}); add ?namespace= (CLI: --namespace)", namespaces=names)
+        return runs[0]
+
+    async def restart(self, run: Run, *, reason: str = ADMIN_RESTART, expected_epoch: int | None = None,
+                      now: float | None = None, window_s: float | None = None) -> Run | None:
+        """Start a new attempt of ``run`` and fire its hook; None if the claim was lost.
+
+        ``expected_epoch`` makes the claim a compare-and-set (the supervisor's case); None
+        restarts whatever the current epoch is (an operator's restart). ``window_s`` counts
+        the restart towards ``max_restarts`` (the supervisor's restarts do; an operator's do not).
+        """
+        now = time.time() if now is None else now
+        new = await self.store.runs.new_attempt(run.namespace, run.run_id, expected_epoch, now, reason,
+                                                restart=True, window_s=window_s)
+        if new is None:
+            return None
+        log.info("run %s/%s restarted (%s): epoch %d, restart %d", new.namespace, new.run_id, reason,
+                 new.epoch, new.restarts)
+        await self.launcher.fire(new.hook, RESTART, new)
+        return new
+
+    async def restart_now(self, run_id: str, namespace: str | None = None) -> Run:
+        """An operator's restart: a new attempt at once, its hook fired."""
+        run = await self.find(run_id, namespace)
+        if run.state in ENDED:
+            raise Problem("run-ended", f"run {run.run_id} has ended ({run.state})", state=run.state)
+        new = await self.restart(run)
+        if new is None:
+            raise Problem("run-ended", f"run {run.run_id} ended meanwhile")
+        return new
+
+    async def listing(self, state: RunState | None, limit: int) -> tuple[list[Run], dict[tuple[str, str], int]]:
+        """The newest runs (of ``state``), and how many journal entries each has."""
+        runs = await self.store.runs.list(state, limit)
+        return runs, await self.store.journal.count_steps([(r.namespace, r.run_id) for r in runs])
+
+    async def delete_journal(self, run: Run) -> int:
+        return await self.store.journal.delete_run(run.namespace, run.run_id)
+
+    async def purge(self) -> int:
+        """Delete expired journal entries now."""
+        return await self.store.journal.purge(time.time())
+
+    async def journal(self, run: Run, *, bodies: bool = False) -> list[Entry]:
+        """The run's journal entries, oldest first; with their responses when ``bodies``."""
+        entries = await self.store.journal.entries(run.namespace, run.run_id)
+        if bodies:
+            full = [await self.store.journal.get(e.kid) for e in entries]
+            entries = [f if f is not None else e for e, f in zip(entries, full)]
+        return entries
+
+    async def resolve(self, kid: str, recorded: Recorded | None) -> Entry:
+        """Settle an outcome-unknown entry: None retries it, else ``recorded`` is replayed.
+        The answer's headers are kept as the proxy keeps an upstream's: no hop-by-hop or
+        framing headers, no cookies, none of its upstream's ``redact_headers``."""
+        entry = await self.store.journal.get(kid)
+        if entry is None:
+            raise Problem("not-found", f"no journal entry {kid}")
+        if entry.state == EntryState.UNKNOWN:
+            if recorded is not None:
+                recorded.headers = self._storable(entry.upstream, recorded.headers)
+            if await self.store.journal.resolve(kid, recorded):
+                return entry
+        raise Problem("not-quarantined", f"entry {kid} is {entry.state}, not quarantined", state=entry.state)
+
+    def _storable(self, upstream: str, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        kept = [(k, v) for k, v in headers if k.lower() not in NOT_FORWARDED]
+        settings = self.settings.upstreams.get(upstream)
+        if settings is None:  # no longer configured: its redactions are unknown, ours still hold
+            return [(k, v) for k, v in kept if k.lower() not in NEVER_STORED]
+        return storable_headers(kept, settings)
+
+
+def _no_such_run(run_id: str) -> Problem:
+    return Problem("not-found", f"no run {run_id!r} in this namespace")
+
+
+def _not_superseded(run: Run, epoch: int | None) -> None:
+    """Refuse a caller from an attempt older than the run's (the store changed nothing)."""
+    if epoch is not None and run.epoch > epoch:
+        raise Problem("stale-epoch", f"run {run.run_id} is at epoch {run.epoch}; this attempt "
+                      f"(epoch {epoch}) has been superseded", epoch=run.epoch)

@@ -1,0 +1,36 @@
+"""A run and its journal as the runs API, the admin API and ``idemproxy runs --json`` show them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..store.base import Entry, Run
+
+
+def run_json(run: Run, proxy_url: str, *, history: bool = False) -> dict[str, Any]:
+    """A run. ``history`` (hook errors, pids, log paths) is for operators only."""
+    body = {"run_id": run.run_id, "namespace": run.namespace, "state": run.state, "epoch": run.epoch,
+            "restarts": run.restarts, "last_seen": run.last_seen, "started_at": run.started_at,
+            "timeout_s": run.timeout_s, "grace_s": run.grace_s, "max_restarts": run.max_restarts,
+            "hook": run.hook, "metadata": run.metadata, "created_at": run.created_at,
+            "ended_at": run.ended_at, "next_restart_at": run.next_restart_at,
+            "base_url": f"{proxy_url}/runs/{run.run_id}/epochs/{run.epoch}"}
+    if history:
+        body["history"] = run.history
+    return body
+
+
+def step_json(entry: Entry) -> dict[str, Any]:
+    """A journal entry of a run: metadata, no body. ``key`` is the agent's own
+    Idempotency-Key as it sent it (see ``Scope.of_key``), or the key the proxy derived."""
+    return {"key": entry.key.removeprefix("key:"), "kid": entry.kid, "upstream": entry.upstream,
+            "method": entry.method, "path": entry.path, "state": entry.state,
+            "status": entry.response.status if entry.response else None,
+            "created_at": entry.created_at, "recorded_at": entry.completed_at,
+            "replays": entry.replays, "epoch": entry.epoch, "detail": entry.detail}
+
+
+def listing_json(runs: list[Run], steps: dict[tuple[str, str], int], proxy_url: str) -> dict[str, Any]:
+    """``GET /admin/runs``: each run with its number of journal entries as ``steps``."""
+    return {"runs": [{**run_json(r, proxy_url, history=True), "steps": steps.get((r.namespace, r.run_id), 0)}
+                     for r in runs]}
