@@ -7,6 +7,8 @@ import base64
 import json
 import sys
 
+import pytest
+
 from conftest import proxy_sections, write_config
 
 PROBLEM = "https://idemproxy.dev/problems/"
@@ -180,6 +182,7 @@ async def _cli(config, *argv: str) -> tuple[int, str, str]:
     return proc.returncode, out.decode(), err.decode()
 
 
+@pytest.mark.slow  # a dozen CLI subprocesses
 async def test_cli_runs_and_journal_commands(make_proxy, store_url, provider, http, tmp_path):
     proxy = await make_proxy(store_url)
     config = write_config(tmp_path / "cli.toml", proxy_sections(provider.url, store_url))

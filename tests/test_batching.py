@@ -110,6 +110,7 @@ class Releases:
         self.done.append((kid, owner, time.monotonic()))
 
 
+@pytest.mark.slow  # seconds of retry timing
 async def test_a_claim_is_given_back_when_the_store_answers_and_once_more_after():
     releases = Releases()
     give_back = GiveBack(releases.release)
@@ -123,6 +124,7 @@ async def test_a_claim_is_given_back_when_the_store_answers_and_once_more_after(
     await give_back.aclose()
 
 
+@pytest.mark.slow  # waits out a lease
 async def test_a_claim_is_no_longer_given_back_once_its_lease_is_over():
     releases = Releases()
     give_back = GiveBack(releases.release)

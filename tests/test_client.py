@@ -153,6 +153,7 @@ async def test_resume_false_refuses_an_existing_run_and_ended_runs_take_no_attem
     await asyncio.to_thread(scenario)
 
 
+@pytest.mark.slow  # agent subprocesses
 async def test_restarted_process_continues_the_run_with_the_epoch_it_was_handed(
         proxy, provider, http, agent_script):
     """The supervisor's way: a new attempt, then the agent started with IDEM_* variables."""
@@ -177,6 +178,7 @@ async def test_restarted_process_continues_the_run_with_the_epoch_it_was_handed(
     assert (state["state"], state["epoch"]) == ("completed", 1)
 
 
+@pytest.mark.slow  # proxy and agent subprocesses
 async def test_supervisor_restarts_a_crashed_agent_which_replays_and_completes(
         proxy_process, provider, http, agent_script, tmp_path):
     """End to end: the agent dies, goes silent, the supervisor's command hook starts it
@@ -247,6 +249,7 @@ async def test_explicit_key_dedupes_a_side_effect_across_attempts(proxy, provide
 
 # -- heartbeats -----------------------------------------------------------------------------
 
+@pytest.mark.slow  # 1 s of work between heartbeats
 async def test_background_thread_heartbeats_reach_the_proxy(proxy, http):
     def long_local_work():
         with Run("busy", proxy_url=proxy.url, timeout_s=0.6, env={}) as run:
@@ -316,6 +319,7 @@ async def test_a_zombie_that_never_noticed_cannot_end_the_run(proxy, http):
 
 # -- async ----------------------------------------------------------------------------------
 
+@pytest.mark.slow  # 1 s of work between heartbeats
 async def test_async_run_with_sdk_clients_and_heartbeat_task(proxy, provider, http):
     async with AsyncRun("async-1", proxy_url=proxy.url, timeout_s=0.6, env={}) as run:
         registered = run.info.last_seen
@@ -434,6 +438,7 @@ SERVER_ONLY = ("aiohttp", "orjson", "asyncpg", "redis", "uvloop", "prometheus_cl
                "openai", "anthropic")
 
 
+@pytest.mark.slow  # builds a wheel into a fresh venv
 @pytest.mark.timeout(180)
 def test_client_installs_in_a_fresh_venv_without_server_dependencies(tmp_path, proxy_process,
                                                                        sqlite_url):

@@ -25,6 +25,7 @@ async def wait_for_calls(provider, name: str, n: int, timeout: float = 5.0) -> N
         await asyncio.sleep(0.01)
 
 
+@pytest.mark.slow  # waits out in_flight_wait
 @pytest.mark.parametrize("where", ["same-proxy", "other-proxy"])
 async def test_duplicate_gets_409_in_flight_after_in_flight_wait(make_proxy, store_url, provider, http, where):
     one = await make_proxy(store_url, server={"in_flight_wait": "0.3s"})
@@ -94,6 +95,7 @@ async def test_concurrent_duplicates_across_proxies_cost_one_call(make_proxy, st
     assert provider.calls["chat"] == 1
 
 
+@pytest.mark.slow  # a call that outlives several leases
 async def test_lease_is_renewed_while_the_call_is_in_flight(make_proxy, store_url, provider, http):
     """A call longer than the lease keeps its claim: another proxy does not take it over."""
     one = await make_proxy(store_url, store={"lease": "0.45s"})
@@ -112,6 +114,7 @@ async def test_lease_is_renewed_while_the_call_is_in_flight(make_proxy, store_ur
     assert provider.calls["chat"] == 1
 
 
+@pytest.mark.slow  # a proxy subprocess SIGKILLed, then its lease runs out
 @pytest.mark.parametrize("upstream, expect", [("openai", "retry"), ("tools", "quarantine")])
 async def test_lease_of_a_dead_proxy_expires(make_proxy, proxy_process, store_url, provider, http,
                                              upstream, expect):

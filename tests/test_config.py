@@ -203,6 +203,7 @@ def idemproxy(*args: str, env: dict | None = None) -> subprocess.CompletedProces
     return subprocess.run([*argv, *args], capture_output=True, text=True, timeout=60, env={**clean, **(env or {})})
 
 
+@pytest.mark.slow  # idemproxy check as subprocesses
 def test_check_exit_codes(tmp_path):
     good = toml(tmp_path, f"""
         [store]

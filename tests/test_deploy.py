@@ -32,6 +32,8 @@ from dockerfile_parse import DockerfileParser
 
 from idemproxy.proxy.config import load_settings
 
+pytestmark = pytest.mark.slow  # deployment checks: schemas, wheel build, the image command as a subprocess
+
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "config"
 KUBE = CONFIG / "kubernetes"

@@ -6,6 +6,8 @@ import asyncio
 import sqlite3
 from pathlib import Path
 
+import pytest
+
 from conftest import proxy_sections
 from rawhttp import problem
 
@@ -13,6 +15,7 @@ CHAT = "/openai/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "remember me"}]}
 
 
+@pytest.mark.slow  # proxy subprocesses, one SIGKILLed
 async def test_answer_survives_sigkill_right_after_it(proxy_process, store_url, provider, http):
     sections = proxy_sections(provider.url, store_url)
     first = proxy_process(sections)
@@ -93,6 +96,7 @@ async def test_store_file_holds_no_credential_and_no_cookie(make_proxy, sqlite_u
     assert b"Set-Cookie" not in headers and b"X-Request-Id" not in headers
 
 
+@pytest.mark.slow  # a store outage and its timeouts
 async def test_store_failure_fails_closed_and_passthrough_still_works(make_proxy, sqlite_url, provider, http):
     proxy = await make_proxy(sqlite_url, store={"timeout": "0.5s"})
     async with http.post(proxy.url + CHAT, json=BODY, headers={"Idempotency-Key": "warm"}) as r:
@@ -127,6 +131,7 @@ async def test_store_failure_fails_closed_and_passthrough_still_works(make_proxy
         assert r.status == 200
 
 
+@pytest.mark.slow  # a store outage and its timeouts
 async def test_a_write_answered_as_store_unavailable_never_commits_later(make_proxy, sqlite_url, provider, http):
     """A claim whose request got 503 must not appear once the store recovers: nobody would
     own it, and on a quarantine upstream it would turn into outcome-unknown for good."""

@@ -22,6 +22,8 @@ import pytest
 
 from conftest import BACKENDS, backend_url, proxy_sections
 
+pytestmark = pytest.mark.slow  # a 240-step agent process SIGKILLed and resumed through a proxy process
+
 AGENT = Path(__file__).parent / "agents" / "resumable_agent.py"
 RUN = "e2e-agent"
 

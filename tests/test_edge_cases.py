@@ -16,6 +16,7 @@ CHAT = "/openai/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
+@pytest.mark.slow  # a stream split with pauses, about 2 s
 async def test_a_terminal_event_split_across_reads_waits_for_the_record(make_proxy, sqlite_url, http):
     proxy = await make_proxy(sqlite_url)
     body = {**BODY, "stream": True}
@@ -55,6 +56,7 @@ async def test_a_duplicate_of_a_released_call_goes_upstream_itself(make_proxy, s
     assert provider.calls["chat"] == 2
 
 
+@pytest.mark.slow  # a store outage and its timeouts
 async def test_passthrough_in_a_run_works_while_the_store_is_down(make_proxy, sqlite_url, provider, http):
     proxy = await make_proxy(sqlite_url, store={"timeout": "0.5s"})
     blocker = sqlite3.connect(sqlite_url[len("sqlite:///"):], isolation_level=None)

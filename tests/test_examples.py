@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each example runs as a subprocess demo that SIGKILLs itself and is restarted
+
 REPO = Path(__file__).resolve().parent.parent
 RUN_DEMO = REPO / "examples" / "run_demo.py"
 STEPS, CRASH_AT = 5, 3  # not the agents' default of 6: the restarted attempt must read it back

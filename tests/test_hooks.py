@@ -126,6 +126,7 @@ async def receiver():
     await server.close()
 
 
+@pytest.mark.slow  # waits out the hook's retry backoff
 async def test_http_hook_is_signed_and_retried(hooks_on, receiver):
     url, got, statuses = receiver
     statuses += [503, 500]
@@ -148,6 +149,7 @@ async def test_http_hook_is_signed_and_retried(hooks_on, receiver):
     assert delivered["tries"] == 3 and delivered["status"] == 200
 
 
+@pytest.mark.slow  # waits out the hook's retry backoff
 async def test_http_hook_failure_is_recorded(hooks_on, receiver):
     url, got, statuses = receiver
     statuses += [500, 502, 503]

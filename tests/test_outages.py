@@ -25,6 +25,8 @@ from conftest import BACKENDS, backend_url, proxy_sections
 from rawhttp import problem
 from services import PrivatePostgres, PrivateRedis
 
+pytestmark = pytest.mark.slow  # private PostgreSQL/Redis taken away under load, real proxy processes, SIGKILL
+
 CHAT = "/openai/v1/chat/completions"
 TOOL = "/tools/send"
 STORE_TIMEOUT_S = 1.0

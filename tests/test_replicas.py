@@ -16,6 +16,8 @@ import pytest
 from conftest import BACKENDS, backend_url, proxy_sections
 from rawhttp import problem
 
+pytestmark = pytest.mark.slow  # two proxy processes per test, one SIGKILLed
+
 CHAT = "/openai/v1/chat/completions"
 TOOL = "/tools/send"
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 PROBLEM = "https://idemproxy.dev/problems/"
 ADMIN = {"Authorization": "Bearer test-admin-token"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
@@ -192,6 +194,7 @@ def _gauge(text: str) -> dict[str, float]:
             for line in text.splitlines() if line.startswith(prefix)}
 
 
+@pytest.mark.slow  # waits out the 1 s metrics cache
 async def test_every_process_counts_runs_for_metrics(make_proxy, store_url, http):
     # two proxies on one store, neither running a supervisor: each counts from the store
     first, second = await make_proxy(store_url), await make_proxy(store_url)

@@ -269,6 +269,7 @@ def private_postgres():
     server.destroy()
 
 
+@pytest.mark.slow  # a private PostgreSQL stopped and started
 async def test_a_stopped_server_fails_fast_and_the_store_recovers(private_postgres, open_pg):
     url = f"{private_postgres.url}?schema=outage"
     store, writer = await open_pg(url, timeout=1.0), await open_pg(url, timeout=1.0)

@@ -79,6 +79,7 @@ def test_prefix_is_ours_and_other_parameters_go_to_redis():
     (True, "everysec", "up to ~1 s of acknowledged records can be lost on a crash of the Redis host", True),
     (True, "always", "every write is fsynced before Redis answers", False),
 ])
+@pytest.mark.slow  # private Redis instances
 async def test_durability_is_read_from_the_server(private_redis, open_store, caplog, appendonly,
                                                   appendfsync, says, warned):
     server = private_redis(appendonly=appendonly, appendfsync=appendfsync).start()
@@ -88,6 +89,7 @@ async def test_durability_is_read_from_the_server(private_redis, open_store, cap
     assert any("durability" in r.getMessage() for r in caplog.records) == warned
 
 
+@pytest.mark.slow  # a private Redis instance
 async def test_durability_is_unknown_when_config_is_disabled(private_redis, open_store):
     server = private_redis()
     server.args += ["--rename-command", "CONFIG", ""]
@@ -107,6 +109,7 @@ async def test_open_fails_fast_when_nothing_listens():
 
 # -- keys ------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # a private Redis instance
 async def test_every_key_and_channel_starts_with_the_prefix(private_redis, open_store):
     server = private_redis().start()
     store = await open_store(server.url + "?prefix=app1:")
@@ -188,6 +191,7 @@ async def _eventually(check, within: float = 5.0) -> None:
         await asyncio.sleep(0.1)
 
 
+@pytest.mark.slow  # a private Redis stopped and started
 async def test_stopped_redis_fails_fast_and_the_store_recovers_by_itself(private_redis, open_store):
     server = private_redis().start()
     store = await open_store(server.url, timeout=1.0)
@@ -219,6 +223,7 @@ async def test_stopped_redis_fails_fast_and_the_store_recovers_by_itself(private
     await _eventually(woken_by_message, within=8.0)
 
 
+@pytest.mark.slow  # a private Redis instance
 async def test_scripts_the_server_forgot_are_loaded_again(private_redis, open_store):
     """Requests in one pipeline after SCRIPT FLUSH: each runs once, none fails."""
     server = private_redis().start()
@@ -237,6 +242,7 @@ async def test_scripts_the_server_forgot_are_loaded_again(private_redis, open_st
         await raw.aclose()
 
 
+@pytest.mark.slow  # a private Redis frozen with SIGSTOP
 async def test_a_frozen_redis_never_hangs_an_operation(private_redis, open_store):
     """A server that accepts connections but never answers: every call ends within the timeout."""
     server = private_redis().start()
@@ -250,6 +256,7 @@ async def test_a_frozen_redis_never_hangs_an_operation(private_redis, open_store
     await _eventually(lambda: store.journal.claim(claim("thawed")))
 
 
+@pytest.mark.slow  # a private Redis stopped and started
 async def test_proxy_on_a_stopped_redis_fails_closed_and_recovers(private_redis, make_proxy, provider, http):
     """Through a real proxy: 503 within the timeout, nothing forwarded, passthrough up, then back."""
     server = private_redis().start()

@@ -43,6 +43,7 @@ async def wait_complete(store, kid: str, timeout: float = 5.0):
     raise AssertionError(f"entry {kid[:12]} not complete after {timeout}s: {entry}")
 
 
+@pytest.mark.slow  # paced streams, about 1 s each
 @pytest.mark.parametrize("mode", ["record", "passthrough"])
 async def test_sse_passes_chunk_by_chunk(make_proxy, store_url, provider, http, mode):
     proxy = await make_proxy(store_url)
@@ -118,6 +119,7 @@ async def test_terminal_event_reaches_agent_only_after_record(make_proxy, store_
         await resp.read()
 
 
+@pytest.mark.slow  # a paced stream, about 1 s
 async def test_joiner_of_a_stream_in_flight_gets_every_byte(make_proxy, store_url, provider, http):
     proxy = await make_proxy(store_url)
     headers = {"Idempotency-Key": "join", "X-Fake-Chunks": "4", "X-Fake-Chunk-Delay": "0.15"}
@@ -135,6 +137,7 @@ async def test_joiner_of_a_stream_in_flight_gets_every_byte(make_proxy, store_ur
     assert provider.calls["chat"] == 1
 
 
+@pytest.mark.slow  # a paced stream, about 1 s
 async def test_joiner_through_another_proxy_gets_every_byte(make_proxy, store_url, provider, http):
     """Two proxies on one store: the second joins the first's stream through the store."""
     one, two = await make_proxy(store_url), await make_proxy(store_url)
@@ -151,6 +154,7 @@ async def test_joiner_through_another_proxy_gets_every_byte(make_proxy, store_ur
     assert provider.calls["chat"] == 1
 
 
+@pytest.mark.slow  # a paced stream, about 1 s
 async def test_agent_disconnect_mid_stream_still_records(make_proxy, store_url, provider, http):
     proxy = await make_proxy(store_url)
     headers = {"Idempotency-Key": "gone", "Authorization": "Bearer sk-d", "X-Fake-Chunks": "4",

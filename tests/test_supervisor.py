@@ -74,6 +74,7 @@ async def _until(predicate, timeout: float, what: str):
     raise AssertionError(f"not within {timeout}s: {what}")
 
 
+@pytest.mark.slow  # waits out timeouts and a 1 s zombie window
 async def test_silent_run_is_restarted_once_and_its_zombie_fenced(supervised, store_url, provider, http,
                                                                   tmp_path):
     seen = tmp_path / "restarted.jsonl"
@@ -137,6 +138,7 @@ async def test_two_supervisors_restart_each_silent_run_exactly_once(store_url, t
             await store.aclose()
 
 
+@pytest.mark.slow  # restarts until max_restarts, with timeouts between
 async def test_a_run_that_crashes_every_time_ends_dead(supervised, store_url, http, tmp_path):
     fired, buried = tmp_path / "fired.txt", tmp_path / "dead.txt"
     tally = _script(tmp_path, "t", TALLY)
@@ -183,6 +185,7 @@ async def test_a_hookless_silent_run_is_dead_at_once(supervised, store_url, http
     assert _lines(buried) == ["orphan 0 dead"]
 
 
+@pytest.mark.slow  # watches 1 s of supervisor ticks
 async def test_completed_and_failed_runs_are_never_restarted(supervised, store_url, http, tmp_path):
     fired = tmp_path / "fired.txt"
     proxy = await supervised(store_url, runs={"timeout_s": 0.2, "grace_s": 0.1, "hook": "agent"},
@@ -200,6 +203,7 @@ async def test_completed_and_failed_runs_are_never_restarted(supervised, store_u
         assert (run.state, run.epoch, run.restarts) == (state, 0, 0)
 
 
+@pytest.mark.slow  # a stream several run timeouts long
 async def test_a_stream_keeps_its_run_alive_until_its_bytes_stop(supervised, store_url, http, tmp_path):
     fired = tmp_path / "fired.txt"
     proxy = await supervised(store_url, runs={"timeout_s": 1.5, "grace_s": 0.2, "hook": "agent"},
@@ -236,6 +240,7 @@ async def _restarted(proxy, run_id: str) -> Run | None:
     return run if run.restarts else None
 
 
+@pytest.mark.slow  # idemproxy supervise as a subprocess
 async def test_supervise_command_restarts_alone_and_stops_on_sigterm(store_url, tmp_path):
     fired = tmp_path / "fired.txt"
     sections = proxy_sections("http://127.0.0.1:9", store_url, supervisor={"interval_s": 0.1},
@@ -280,6 +285,7 @@ async def _exit_recorded(store) -> bool:
     return any(e["event"] == "hook-exit" for e in run.history)
 
 
+@pytest.mark.slow  # waits out several run timeouts
 async def test_a_fenced_zombie_does_not_keep_its_run_alive(supervised, store_url, provider, http, tmp_path):
     fired = tmp_path / "fired.txt"
     # timeout_s above the heartbeat flush period (1s), so steady traffic always looks alive

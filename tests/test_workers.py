@@ -7,9 +7,12 @@ import os
 import time
 
 import aiohttp
+import pytest
 
 import services
 from conftest import proxy_sections
+
+pytestmark = pytest.mark.slow  # idemproxy serve --workers 2 as a subprocess
 
 CHAT = "/openai/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "once across workers"}]}
