@@ -66,10 +66,12 @@ def run_ref(namespace: str, run_id: str) -> str:
 
 
 def text(value: bytes | str | None) -> str | None:
+    """A reply's bytes as text (None stays None)."""
     return value.decode() if isinstance(value, bytes) else value
 
 
 def maybe(kind: type, value: bytes | None) -> Any:
+    """``kind(value)``, or None for a field the hash does not have."""
     return None if value is None else kind(value)
 
 
