@@ -234,7 +234,7 @@ def check_store(kind: str, postgres: str, redis: str) -> None:
     if kind not in STORE_MODULES:
         raise BenchError(f"unknown store {kind!r} (sqlite, postgres or redis)")
     if importlib.util.find_spec(f"idemproxy.proxy.store.{STORE_MODULES[kind]}") is None:
-        raise BenchError(f"proxy/store/{STORE_MODULES[kind]}.py does not exist (yet)")
+        raise BenchError(f"proxy/store/{STORE_MODULES[kind]}/ does not exist (yet)")
     if kind != "sqlite":
         _require_reachable(postgres if kind == "postgres" else redis)
 

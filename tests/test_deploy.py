@@ -156,7 +156,7 @@ def test_package_builds_from_exactly_what_the_dockerfile_copies(dockerfile, tmp_
     import zipfile
     names = zipfile.ZipFile(wheel).namelist()
     assert "idemproxy/proxy/default.toml" in names
-    assert "idemproxy/supervisor/loop.py" in names and "idemproxy/proxy/store/sqlite.py" in names
+    assert "idemproxy/supervisor/loop.py" in names and "idemproxy/proxy/store/sqlite/__init__.py" in names
 
 
 def test_image_config_is_where_idemproxy_config_points_and_loads(dockerfile):

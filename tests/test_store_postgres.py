@@ -13,9 +13,8 @@ import services
 from idemproxy.proxy.config import StoreSettings
 from idemproxy.proxy.store import StoreUnavailable, make_store
 from idemproxy.proxy.store.base import Claim, EntryState, Recorded, Run, Scope
-from idemproxy.proxy.store.postgres import PostgresStore
-from idemproxy.proxy.store import postgres_sql
-from idemproxy.proxy.store.postgres_sql import MIGRATIONS
+from idemproxy.proxy.store.postgres import PostgresStore, sql
+from idemproxy.proxy.store.postgres.schema import MIGRATIONS
 
 REPLY = Recorded(200, [("content-type", "text/plain")], b"done")
 
@@ -76,8 +75,9 @@ async def test_many_replicas_migrate_at_once(schema, open_pg):
 async def test_our_url_parameters_are_ours(schema, open_pg):
     store = make_store(StoreSettings(url=f"postgres://postgres@127.0.0.1:1/postgres?schema={schema}"
                                          "&pool_size=3&sslmode=disable"))
-    assert isinstance(store, PostgresStore) and store.schema == schema
-    assert "schema" not in store._dsn and "pool_size" not in store._dsn and "sslmode=disable" in store._dsn
+    assert isinstance(store, PostgresStore) and store.connection.schema == schema
+    dsn = store.connection._dsn
+    assert "schema" not in dsn and "pool_size" not in dsn and "sslmode=disable" in dsn
     with pytest.raises(ValueError):
         PostgresStore("postgresql://h/db?schema=x;drop")
     assert "secret-pw" not in repr(PostgresStore("postgresql://u:secret-pw@h/db"))
@@ -90,7 +90,7 @@ async def test_durability_is_read_from_the_server(open_pg):
 
 async def test_a_waiter_is_woken_by_notify_from_another_instance(open_pg):
     waiter_store, writer = await open_pg(), await open_pg()
-    waiter_store.poll_s = 30.0  # so only a notification can wake it in time
+    waiter_store.connection.waiters.poll_s = 30.0  # so only a notification can wake it in time
     owner = (await writer.journal.claim(claim_of("k"))).entry.owner
     kid = claim_of("k").scope.kid
     waiter = asyncio.create_task(waiter_store.journal.wait(kid, 20.0))
@@ -105,7 +105,7 @@ async def test_a_waiter_is_woken_by_notify_from_another_instance(open_pg):
 async def test_records_committed_together_wake_every_waiter(open_pg):
     """One notification names all the kids a batch of completes recorded."""
     waiter_store, writer = await open_pg(), await open_pg()
-    waiter_store.poll_s = 30.0
+    waiter_store.connection.waiters.poll_s = 30.0
     claims = [claim_of(f"k{i}", owner=f"o{i}") for i in range(150)]  # more than one payload's worth
     await asyncio.gather(*(writer.journal.claim(c) for c in claims))
     waiters = [asyncio.create_task(waiter_store.journal.wait(c.scope.kid, 20.0)) for c in claims]
@@ -118,7 +118,7 @@ async def test_records_committed_together_wake_every_waiter(open_pg):
 
 async def test_the_listener_comes_back_when_its_connection_is_killed(schema, open_pg):
     waiter_store, writer = await open_pg(), await open_pg()
-    waiter_store.poll_s = 30.0
+    waiter_store.connection.waiters.poll_s = 30.0
     conn = await raw(schema)
     try:
         killed = await conn.fetchval("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
@@ -180,10 +180,10 @@ async def test_statements_use_their_index_even_planned_on_empty_tables(schema, o
     """A new deployment's tables are empty when its statements are first planned; a plan
     kept from then must still find rows by index once the tables are large."""
     store = await open_pg()
-    async with store._pool.acquire() as conn:  # a session as the store configures it
+    async with store.connection._pool.acquire() as conn:  # a session as the store configures it
         await conn.execute("SET plan_cache_mode = force_generic_plan")
         for name in HOT_STATEMENTS:
-            query = getattr(postgres_sql, name)
+            query = getattr(sql, name)
             params = len((await conn.prepare(query)).get_parameters())
             await conn.execute(f"PREPARE hot AS {query}")
             try:
@@ -273,7 +273,7 @@ def private_postgres():
 async def test_a_stopped_server_fails_fast_and_the_store_recovers(private_postgres, open_pg):
     url = f"{private_postgres.url}?schema=outage"
     store, writer = await open_pg(url, timeout=1.0), await open_pg(url, timeout=1.0)
-    store.poll_s = 30.0
+    store.connection.waiters.poll_s = 30.0
     owner = (await store.journal.claim(claim_of("before"))).entry.owner
     assert await store.journal.complete(claim_of("before").scope.kid, owner, REPLY)
 

@@ -16,7 +16,8 @@ import pytest
 import redis.asyncio as redis_asyncio
 
 from idemproxy.proxy.store.base import Claim, Recorded, Run, Scope, StoreUnavailable
-from idemproxy.proxy.store.redis import POLL_S, RedisStore, split_url
+from idemproxy.proxy.store.redis import RedisStore
+from idemproxy.proxy.store.redis.connection import POLL_S, split_url
 from services import PrivateRedis, free_port, redis_url
 
 REPLY = Recorded(200, [("content-type", "application/json")], b'{"ok": true}')
@@ -158,7 +159,7 @@ async def test_a_change_on_one_instance_wakes_a_waiter_on_another(shared_url, op
     elsewhere = await open_store(url.replace(prefix, "other" + prefix))  # another prefix: not told
     won = await writer.journal.claim(claim())
     kid = won.entry.kid
-    waits = [asyncio.create_task(s.wait(kid, 5.0)) for s in (waiter_store, elsewhere)]
+    waits = [asyncio.create_task(s.journal.wait(kid, 5.0)) for s in (waiter_store, elsewhere)]
     await asyncio.sleep(0.05)
     changed = time.monotonic()
     await writer.journal.complete(kid, "a", REPLY)

@@ -367,7 +367,7 @@ async def test_restarts_outside_the_window_are_forgotten(lone_supervisor):
 async def test_a_sqlite_journal_from_before_restart_times_is_upgraded(sqlite_url, tmp_path):
     import sqlite3
 
-    from idemproxy.proxy.store import sqlite as sqlite_store
+    from idemproxy.proxy.store.sqlite import schema as sqlite_store
 
     path = sqlite_url.removeprefix("sqlite:///")
     with contextlib.closing(sqlite3.connect(path)) as old:  # version 1: runs without restart_times

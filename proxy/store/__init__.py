@@ -1,4 +1,9 @@
-"""Stores by URL scheme. Backends import lazily: asyncpg and redis are optional extras."""
+"""Stores by URL scheme. Backends import lazily: asyncpg and redis are optional extras.
+
+Each backend is a package (``sqlite/``, ``postgres/``, ``redis/``) of the same shape: a
+``connection`` module shared by its ``journal`` and its ``runs``, composed by the store
+class in its ``__init__``.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ __all__ = ["Store", "StoreError", "StoreUnavailable", "make_store", "open_store"
 log = logging.getLogger("idemproxy.store")
 
 OPEN_ATTEMPTS = 8
-# scheme -> (module, class, extra that installs its driver)
+# scheme -> (package, class, extra that installs its driver)
 BACKENDS = {
     "sqlite": ("sqlite", "SQLiteStore", None),
     "postgresql": ("postgres", "PostgresStore", "postgres"),
@@ -30,9 +35,9 @@ def make_store(settings: StoreSettings) -> Store:
     scheme = urlsplit(settings.url).scheme
     if scheme not in BACKENDS:
         raise ValueError(f"unsupported store URL scheme {scheme!r} (use sqlite, postgresql or redis)")
-    module_name, class_name, extra = BACKENDS[scheme]
+    package, class_name, extra = BACKENDS[scheme]
     try:
-        module = import_module(f"{__name__}.{module_name}")
+        module = import_module(f"{__name__}.{package}")
     except ImportError as exc:
         raise ValueError(f"the {scheme} store needs: pip install 'idemproxy[{extra}]' ({exc})") from exc
     cls = getattr(module, class_name)

@@ -1,14 +1,14 @@
 """The Lua scripts of the Redis store: each change to the journal or a run, atomically.
 
-Key layout and conventions: see the docstring of :mod:`.redis`. Scripts get the key prefix
-as an argument where they reach keys they learn from the data (a run's journal, its index
+Key layout and conventions: see the package docstring. Scripts get the key prefix as an
+argument where they reach keys they learn from the data (a run's journal, its index
 entries), which holds on one Redis server, not on Redis Cluster. Absent hash fields stand
 for None. Times are UNIX seconds as decimal strings; expiries are milliseconds. Constants
 shared with the other stores (run states, the history's length) are written into the
-script text from :mod:`.base`, so they are defined once.
+script text from :mod:`..base`, so they are defined once.
 """
 
-from .base import ENDED, HISTORY_LIMIT, RUN_STATES
+from ..base import ENDED, HISTORY_LIMIT, RUN_STATES
 
 ENTRY_FIELDS = ("kid", "tenant", "run", "epoch", "upstream", "key", "fingerprint", "state", "owner",
                 "lease_until", "created_at", "completed_at", "expires_at", "replays", "detail",

@@ -1,7 +1,7 @@
 """The SQLite store's run registry: runs, epochs, heartbeats and restarts.
 
-Mixed into :class:`~.sqlite.SQLiteStore`, which provides ``_read`` (on the loop's
-thread) and ``_write`` (group-committed on the writer thread).
+Reads go to the connection's reader; a change that must see the run as it is (an end,
+a new attempt) reads and writes it in one function on the writer thread.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from typing import Any
 
 import orjson
 
-from .base import (ENDED, HISTORY_LIMIT, Run, RunState, advance_attempt, check_settable,
-                   remembered)
+from ..base import (ENDED, HISTORY_LIMIT, Run, RunState, advance_attempt, check_settable,
+                    remembered)
+from .connection import SQLiteConnection
 
 RUN_COLUMNS = ("tenant, run_id, state, epoch, restarts, last_seen, started_at, timeout_s, grace_s, "
                "max_restarts, hook, metadata, created_at, ended_at, next_restart_at, history, restart_times")
@@ -34,6 +35,9 @@ def _run_in(c: sqlite3.Connection, namespace: str, run_id: str) -> Run | None:
 
 
 class SQLiteRuns:
+    def __init__(self, db: SQLiteConnection):
+        self._db = db
+
     async def upsert(self, run: Run) -> Run:
         def op(c):
             c.execute(
@@ -45,28 +49,28 @@ class SQLiteRuns:
                  orjson.dumps(run.metadata), run.created_at, run.ended_at, run.next_restart_at,
                  orjson.dumps(run.history[-HISTORY_LIMIT:]), orjson.dumps(run.restart_times)))
             return _run_in(c, run.namespace, run.run_id)
-        return await self._write(op)
+        return await self._db.write(op)
 
     async def find(self, namespace: str | None, run_id: str) -> list[Run]:
         if namespace is None:
-            rows = self._read(f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = ?", (run_id,))
+            rows = self._db.read(f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = ?", (run_id,))
         else:
-            rows = self._read(f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = ? AND run_id = ?",
+            rows = self._db.read(f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = ? AND run_id = ?",
                               (namespace, run_id))
         return [_run(r) for r in rows]
 
     async def list(self, state: str | None = None, limit: int = 1000) -> list[Run]:
         if state:
-            rows = self._read(f"SELECT {RUN_COLUMNS} FROM runs WHERE state = ? "
+            rows = self._db.read(f"SELECT {RUN_COLUMNS} FROM runs WHERE state = ? "
                               "ORDER BY created_at DESC LIMIT ?", (state, limit))
         else:
-            rows = self._read(f"SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at DESC LIMIT ?",
+            rows = self._db.read(f"SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at DESC LIMIT ?",
                               (limit,))
         return [_run(r) for r in rows]
 
     async def observe_epoch(self, namespace: str, run_id: str, epoch: int | None, defaults: Run,
                             now: float) -> int:
-        rows = self._read("SELECT epoch FROM runs WHERE tenant = ? AND run_id = ?", (namespace, run_id))
+        rows = self._db.read("SELECT epoch FROM runs WHERE tenant = ? AND run_id = ?", (namespace, run_id))
         if rows and (epoch is None or epoch <= rows[0][0]):
             return rows[0][0]  # the common case: a known run at its current epoch, no write
 
@@ -82,10 +86,10 @@ class SQLiteRuns:
                  RunState.RESTARTING, RunState.RUNNING))
             return c.execute("SELECT epoch FROM runs WHERE tenant = ? AND run_id = ?",
                              (namespace, run_id)).fetchone()[0]
-        return await self._write(op)
+        return await self._db.write(op)
 
     async def touch(self, beats: dict[tuple[str, str], float]) -> None:
-        await self._write(lambda c: c.executemany(
+        await self._db.write(lambda c: c.executemany(
             "UPDATE runs SET last_seen = max(last_seen, ?), "
             f"state = CASE WHEN state = '{RunState.RESTARTING}' THEN '{RunState.RUNNING}' ELSE state END "
             "WHERE tenant = ? AND run_id = ?",
@@ -99,10 +103,10 @@ class SQLiteRuns:
                       "WHERE tenant = ? AND run_id = ? AND (? IS NULL OR epoch <= ?)",
                       (now, namespace, run_id, epoch, epoch))
             return _run_in(c, namespace, run_id)
-        return await self._write(op)
+        return await self._db.write(op)
 
     async def end(self, namespace: str, run_id: str, state: str, now: float,
-                      epoch: int | None = None) -> Run | None:
+                  epoch: int | None = None) -> Run | None:
         def op(c):
             run = _run_in(c, namespace, run_id)
             if run is None:
@@ -114,7 +118,7 @@ class SQLiteRuns:
                       (state, now, orjson.dumps(run.history), namespace, run_id))
             run.state, run.ended_at = state, now
             return run
-        return await self._write(op)
+        return await self._db.write(op)
 
     async def new_attempt(self, namespace: str, run_id: str, expected_epoch: int | None, now: float,
                           reason: str, restart: bool, window_s: float | None = None) -> Run | None:
@@ -130,16 +134,16 @@ class SQLiteRuns:
                       (run.epoch, run.restarts, run.state, now, now, orjson.dumps(run.history),
                        orjson.dumps(run.restart_times), namespace, run_id, run.epoch - 1))
             return run
-        return await self._write(op)
+        return await self._db.write(op)
 
     async def silent(self, now: float) -> list[Run]:
-        rows = self._read(f"SELECT {RUN_COLUMNS} FROM runs WHERE state IN (?, ?) "
+        rows = self._db.read(f"SELECT {RUN_COLUMNS} FROM runs WHERE state IN (?, ?) "
                           "AND last_seen + timeout_s < ? AND started_at + grace_s < ? "
                           "AND next_restart_at <= ?", (RunState.RUNNING, RunState.RESTARTING, now, now, now))
         return [_run(r) for r in rows]
 
     async def set_state(self, namespace: str, run_id: str, state: str | None, now: float,
-                            event: dict[str, Any] | None = None, **fields: Any) -> None:
+                        event: dict[str, Any] | None = None, **fields: Any) -> None:
         check_settable(fields)
 
         def op(c):
@@ -154,19 +158,7 @@ class SQLiteRuns:
             c.execute(f"UPDATE runs SET state = coalesce(?, state), history = ?{', ' + sets if sets else ''} "
                       "WHERE tenant = ? AND run_id = ?",
                       (state, orjson.dumps(history), *fields.values(), namespace, run_id))
-        await self._write(op)
+        await self._db.write(op)
 
     async def count(self) -> dict[str, int]:
-        return {state: n for state, n in self._read("SELECT state, count(*) FROM runs GROUP BY state")}
-
-    async def count_steps(self, runs: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
-        if not runs:
-            return {}
-        # the runs as one JSON parameter: one indexed query however many runs are listed
-        rows = self._read(
-            "WITH wanted (namespace, run) AS (SELECT DISTINCT json_extract(value, '$[0]'), "
-            "json_extract(value, '$[1]') FROM json_each(?)) "
-            "SELECT w.namespace, w.run, count(*) FROM wanted w "
-            "JOIN journal j ON j.namespace = w.namespace AND j.run = w.run GROUP BY w.namespace, w.run",
-            (orjson.dumps(runs),))
-        return {(namespace, run): n for namespace, run, n in rows}
+        return {state: n for state, n in self._db.read("SELECT state, count(*) FROM runs GROUP BY state")}

@@ -1,7 +1,7 @@
 """The PostgreSQL store's run registry: runs, epochs, heartbeats and restarts.
 
-Mixed into :class:`~.postgres.PostgresStore`, which provides ``_use``, ``_tx``, ``_fetch``
-and ``_fetchrow`` (pooled, bounded, errors translated).
+A change that must see the run as it is (an end, a new attempt, a state) locks its row
+``FOR UPDATE`` in a transaction: concurrent callers queue on the row lock.
 """
 
 from __future__ import annotations
@@ -10,8 +10,10 @@ from typing import Any
 
 import asyncpg
 
-from . import postgres_sql as sql
-from .base import ENDED, HISTORY_LIMIT, Run, advance_attempt, check_settable, remembered
+from ..base import ENDED, HISTORY_LIMIT, Run, advance_attempt, check_settable, remembered
+from . import sql
+from .connection import PostgresConnection
+
 
 def _run(row: asyncpg.Record) -> Run:
     run = Run(*row)
@@ -21,24 +23,27 @@ def _run(row: asyncpg.Record) -> Run:
 
 
 class PostgresRuns:
+    def __init__(self, db: PostgresConnection):
+        self._db = db
+
     async def upsert(self, run: Run) -> Run:
-        return _run(await self._fetchrow(
+        return _run(await self._db.fetchrow(
             "upsert_run", sql.UPSERT_RUN, run.namespace, run.run_id, run.state, run.epoch, run.restarts,
             run.last_seen, run.started_at, run.timeout_s, run.grace_s, run.max_restarts, run.hook,
             run.metadata, run.created_at, run.ended_at, run.next_restart_at, run.history[-HISTORY_LIMIT:],
             run.restart_times))
 
     async def find(self, namespace: str | None, run_id: str) -> list[Run]:
-        rows = await self._fetch("get_run", sql.GET_RUN, namespace, run_id)
+        rows = await self._db.fetch("get_run", sql.GET_RUN, namespace, run_id)
         return [_run(r) for r in rows]
 
     async def list(self, state: str | None = None, limit: int = 1000) -> list[Run]:
-        rows = await self._fetch("list_runs", sql.LIST_RUNS, state or None, limit)
+        rows = await self._db.fetch("list_runs", sql.LIST_RUNS, state or None, limit)
         return [_run(r) for r in rows]
 
     async def observe_epoch(self, namespace: str, run_id: str, epoch: int | None, defaults: Run,
                             now: float) -> int:
-        row = await self._fetchrow("observe_epoch", sql.RUN_EPOCH, namespace, run_id)
+        row = await self._db.fetchrow("observe_epoch", sql.RUN_EPOCH, namespace, run_id)
         if row and (epoch is None or epoch <= row[0]):
             return row[0]  # the common case: a known run at its current epoch, no write
 
@@ -47,11 +52,11 @@ class PostgresRuns:
                                       defaults.grace_s, defaults.max_restarts, defaults.hook,
                                       defaults.metadata)
             return raised if raised is not None else await c.fetchval(sql.RUN_EPOCH, namespace, run_id)
-        return await self._use("observe_epoch", raise_epoch)
+        return await self._db.use("observe_epoch", raise_epoch)
 
     async def touch(self, beats: dict[tuple[str, str], float]) -> None:
         if beats:  # sorted, so two proxies beating for the same runs lock them in one order
-            await self._use("touch", lambda c: c.executemany(
+            await self._db.use("touch", lambda c: c.executemany(
                 sql.TOUCH, [(at, namespace, run) for (namespace, run), at in sorted(beats.items())]))
 
     async def _locked_run(self, c: asyncpg.Connection, namespace: str, run_id: str) -> Run | None:
@@ -60,13 +65,13 @@ class PostgresRuns:
 
     async def heartbeat(self, namespace: str, run_id: str, now: float,
                         epoch: int | None = None) -> Run | None:
-        row = await self._fetchrow("heartbeat", sql.HEARTBEAT, now, namespace, run_id, epoch)
+        row = await self._db.fetchrow("heartbeat", sql.HEARTBEAT, now, namespace, run_id, epoch)
         if row is None:  # no such run, or a superseded attempt: the run as it is
-            row = await self._fetchrow("heartbeat", sql.GET_RUN, namespace, run_id)
+            row = await self._db.fetchrow("heartbeat", sql.GET_RUN, namespace, run_id)
         return None if row is None else _run(row)
 
     async def end(self, namespace: str, run_id: str, state: str, now: float,
-                      epoch: int | None = None) -> Run | None:
+                  epoch: int | None = None) -> Run | None:
         async def op(c: asyncpg.Connection) -> Run | None:
             run = await self._locked_run(c, namespace, run_id)
             if run is None or run.state in ENDED or (epoch is not None and run.epoch > epoch):
@@ -75,7 +80,7 @@ class PostgresRuns:
             run.state, run.ended_at = state, now
             await c.execute(sql.END_RUN, state, now, run.history, namespace, run_id)
             return run
-        return await self._tx("end_run", op)
+        return await self._db.tx("end_run", op)
 
     async def new_attempt(self, namespace: str, run_id: str, expected_epoch: int | None, now: float,
                           reason: str, restart: bool, window_s: float | None = None) -> Run | None:
@@ -87,14 +92,14 @@ class PostgresRuns:
             await c.execute(sql.NEW_ATTEMPT, run.epoch, run.restarts, run.state, now, run.history,
                             run.restart_times, namespace, run_id)
             return run
-        return await self._tx("new_attempt", op)
+        return await self._db.tx("new_attempt", op)
 
     async def silent(self, now: float) -> list[Run]:
-        rows = await self._fetch("silent_runs", sql.SILENT_RUNS, now)
+        rows = await self._db.fetch("silent_runs", sql.SILENT_RUNS, now)
         return [_run(r) for r in rows]
 
     async def set_state(self, namespace: str, run_id: str, state: str | None, now: float,
-                            event: dict[str, Any] | None = None, **fields: Any) -> None:
+                        event: dict[str, Any] | None = None, **fields: Any) -> None:
         check_settable(fields)
 
         async def op(c: asyncpg.Connection) -> None:
@@ -106,15 +111,8 @@ class PostgresRuns:
             await c.execute(f"UPDATE runs SET state = coalesce($1, state), history = $2{sets} "
                             "WHERE tenant = $3 AND run_id = $4", state, history, namespace, run_id,
                             *fields.values())
-        await self._tx("set_run_state", op)
+        await self._db.tx("set_run_state", op)
 
     async def count(self) -> dict[str, int]:
-        rows = await self._fetch("count_runs", sql.COUNT_RUNS)
+        rows = await self._db.fetch("count_runs", sql.COUNT_RUNS)
         return {state: n for state, n in rows}
-
-    async def count_steps(self, runs: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
-        if not runs:
-            return {}
-        namespaces, run_ids = (list(column) for column in zip(*runs))
-        rows = await self._fetch("count_steps", sql.COUNT_STEPS, namespaces, run_ids)
-        return {(namespace, run): n for namespace, run, n in rows}

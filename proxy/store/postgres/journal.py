@@ -1,0 +1,221 @@
+"""The PostgreSQL store's journal: claims, records, quarantines, streams in flight, purges.
+
+- A claim is one ``INSERT … ON CONFLICT DO UPDATE … WHERE`` statement that also reads the
+  run's epoch ``FOR SHARE``, so a fenced attempt never claims a key.
+- Calls that arrive together are one statement (:mod:`..batching`): gets, claims, and
+  completes, so N concurrent records share one commit. A claim reads the key's live
+  entry first and answers with it, writing nothing: a replay is one read.
+"""
+
+from __future__ import annotations
+
+import time
+
+import asyncpg
+
+from ..base import Claim, ClaimResult, Entry, EntryState, Recorded, StoreUnavailable
+from ..batching import Batches, GiveBack
+from . import sql
+from .connection import PostgresConnection, json_text
+
+
+def _entry(row: asyncpg.Record, response: Recorded | None = None) -> Entry:
+    return Entry(*row[:18], response=response)
+
+
+def _recorded(row: asyncpg.Record) -> Recorded | None:
+    if row["status"] is None:
+        return None
+    return Recorded(row["status"], [tuple(h) for h in row["headers"] or []], row["body"] or b"",
+                    row["streamed"], [tuple(t) for t in row["timing"] or []])
+
+
+def _rows(status: str) -> int:
+    """Rows touched, from a command tag such as ``UPDATE 1``."""
+    return int(status.rsplit(" ", 1)[-1])
+
+
+class PostgresJournal:
+    claim_reads = True  # a taken key's claim is a read, answered with the entry
+
+    def __init__(self, db: PostgresConnection):
+        self._db = db
+        self._waiters = db.waiters
+        self._gets = Batches("postgres get", self._get_many, db.timeout)
+        self._claims = Batches("postgres claim", self._claim_many, db.timeout, self._claim_unanswered)
+        self._give_back = GiveBack(self.release)
+        self._completes = Batches("postgres complete", self._complete_many, db.timeout)
+
+    async def aclose(self) -> None:
+        """Send what is queued (pending records first), then stop giving claims back."""
+        for batches in (self._completes, self._claims, self._gets):
+            await batches.flushed()
+        await self._give_back.aclose()
+
+    async def get(self, kid: str) -> Entry | None:
+        return await self._gets(kid)
+
+    async def _get_many(self, kids: list[str]) -> list[Entry | None]:
+        rows = await self._db.batch("get", sql.GET_MANY, list(set(kids)), time.time())
+        found = {row["kid"]: row for row in rows}
+        return [_entry(row, _recorded(row)) if (row := found.get(kid)) else None for kid in kids]
+
+    async def claim(self, claim: Claim) -> ClaimResult:
+        kid = claim.scope.kid
+        for _ in range(3):
+            now = time.time()
+            won, run_epoch, live = await self._claims((claim, now))
+            if won:
+                return ClaimResult(True, claim.entry(now))
+            if run_epoch is not None and claim.epoch is not None and run_epoch > claim.epoch:
+                return ClaimResult(False, None, stale_epoch=run_epoch)
+            lapsed = live is not None and live.state == EntryState.IN_FLIGHT and live.lease_until <= now
+            if claim.on_expired == "quarantine" and lapsed:  # its proxy died mid-call: outcome unknown
+                quarantined = await self._db.fetchrow("claim", sql.QUARANTINE_EXPIRED, kid, time.time(),
+                                                      "the proxy holding the claim stopped mid-call",
+                                                      claim.fingerprint, self._db.channel)
+                if quarantined is not None:
+                    self._waiters.wake(kid)
+                    return ClaimResult(False, _entry(quarantined))
+                live = None  # changed meanwhile (completed, or quarantined by another proxy)
+            # the entry we lost to, as the claim found it, or as it is now after a race
+            existing = live or await self.get(kid)
+            if existing is not None:
+                return ClaimResult(False, existing)
+            # the entry we lost to was released, resolved or purged meanwhile: claim again
+        raise StoreUnavailable(f"postgres claim on {kid[:12]} kept racing with other writers")
+
+    def _claim_unanswered(self, item: tuple[Claim, float], outcome: object) -> None:
+        """A claim its caller gave up on (or whose batch failed) may be written: give it back."""
+        claim, _ = item
+        if not (isinstance(outcome, tuple) and not outcome[0]):  # unless it surely lost
+            self._give_back.add(claim.scope.kid, claim.owner, claim.lease_s)
+
+    async def _claim_many(self, batch: list[tuple[Claim, float]]) -> list[tuple[bool, int | None, Entry | None]]:
+        """Claims that arrived together: (won, the run's epoch, the live entry) for each.
+
+        One statement per ``on_expired`` policy (usually one). A kid asked more than once
+        (requests alike, arriving together) is sent once; the others lost, to that claim
+        or to the entry it found, and are answered so.
+        """
+        first: dict[str, int] = {}
+        for i, (claim, _) in enumerate(batch):
+            first.setdefault(claim.scope.kid, i)
+        policies: dict[bool, list[int]] = {True: [], False: []}
+        for i in first.values():
+            policies[batch[i][0].on_expired == "retry"].append(i)
+        answers: dict[int, tuple[bool, int | None, Entry | None]] = {}
+        for take_over, members in policies.items():
+            if not members:
+                continue
+            members.sort(key=lambda i: batch[i][0].scope.kid)
+            columns = zip(*((c.scope.kid, c.scope.tenant, c.scope.run, c.epoch, c.scope.upstream,
+                             c.scope.key, c.fingerprint, c.method, c.path, c.owner, now + c.lease_s,
+                             now, now + c.retention_s, c.namespace) for c, now in (batch[i] for i in members)))
+            rows = await self._db.batch("claim", sql.CLAIM_MANY, *map(list, columns), time.time(), take_over)
+            found = {row["asked"]: row for row in rows}
+            for i in members:
+                row = found[batch[i][0].scope.kid]
+                live = _entry(row[3:], _recorded(row)) if row["kid"] is not None else None
+                answers[i] = (row["won"], row["run_epoch"], live)
+        results = []
+        for i, (claim, _) in enumerate(batch):
+            j = first[claim.scope.kid]
+            won, run_epoch, live = answers[j]
+            if i != j:  # a twin of claim j: it lost to j's claim, or to the entry j found
+                won, live = False, batch[j][0].entry(batch[j][1]) if won else live
+            results.append((won, run_epoch, live))
+        return results
+
+    async def next_occurrence(self, namespace: str, run: str, epoch: int | None, fingerprint: str,
+                              retention_s: float) -> int:
+        row = await self._db.fetchrow("next_occurrence", sql.NEXT_OCCURRENCE, namespace, run,
+                                      -1 if epoch is None else epoch, fingerprint, time.time() + retention_s)
+        return row[0] - 1
+
+    async def renew(self, kid: str, owner: str, lease_s: float) -> bool:
+        return _rows(await self._db.execute("renew", sql.RENEW, time.time() + lease_s, kid, owner)) == 1
+
+    async def complete(self, kid: str, owner: str, recorded: Recorded) -> bool:
+        try:
+            return await self._completes((kid, owner, recorded))
+        finally:
+            self._waiters.wake(kid)
+
+    async def _complete_many(self, batch: list[tuple[str, str, Recorded]]) -> list[bool]:
+        """Group commit: every complete() queued meanwhile goes in one statement, one commit."""
+        # in kid order, as claims lock rows: a takeover batch and this one never wait in a cycle
+        columns = zip(*((kid, owner, r.status, json_text(r.headers), r.body, r.streamed, json_text(r.timing))
+                        for kid, owner, r in sorted(batch, key=lambda done: done[0])))
+        rows = await self._db.batch("complete", sql.COMPLETE_MANY, *map(list, columns), time.time(),
+                                    self._db.channel)
+        kept = {(row["kid"], row["owner"]) for row in rows}
+        return [(kid, owner) in kept for kid, owner, _ in batch]
+
+    async def release(self, kid: str, owner: str) -> None:
+        try:
+            await self._db.execute("release", sql.RELEASE, kid, owner, self._db.channel)
+        finally:
+            self._waiters.wake(kid)
+
+    async def _set_state(self, kid: str, owner: str | None, state: str, detail: str) -> None:
+        try:
+            await self._db.execute(state, sql.SET_STATE, kid, state, detail, owner, self._db.channel)
+        finally:
+            self._waiters.wake(kid)
+
+    async def quarantine(self, kid: str, owner: str | None, detail: str) -> None:
+        await self._set_state(kid, owner, EntryState.UNKNOWN, detail)
+
+    async def mark_unrecordable(self, kid: str, owner: str, detail: str) -> None:
+        await self._set_state(kid, owner, EntryState.UNRECORDABLE, detail)
+
+    async def resolve(self, kid: str, recorded: Recorded | None) -> bool:
+        try:
+            if recorded is None:
+                rows = await self._db.fetch("resolve", sql.RESOLVE_AS_RETRY, kid, self._db.channel)
+            else:
+                rows = await self._db.fetch("resolve", sql.RESOLVE_WITH_ANSWER, kid, recorded.status,
+                                            recorded.headers, recorded.body, time.time(), self._db.channel)
+            return len(rows) == 1
+        finally:
+            self._waiters.wake(kid)
+
+    async def append_partial(self, kid: str, owner: str, seq: int, data: bytes) -> None:
+        await self._db.execute("append_partial", sql.APPEND_PARTIAL, kid, seq, data, self._db.channel)
+        self._waiters.wake(kid)
+
+    async def read_partial(self, kid: str, after_seq: int) -> list[tuple[int, bytes]]:
+        rows = await self._db.fetch("read_partial", sql.READ_PARTIAL, kid, after_seq)
+        return [(r[0], r[1]) for r in rows]
+
+    async def wait(self, kid: str, timeout: float) -> None:
+        await self._waiters.wait(kid, timeout)
+
+    async def count_replays(self, counts: dict[str, int]) -> None:
+        if counts:  # sorted, so two proxies updating the same rows lock them in one order
+            await self._db.use("count_replays", lambda c: c.executemany(
+                sql.COUNT_REPLAYS, [(n, kid) for kid, n in sorted(counts.items())]))
+
+    async def purge(self, now: float, batch: int = 1000) -> int:
+        total = 0
+        while True:  # short transactions: never hold locks for a whole purge
+            n = (await self._db.fetchrow("purge", sql.PURGE_JOURNAL, now, batch))[0]
+            m = _rows(await self._db.execute("purge", sql.PURGE_OCCURRENCES, now, batch))
+            total += n
+            if n < batch and m < batch:
+                return total
+
+    async def entries(self, namespace: str, run: str) -> list[Entry]:
+        rows = await self._db.fetch("journal", sql.JOURNAL, namespace, run)
+        return [_entry(r, None if r["status"] is None else Recorded(r["status"], [], b"")) for r in rows]
+
+    async def delete_run(self, namespace: str, run: str) -> int:
+        return (await self._db.fetchrow("delete_journal", sql.DELETE_JOURNAL, namespace, run))[0]
+
+    async def count_steps(self, runs: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
+        if not runs:
+            return {}
+        namespaces, run_ids = (list(column) for column in zip(*runs))
+        rows = await self._db.fetch("count_steps", sql.COUNT_STEPS, namespaces, run_ids)
+        return {(namespace, run): n for namespace, run, n in rows}

@@ -1,0 +1,61 @@
+"""The PostgreSQL store's schema: numbered migrations, applied at open under an advisory lock."""
+
+from __future__ import annotations
+
+import hashlib
+
+import asyncpg
+
+# Append only: a deployed migration never changes; the next change is version N+1.
+MIGRATIONS: list[tuple[int, str]] = [(1, """
+CREATE TABLE journal (
+    kid TEXT PRIMARY KEY, tenant TEXT NOT NULL, run TEXT, epoch BIGINT,
+    upstream TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL,
+    method TEXT NOT NULL DEFAULT '', path TEXT NOT NULL DEFAULT '', namespace TEXT NOT NULL,
+    state TEXT NOT NULL, owner TEXT, lease_until DOUBLE PRECISION NOT NULL DEFAULT 0,
+    status INTEGER, headers JSONB, body BYTEA, streamed BOOLEAN NOT NULL DEFAULT false, timing JSONB,
+    detail TEXT, created_at DOUBLE PRECISION NOT NULL, completed_at DOUBLE PRECISION,
+    expires_at DOUBLE PRECISION NOT NULL, replays BIGINT NOT NULL DEFAULT 0);
+CREATE INDEX journal_by_run ON journal (namespace, run, created_at);
+CREATE INDEX journal_by_expiry ON journal (expires_at);
+CREATE TABLE partials (kid TEXT NOT NULL, seq INTEGER NOT NULL, data BYTEA NOT NULL, PRIMARY KEY (kid, seq));
+-- "tenant" of occurrences and runs is the run's namespace
+CREATE TABLE occurrences (
+    tenant TEXT NOT NULL, run TEXT NOT NULL, epoch BIGINT NOT NULL, fingerprint TEXT NOT NULL,
+    n BIGINT NOT NULL, expires_at DOUBLE PRECISION NOT NULL, PRIMARY KEY (tenant, run, epoch, fingerprint));
+CREATE INDEX occurrences_by_expiry ON occurrences (expires_at);
+CREATE TABLE runs (
+    tenant TEXT NOT NULL, run_id TEXT NOT NULL, state TEXT NOT NULL, epoch BIGINT NOT NULL,
+    restarts INTEGER NOT NULL DEFAULT 0, last_seen DOUBLE PRECISION NOT NULL,
+    started_at DOUBLE PRECISION NOT NULL, timeout_s DOUBLE PRECISION NOT NULL,
+    grace_s DOUBLE PRECISION NOT NULL, max_restarts INTEGER NOT NULL, hook TEXT, metadata JSONB,
+    created_at DOUBLE PRECISION NOT NULL, ended_at DOUBLE PRECISION,
+    next_restart_at DOUBLE PRECISION NOT NULL DEFAULT 0, history JSONB, PRIMARY KEY (tenant, run_id));
+CREATE INDEX runs_by_state ON runs (state, last_seen);
+CREATE TABLE secrets (name TEXT PRIMARY KEY, value BYTEA NOT NULL);
+"""), (2, """
+-- the restarts that count towards max_restarts, apart from the history that evicts them
+ALTER TABLE runs ADD COLUMN restart_times JSONB NOT NULL DEFAULT '[]';
+""")]
+
+
+async def migrate(conn: asyncpg.Connection, schema: str, timeout: float) -> list[int]:
+    """Bring ``schema`` up to the last migration; the versions applied now."""
+    applied = []
+    async with conn.transaction():
+        # Replicas starting together queue here; the first applies, the rest find it done.
+        key = int.from_bytes(hashlib.sha256(f"idemproxy:{schema}".encode()).digest()[:8], "big", signed=True)
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", key, timeout=timeout)
+        # IF NOT EXISTS alone would still need the CREATE privilege on the database
+        if not await conn.fetchval("SELECT 1 FROM pg_namespace WHERE nspname = $1", schema):
+            await conn.execute(f'CREATE SCHEMA "{schema}"')
+        await conn.execute(f'SET LOCAL search_path TO "{schema}"')
+        await conn.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, "
+                           "applied_at TIMESTAMPTZ NOT NULL DEFAULT now())")
+        done = {r[0] for r in await conn.fetch("SELECT version FROM schema_migrations")}
+        for version, statements in MIGRATIONS:
+            if version not in done:
+                await conn.execute(statements, timeout=timeout)
+                await conn.execute("INSERT INTO schema_migrations (version) VALUES ($1)", version)
+                applied.append(version)
+    return applied

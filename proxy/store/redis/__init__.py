@@ -1,0 +1,67 @@
+"""Redis store (``redis://host:port/db?prefix=idem:``, ``rediss://`` for TLS).
+
+Every key starts with ``prefix`` (default ``idem:``), so several deployments, or tests,
+share one database. ``rk`` names a run: ``{len(namespace)}:{namespace}:{run_id}``,
+unambiguous whatever the namespace holds. The layout::
+
+    entry:{kid}        hash   a journal entry and its response; expires at its retention
+    partial:{kid}      hash   a stream in flight: seq -> bytes (0: status and headers as JSON)
+    steps:{rk}         zset   kid -> created_at: a run's journal
+    steps-expiry       zset   "{kid} {rk}" -> expiry (ms): lets purge() clean steps:{rk}
+    occ:{rk}           hash   "{epoch}:{fingerprint}" -> occurrences (derived keys)
+    run:{rk}           hash   a run;  history:{rk}  list  its last 50 events (JSON)
+    restarts:{rk}      list   times of the restarts that count towards max_restarts, in its window
+    runs, runs:{state} zset   rk -> created_at, for listing
+    runs-deadline      zset   rk -> last_seen + timeout_s of live runs: silent-run detection
+    runs-named:{id}    set    rks of the runs called {id} (one per namespace)
+    secret:{name}      string
+    channel {prefix}changed   pub/sub: a kid whose entry changed, to wake waiters
+
+- :mod:`.connection`: the client, its scripts, pipelines and the pub/sub reader, shared by
+  the journal and the runs; every Redis error becomes StoreUnavailable there. Durability
+  is Redis's own (:func:`.connection.durability_of`).
+- :mod:`.scripts`: the Lua scripts, one per change, so each is atomic.
+- :mod:`.journal`, :mod:`.runs`: the two halves of the store contract over the connection.
+"""
+
+from __future__ import annotations
+
+from ...config import mask_url
+from .connection import RedisConnection
+from .journal import RedisJournal
+from .runs import RedisRuns
+
+__all__ = ["RedisStore"]
+
+
+class RedisStore:
+    """The journal, the runs and the secrets in Redis; see the module docstring."""
+
+    def __init__(self, url: str, timeout: float = 5.0):
+        self.connection = RedisConnection(url, timeout)
+        self.journal = RedisJournal(self.connection)
+        self.runs = RedisRuns(self.connection)
+
+    def __repr__(self) -> str:
+        return f"RedisStore({mask_url(self.connection.url)!r}, prefix={self.connection.prefix!r})"
+
+    @property
+    def durability(self) -> str:
+        return self.connection.durability
+
+    async def open(self) -> None:
+        await self.connection.open()
+
+    async def aclose(self) -> None:
+        await self.journal.aclose()
+        await self.connection.aclose()
+
+    async def ping(self) -> None:
+        await self.connection.do(self.connection.client.ping())
+
+    async def secret(self, name: str, generate: bytes) -> bytes:
+        key = self.connection.key("secret", name)
+        pipe = self.connection.client.pipeline(transaction=True)
+        pipe.set(key, generate, nx=True).get(key)
+        _, value = await self.connection.do(pipe.execute())
+        return value

@@ -1,0 +1,141 @@
+"""The Redis store's run registry: runs, epochs, heartbeats and restarts.
+
+A run is a hash with its history and restart times in lists beside it; every change is
+one Lua script (:mod:`.scripts`) that also keeps the indexes (by state, by deadline, by
+name) in step. Reads are pipelines.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable
+
+import orjson
+
+from ..base import HISTORY_LIMIT, RUN_STATES, Run, RunState, check_settable
+from .connection import RedisConnection, maybe, run_ref, text
+
+
+def _fields(raw: dict | list) -> dict[str, bytes]:
+    """A hash as {name: value}, from HGETALL's dict or a script's flat [name, value, ...]."""
+    if isinstance(raw, list):
+        raw = dict(zip(raw[::2], raw[1::2]))
+    return {text(name): value for name, value in raw.items()}
+
+
+def _run(raw: dict | list, history: list[bytes], restart_times: list[bytes]) -> Run:
+    f = _fields(raw)
+    return Run(text(f["tenant"]), text(f["run_id"]), text(f["state"]), int(f["epoch"]),
+               int(f["restarts"]), float(f["last_seen"]), float(f["started_at"]),
+               float(f["timeout_s"]), float(f["grace_s"]), int(f["max_restarts"]),
+               text(f.get("hook")), orjson.loads(f.get("metadata") or b"{}"),
+               float(f["created_at"]), maybe(float, f.get("ended_at")),
+               float(f.get("next_restart_at") or 0), [orjson.loads(h) for h in history],
+               [float(t) for t in restart_times])
+
+
+def _new_run_fields(run: Run) -> dict[str, str | None]:
+    fields = {"tenant": run.namespace, "run_id": run.run_id, "state": run.state, "epoch": run.epoch,
+              "restarts": run.restarts, "last_seen": run.last_seen, "started_at": run.started_at,
+              "timeout_s": run.timeout_s, "grace_s": run.grace_s, "max_restarts": run.max_restarts,
+              "hook": run.hook, "metadata": orjson.dumps(run.metadata).decode(),
+              "created_at": run.created_at, "ended_at": run.ended_at,
+              "next_restart_at": run.next_restart_at}
+    return {k: None if v is None else str(v) for k, v in fields.items()}
+
+
+class RedisRuns:
+    def __init__(self, db: RedisConnection):
+        self._db = db
+
+    def _script(self, name: str, rk: str, *args: Any) -> Awaitable[Any]:
+        """A run's script: its ARGV start with the prefix and the run's rk."""
+        return self._db.script(name, [], [self._db.prefix, rk, *args])
+
+    async def _runs(self, rks: list[str]) -> list[Run]:
+        if not rks:
+            return []
+        pipe = self._db.client.pipeline(transaction=False)
+        for rk in rks:
+            pipe.hgetall(self._db.key("run", rk)).lrange(self._db.key("history", rk), 0, -1)
+            pipe.lrange(self._db.key("restarts", rk), 0, -1)
+        replies = await self._db.do(pipe.execute())
+        return [_run(h, history, times)
+                for h, history, times in zip(replies[::3], replies[1::3], replies[2::3]) if h]
+
+    async def upsert(self, run: Run) -> Run:
+        new = _new_run_fields(run)
+        update = {k: new[k] for k in ("timeout_s", "grace_s", "max_restarts", "hook", "metadata")}
+        history = [orjson.dumps(event).decode() for event in run.history[-HISTORY_LIMIT:]]
+        reply = await self._script("upsert_run", run_ref(run.namespace, run.run_id), orjson.dumps(new),
+                                   orjson.dumps(update), orjson.dumps(history), *map(repr, run.restart_times))
+        return _run(*reply)
+
+    async def find(self, namespace: str | None, run_id: str) -> list[Run]:
+        if namespace is not None:
+            return await self._runs([run_ref(namespace, run_id)])
+        rks = await self._db.do(self._db.client.smembers(self._db.key("runs-named", run_id)))
+        return await self._runs(sorted(rk.decode() for rk in rks))
+
+    async def list(self, state: str | None = None, limit: int = 1000) -> list[Run]:
+        index = self._db.key("runs", state) if state else self._db.key("runs")
+        rks = await self._db.do(self._db.client.zrevrange(index, 0, limit - 1))
+        return await self._runs([rk.decode() for rk in rks])
+
+    async def count(self) -> dict[str, int]:
+        pipe = self._db.client.pipeline(transaction=False)
+        for state in RUN_STATES:
+            pipe.zcard(self._db.key("runs", state))
+        counts = await self._db.do(pipe.execute())
+        return {state: n for state, n in zip(RUN_STATES, counts) if n}
+
+    async def observe_epoch(self, namespace: str, run_id: str, epoch: int | None, defaults: Run,
+                            now: float) -> int:
+        rk = run_ref(namespace, run_id)
+        current = await self._db.do(self._db.client.hget(self._db.key("run", rk), "epoch"))
+        if current is not None and (epoch is None or epoch <= int(current)):
+            return int(current)  # the common case: a known run at its current epoch, no write
+        new = Run(namespace, run_id, RunState.RUNNING, epoch or 0, 0, now, now, defaults.timeout_s,
+                  defaults.grace_s, defaults.max_restarts, defaults.hook, defaults.metadata, now)
+        return int(await self._script("observe_epoch", rk, "" if epoch is None else epoch, repr(now),
+                                      orjson.dumps(_new_run_fields(new))))
+
+    async def touch(self, beats: dict[tuple[str, str], float]) -> None:
+        if beats:  # ARGV: the prefix, then rk, at, rk, at, ...
+            pairs = (x for (namespace, run), at in beats.items() for x in (run_ref(namespace, run), repr(at)))
+            await self._db.script("touch", [], [self._db.prefix, *pairs])
+
+    async def heartbeat(self, namespace: str, run_id: str, now: float,
+                        epoch: int | None = None) -> Run | None:
+        reply = await self._script("heartbeat", run_ref(namespace, run_id), repr(now),
+                                   "" if epoch is None else epoch)
+        return _run(*reply) if reply else None
+
+    async def end(self, namespace: str, run_id: str, state: str, now: float,
+                  epoch: int | None = None) -> Run | None:
+        reply = await self._script("end_run", run_ref(namespace, run_id), state, repr(now),
+                                   "" if epoch is None else epoch)
+        return _run(*reply) if reply else None
+
+    async def new_attempt(self, namespace: str, run_id: str, expected_epoch: int | None, now: float,
+                          reason: str, restart: bool, window_s: float | None = None) -> Run | None:
+        reply = await self._script("new_attempt", run_ref(namespace, run_id),
+                                   "" if expected_epoch is None else expected_epoch, repr(now), reason,
+                                   int(restart), "" if window_s is None else repr(float(window_s)))
+        return _run(*reply) if reply else None
+
+    async def silent(self, now: float) -> list[Run]:
+        deadlines = self._db.key("runs-deadline")
+        rks = await self._db.do(self._db.client.zrangebyscore(deadlines, "-inf", f"({now!r}"))
+        runs = await self._runs([rk.decode() for rk in rks])
+        return [r for r in runs if r.state in (RunState.RUNNING, RunState.RESTARTING)
+                and r.last_seen + r.timeout_s < now and r.started_at + r.grace_s < now
+                and r.next_restart_at <= now]
+
+    async def set_state(self, namespace: str, run_id: str, state: str | None, now: float,
+                        event: dict[str, Any] | None = None, **fields: Any) -> None:
+        check_settable(fields)
+        changes = {k: None if v is None else str(v) for k, v in fields.items()}
+        if state is not None:
+            changes["state"] = state
+        await self._script("set_run_state", run_ref(namespace, run_id), orjson.dumps(changes),
+                           orjson.dumps({"at": now, **event}) if event else "")

@@ -1,0 +1,225 @@
+"""The SQLite store's journal: claims, records, quarantines, streams in flight, purges.
+
+Reads go to the connection's reader; every change is a function the writer thread runs
+in its next group commit, and wakes the entry's waiters in this process.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+
+import orjson
+
+from ..base import Claim, ClaimResult, Entry, EntryState, Recorded
+from .connection import SQLiteConnection
+
+ENTRY_COLUMNS = ("kid, tenant, run, epoch, upstream, key, fingerprint, state, owner, lease_until, "
+                 "created_at, completed_at, expires_at, replays, detail, method, path, namespace")
+
+
+def _entry(row: sqlite3.Row, response: Recorded | None = None) -> Entry:
+    return Entry(*row[:18], response=response)
+
+
+def _recorded(row: sqlite3.Row) -> Recorded | None:
+    if row["status"] is None:
+        return None
+    return Recorded(row["status"], [tuple(h) for h in orjson.loads(row["headers"] or b"[]")],
+                    row["body"] or b"", bool(row["streamed"]),
+                    [tuple(t) for t in orjson.loads(row["timing"] or b"[]")])
+
+
+class SQLiteJournal:
+    claim_reads = False  # claims queue for the one writer; reads do not
+
+    def __init__(self, db: SQLiteConnection):
+        self._db = db
+        self._waiters = db.waiters
+
+    async def get(self, kid: str) -> Entry | None:
+        rows = self._db.read(f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing "
+                             "FROM journal WHERE kid = ? AND expires_at > ?", (kid, time.time()))
+        return _entry(rows[0], _recorded(rows[0])) if rows else None
+
+    async def claim(self, claim: Claim) -> ClaimResult:
+        scope = claim.scope
+        kid = scope.kid
+
+        def op(c: sqlite3.Connection) -> ClaimResult:
+            now = time.time()
+            if scope.run and claim.epoch is not None:
+                run = c.execute("SELECT epoch FROM runs WHERE tenant = ? AND run_id = ?",
+                                (claim.namespace, scope.run)).fetchone()
+                if run and run[0] > claim.epoch:
+                    return ClaimResult(False, None, stale_epoch=run[0])
+            row = c.execute(f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing "
+                            "FROM journal WHERE kid = ?", (kid,)).fetchone()
+            if row is not None and row["expires_at"] > now:
+                existing = _entry(row, _recorded(row))
+                if (existing.state != EntryState.IN_FLIGHT or existing.lease_until > now
+                        or existing.fingerprint != claim.fingerprint):
+                    return ClaimResult(False, existing)
+                if claim.on_expired == "quarantine":  # its proxy died mid-call: outcome unknown
+                    c.execute("UPDATE journal SET state = ?, owner = NULL, detail = ? WHERE kid = ?",
+                              (EntryState.UNKNOWN, "the proxy holding the claim stopped mid-call", kid))
+                    existing.state, existing.owner = EntryState.UNKNOWN, None
+                    return ClaimResult(False, existing)
+            # a new claim, or a takeover: bytes a dead call left behind must not be joined
+            c.execute("DELETE FROM partials WHERE kid = ?", (kid,))
+            c.execute(
+                "INSERT OR REPLACE INTO journal (kid, tenant, run, epoch, upstream, key, fingerprint, "
+                "method, path, namespace, state, owner, lease_until, created_at, expires_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (kid, scope.tenant, scope.run, claim.epoch, scope.upstream, scope.key,
+                 claim.fingerprint, claim.method, claim.path, claim.namespace, EntryState.IN_FLIGHT, claim.owner,
+                 now + claim.lease_s, now, now + claim.retention_s))
+            return ClaimResult(True, claim.entry(now))
+        return await self._db.write(op)
+
+    async def next_occurrence(self, namespace: str, run: str, epoch: int | None, fingerprint: str,
+                              retention_s: float) -> int:
+        def op(c):
+            row = c.execute(
+                "INSERT INTO occurrences (tenant, run, epoch, fingerprint, n, expires_at) "
+                "VALUES (?, ?, ?, ?, 1, ?) ON CONFLICT DO UPDATE SET n = n + 1, "
+                "expires_at = excluded.expires_at RETURNING n",
+                (namespace, run, -1 if epoch is None else epoch, fingerprint,
+                 time.time() + retention_s)).fetchone()
+            return row[0] - 1
+        return await self._db.write(op)
+
+    async def renew(self, kid: str, owner: str, lease_s: float) -> bool:
+        def op(c):
+            return c.execute("UPDATE journal SET lease_until = ? WHERE kid = ? AND owner = ? "
+                             "AND state = ?", (time.time() + lease_s, kid, owner, EntryState.IN_FLIGHT)).rowcount == 1
+        return await self._db.write(op)
+
+    async def complete(self, kid: str, owner: str, recorded: Recorded) -> bool:
+        headers, timing = orjson.dumps(recorded.headers), orjson.dumps(recorded.timing)
+
+        def op(c):
+            done = c.execute(
+                "UPDATE journal SET state = ?, owner = NULL, status = ?, headers = ?, body = ?, "
+                "streamed = ?, timing = ?, completed_at = ? WHERE kid = ? AND owner = ? AND state = ?",
+                (EntryState.COMPLETE, recorded.status, headers, recorded.body, int(recorded.streamed), timing,
+                 time.time(), kid, owner, EntryState.IN_FLIGHT)).rowcount == 1
+            c.execute("DELETE FROM partials WHERE kid = ?", (kid,))
+            return done
+        try:
+            return await self._db.write(op)
+        finally:
+            self._waiters.wake(kid)
+
+    async def release(self, kid: str, owner: str) -> None:
+        def op(c):
+            row = c.execute("DELETE FROM journal WHERE kid = ? AND owner = ? RETURNING namespace, run, "
+                            "epoch, fingerprint, key", (kid, owner)).fetchone()
+            c.execute("DELETE FROM partials WHERE kid = ?", (kid,))
+            if row is not None and row["key"].startswith("derived:"):
+                # give the occurrence number back, so the caller's retry maps onto this slot
+                n = int(row["key"].rsplit(":", 1)[1])
+                c.execute("UPDATE occurrences SET n = n - 1 WHERE tenant = ? AND run = ? AND epoch = ? "
+                          "AND fingerprint = ? AND n = ?",
+                          (row["namespace"], row["run"], -1 if row["epoch"] is None else row["epoch"],
+                           row["fingerprint"], n + 1))
+        try:
+            await self._db.write(op)
+        finally:
+            self._waiters.wake(kid)
+
+    async def _set_state(self, kid: str, owner: str | None, state: str, detail: str) -> None:
+        def op(c):
+            c.execute("UPDATE journal SET state = ?, owner = NULL, detail = ? WHERE kid = ? "
+                      "AND (? IS NULL OR owner = ?)", (state, detail, kid, owner, owner))
+            c.execute("DELETE FROM partials WHERE kid = ?", (kid,))
+        try:
+            await self._db.write(op)
+        finally:
+            self._waiters.wake(kid)
+
+    async def quarantine(self, kid: str, owner: str | None, detail: str) -> None:
+        await self._set_state(kid, owner, EntryState.UNKNOWN, detail)
+
+    async def mark_unrecordable(self, kid: str, owner: str, detail: str) -> None:
+        await self._set_state(kid, owner, EntryState.UNRECORDABLE, detail)
+
+    async def resolve(self, kid: str, recorded: Recorded | None) -> bool:
+        def op(c):
+            if recorded is None:
+                return c.execute("DELETE FROM journal WHERE kid = ? AND state = ?",
+                                 (kid, EntryState.UNKNOWN)).rowcount == 1
+            return c.execute(
+                "UPDATE journal SET state = ?, status = ?, headers = ?, body = ?, streamed = 0, "
+                "completed_at = ?, detail = 'resolved by operator' WHERE kid = ? AND state = ?",
+                (EntryState.COMPLETE, recorded.status, orjson.dumps(recorded.headers), recorded.body,
+                 time.time(), kid, EntryState.UNKNOWN)).rowcount == 1
+        try:
+            return await self._db.write(op)
+        finally:
+            self._waiters.wake(kid)
+
+    async def append_partial(self, kid: str, owner: str, seq: int, data: bytes) -> None:
+        await self._db.write(lambda c: c.execute(
+            "INSERT OR IGNORE INTO partials (kid, seq, data) VALUES (?, ?, ?)", (kid, seq, data)))
+        self._waiters.wake(kid)
+
+    async def read_partial(self, kid: str, after_seq: int) -> list[tuple[int, bytes]]:
+        rows = self._db.read("SELECT seq, data FROM partials WHERE kid = ? AND seq > ? ORDER BY seq",
+                             (kid, after_seq))
+        return [(r[0], r[1]) for r in rows]
+
+    async def wait(self, kid: str, timeout: float) -> None:
+        await self._waiters.wait(kid, timeout)
+
+    async def count_replays(self, counts: dict[str, int]) -> None:
+        await self._db.write(lambda c: c.executemany(
+            "UPDATE journal SET replays = replays + ? WHERE kid = ?",
+            [(n, kid) for kid, n in counts.items()]))
+
+    async def purge(self, now: float, batch: int = 1000) -> int:
+        def op(c):
+            kids = [r[0] for r in c.execute(
+                "SELECT kid FROM journal WHERE expires_at <= ? LIMIT ?", (now, batch))]
+            c.executemany("DELETE FROM journal WHERE kid = ?", [(k,) for k in kids])
+            c.executemany("DELETE FROM partials WHERE kid = ?", [(k,) for k in kids])
+            c.execute("DELETE FROM occurrences WHERE expires_at <= ?", (now,))
+            return len(kids)
+        total = 0
+        while True:  # short transactions: never hold the write lock for a whole purge
+            n = await self._db.write(op)
+            total += n
+            if n < batch:
+                return total
+
+    async def entries(self, namespace: str, run: str) -> list[Entry]:
+        rows = self._db.read(f"SELECT {ENTRY_COLUMNS}, status FROM journal WHERE namespace = ? AND run = ? "
+                             "ORDER BY created_at", (namespace, run))
+        out = []
+        for row in rows:
+            entry = _entry(row)
+            if row["status"] is not None:
+                entry.response = Recorded(row["status"], [], b"")
+            out.append(entry)
+        return out
+
+    async def delete_run(self, namespace: str, run: str) -> int:
+        def op(c):
+            c.execute("DELETE FROM partials WHERE kid IN (SELECT kid FROM journal WHERE namespace = ? "
+                      "AND run = ?)", (namespace, run))
+            c.execute("DELETE FROM occurrences WHERE tenant = ? AND run = ?", (namespace, run))
+            return c.execute("DELETE FROM journal WHERE namespace = ? AND run = ?",
+                             (namespace, run)).rowcount
+        return await self._db.write(op)
+
+    async def count_steps(self, runs: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
+        if not runs:
+            return {}
+        # the runs as one JSON parameter: one indexed query however many runs are listed
+        rows = self._db.read(
+            "WITH wanted (namespace, run) AS (SELECT DISTINCT json_extract(value, '$[0]'), "
+            "json_extract(value, '$[1]') FROM json_each(?)) "
+            "SELECT w.namespace, w.run, count(*) FROM wanted w "
+            "JOIN journal j ON j.namespace = w.namespace AND j.run = w.run GROUP BY w.namespace, w.run",
+            (orjson.dumps(runs),))
+        return {(namespace, run): n for namespace, run, n in rows}

@@ -1,0 +1,55 @@
+"""The SQLite store's tables, and the upgrades that bring an older file to them."""
+
+from __future__ import annotations
+
+import sqlite3
+
+SCHEMA_VERSION = 2
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS journal (
+    kid TEXT PRIMARY KEY, tenant TEXT NOT NULL, run TEXT, epoch INTEGER,
+    upstream TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL,
+    method TEXT NOT NULL DEFAULT '', path TEXT NOT NULL DEFAULT '', namespace TEXT NOT NULL,
+    state TEXT NOT NULL, owner TEXT, lease_until REAL NOT NULL DEFAULT 0,
+    status INTEGER, headers BLOB, body BLOB, streamed INTEGER NOT NULL DEFAULT 0, timing BLOB,
+    detail TEXT, created_at REAL NOT NULL, completed_at REAL, expires_at REAL NOT NULL,
+    replays INTEGER NOT NULL DEFAULT 0);
+CREATE INDEX IF NOT EXISTS journal_by_run ON journal (namespace, run, created_at);
+CREATE INDEX IF NOT EXISTS journal_by_expiry ON journal (expires_at);
+CREATE TABLE IF NOT EXISTS partials (
+    kid TEXT NOT NULL, seq INTEGER NOT NULL, data BLOB NOT NULL, PRIMARY KEY (kid, seq));
+CREATE TABLE IF NOT EXISTS occurrences (
+    tenant TEXT NOT NULL, run TEXT NOT NULL, epoch INTEGER NOT NULL, fingerprint TEXT NOT NULL,
+    n INTEGER NOT NULL, expires_at REAL NOT NULL, PRIMARY KEY (tenant, run, epoch, fingerprint));
+CREATE TABLE IF NOT EXISTS runs (
+    tenant TEXT NOT NULL, run_id TEXT NOT NULL, state TEXT NOT NULL, epoch INTEGER NOT NULL,
+    restarts INTEGER NOT NULL DEFAULT 0, last_seen REAL NOT NULL, started_at REAL NOT NULL,
+    timeout_s REAL NOT NULL, grace_s REAL NOT NULL, max_restarts INTEGER NOT NULL, hook TEXT,
+    metadata BLOB, created_at REAL NOT NULL, ended_at REAL, next_restart_at REAL NOT NULL DEFAULT 0,
+    history BLOB, restart_times BLOB, PRIMARY KEY (tenant, run_id));
+CREATE INDEX IF NOT EXISTS runs_by_state ON runs (state, last_seen);
+CREATE TABLE IF NOT EXISTS secrets (name TEXT PRIMARY KEY, value BLOB NOT NULL);
+"""
+# What takes a file made by version N-1 to version N (SCHEMA above is already the latest).
+UPGRADES = {2: "ALTER TABLE runs ADD COLUMN restart_times BLOB"}
+
+
+def migrate(conn: sqlite3.Connection) -> None:
+    """Bring the file to SCHEMA_VERSION. In one write transaction: workers opening the same
+    file together queue here, and the first one's work is what the others find done."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version == 0:
+            statements = SCHEMA.split(";")
+        else:
+            statements = [UPGRADES[v] for v in range(version + 1, SCHEMA_VERSION + 1)]
+        for statement in statements:
+            if statement.strip():
+                conn.execute(statement)
+        if version < SCHEMA_VERSION:
+            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
