@@ -17,13 +17,14 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import aiohttp
 import orjson
 
-from .config import UpstreamSettings, ambiguous_policy
+from .config import UpstreamSettings
 from .forward import is_stream, is_timeout, never_sent, response_headers, storable_headers
-from .policy import outcome
+from .policy import OnAmbiguous, Verdict, verdict
 from .store import Store, StoreUnavailable
 from .store.base import Recorded
 
@@ -37,10 +38,25 @@ PARTIAL_FLUSH_S = 0.1  # how often stream bytes are shared with other proxies
 TERMINAL_EVENT = re.compile(rb"(?m)^(?:data: \[DONE\]|event: message_stop|event: response\.completed)\r?$")
 
 
+class Fate(StrEnum):
+    """How a recorded call ended."""
+    RECORDED = "recorded"          # the answer is in the journal
+    RELEASED = "released"          # nothing happened upstream: the key is free again
+    AMBIGUOUS = "ambiguous"        # the upstream may have acted; on_ambiguous=retry freed the key
+    QUARANTINED = "quarantined"    # ... on_ambiguous=quarantine kept it as outcome-unknown
+    UNRECORDABLE = "unrecordable"  # answered, but over max_record_bytes: replays get 409
+    UNSAVED = "unsaved"            # answered, but the journal could not take it: withheld (rule 1)
+    FAILED = "failed"              # the proxy failed (or shut down) before an outcome
+
+
+# A duplicate that waited on a call ending like this goes upstream itself, as a retry would.
+GIVEN_BACK = frozenset({Fate.RELEASED, Fate.AMBIGUOUS})
+
+
 @dataclass(slots=True)
 class CallResult:
     """How the call ended, for listeners."""
-    fate: str  # recorded | released | ambiguous | quarantined | unrecordable | unsaved | failed
+    fate: Fate
     problem: tuple[str, str] | None = None  # (slug, detail) when listeners get an error instead
 
 
@@ -50,6 +66,7 @@ class Call:
     owner: str
     fingerprint: str
     upstream: UpstreamSettings
+    on_ambiguous: OnAmbiguous
     max_record_bytes: int
     status: int = 0
     headers: list[tuple[str, str]] = field(default_factory=list)
@@ -107,14 +124,14 @@ class Call:
         try:
             self.result = await self._run(session, store, method, url, headers, body, heartbeat)
         except asyncio.CancelledError:
-            self.result = CallResult("failed", ("upstream-unavailable", "the proxy is shutting down"))
+            self.result = CallResult(Fate.FAILED, ("upstream-unavailable", "the proxy is shutting down"))
             raise
         except StoreUnavailable as exc:
             log.error("call %s: store unavailable: %s", self.kid[:12], exc)
-            self.result = CallResult("unsaved", ("store-unavailable", f"the journal store failed: {exc}"))
+            self.result = CallResult(Fate.UNSAVED, ("store-unavailable", f"the journal store failed: {exc}"))
         except Exception as exc:  # noqa: BLE001 - listeners must never hang
             log.exception("call %s failed", self.kid[:12])
-            self.result = CallResult("failed", ("upstream-unavailable", f"proxy error: {exc!r}"))
+            self.result = CallResult(Fate.FAILED, ("upstream-unavailable", f"proxy error: {exc!r}"))
         finally:
             self._publish()
 
@@ -174,21 +191,21 @@ class Call:
         except Exception as exc:
             if never_sent(exc):
                 await store.journal.release(self.kid, self.owner)
-                return CallResult("released", ("upstream-unavailable", f"cannot connect to {self.upstream.name}"))
+                return CallResult(Fate.RELEASED, ("upstream-unavailable", f"cannot connect to {self.upstream.name}"))
             slug = "upstream-timeout" if is_timeout(exc) else "upstream-unavailable"
             return await self._ambiguous(store, slug, f"{type(exc).__name__} talking to {self.upstream.name}")
 
-        fate = outcome(self.status)
-        if fate == "release":
+        found = verdict(self.status)
+        if found is Verdict.RELEASE:
             await store.journal.release(self.kid, self.owner)
-            return self._release_held("released")
-        if fate == "ambiguous":
+            return self._release_held(Fate.RELEASED)
+        if found is Verdict.AMBIGUOUS:
             result = await self._ambiguous(store, None, f"upstream answered {self.status}")
             self._release_held(result.fate)
             return result
         if too_large:
             await store.journal.mark_unrecordable(self.kid, self.owner, f"response over {self.max_record_bytes} bytes")
-            return self._release_held("unrecordable")
+            return self._release_held(Fate.UNRECORDABLE)
         record = Recorded(self.status, storable_headers(self.headers, self.upstream), bytes(recorded),
                           self.streamed, timing if self.streamed else [])
         try:
@@ -196,29 +213,29 @@ class Call:
         except StoreUnavailable as exc:
             # Rule 1: the agent never sees an answer the journal does not hold.
             log.error("could not record %s: %s", self.kid[:12], exc)
-            return CallResult("unsaved", ("store-unavailable", "the upstream answered but the journal "
+            return CallResult(Fate.UNSAVED, ("store-unavailable", "the upstream answered but the journal "
                                           "could not record it; the key stays claimed until its lease ends"))
         if not kept:
             # Another proxy took the key over (our lease lapsed): its outcome is the journal's,
             # and the agent must not act on one the journal does not hold (rule 1).
             log.warning("lease on %s was lost before its record; the answer is withheld", self.kid[:12])
-            return CallResult("unsaved", ("in-flight", "this proxy lost its claim on the key before "
+            return CallResult(Fate.UNSAVED, ("in-flight", "this proxy lost its claim on the key before "
                                           "it could record the answer; retry to get the journal's outcome"))
-        return self._release_held("recorded")
+        return self._release_held(Fate.RECORDED)
 
-    def _release_held(self, fate: str) -> CallResult:
+    def _release_held(self, fate: Fate) -> CallResult:
         self.chunks.extend(self._held)
         self._held.clear()
         return CallResult(fate)
 
     async def _ambiguous(self, store: Store, slug: str | None, detail: str) -> CallResult:
         """The upstream may have acted: retry releases the key, quarantine keeps it unknown."""
-        if ambiguous_policy(self.upstream) == "quarantine":
+        if self.on_ambiguous is OnAmbiguous.QUARANTINE:
             await store.journal.quarantine(self.kid, self.owner, detail)
-            fate = "quarantined"
+            fate = Fate.QUARANTINED
         else:
             await store.journal.release(self.kid, self.owner)
-            fate = "ambiguous"
+            fate = Fate.AMBIGUOUS
         return CallResult(fate, (slug, detail) if slug else None)
 
     async def _share(self, store: Store, done: asyncio.Event) -> None:

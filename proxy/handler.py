@@ -12,13 +12,15 @@ import aiohttp
 from aiohttp import web
 
 from . import policy
-from .calls import Call
-from .config import Settings, UpstreamSettings, ambiguous_policy
+from .calls import GIVEN_BACK, Call
+from .config import Settings, UpstreamSettings
 from .fingerprint import fingerprint
 from .forward import forwarded_key, is_stream, request_headers, response_headers
 from .heartbeats import Heartbeats
 from .identity import Identity, TenantResolver, parse_epoch, parse_key, parse_policy, parse_run
 from .metrics import Metrics
+from .outcomes import Outcome
+from .policy import OnAmbiguous, Policy
 from .problems import Problem
 from .replay import STREAM, cut_short, join_remote, listen, send_record, server_timing, start_stream
 from .routing import Route, parse_route, upstream_url
@@ -27,10 +29,8 @@ from .store.base import Claim, Entry, EntryState, Run, Scope
 
 log = logging.getLogger("idemproxy.proxy")
 
-OUTCOME = web.RequestKey("outcome", str)  # what the proxy did: metrics and the access log
+OUTCOME = web.RequestKey("outcome", Outcome)  # what the proxy did: metrics and the access log
 UPSTREAM_S = web.RequestKey("upstream_s", object)  # upstream time to headers, when forwarded
-# A duplicate that waited on a call ending like this goes upstream itself, as a retry would.
-GIVEN_BACK = frozenset({"released", "ambiguous"})
 
 
 @dataclass
@@ -44,15 +44,15 @@ class Proxy:
     calls: dict[str, Call] = field(default_factory=dict)  # recorded calls in flight here
     tasks: set[asyncio.Task] = field(default_factory=set)
     replays: dict[str, int] = field(default_factory=dict)  # replay counts not yet stored
-    on_ambiguous: dict[str, str] = field(init=False)  # per upstream, worked out once
+    on_ambiguous: dict[str, OnAmbiguous] = field(init=False)  # per upstream, worked out once
     _epoch_reads: dict[tuple, asyncio.Future] = field(default_factory=dict)  # shared fence reads
 
     def __post_init__(self) -> None:
-        self.on_ambiguous = {name: ambiguous_policy(up) for name, up in self.settings.upstreams.items()}
+        self.on_ambiguous = {name: policy.on_ambiguous(up) for name, up in self.settings.upstreams.items()}
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
-        request[OUTCOME] = "rejected"
+        request[OUTCOME] = Outcome.REJECTED
         try:
             route = parse_route(request.raw_path, self.settings.upstreams)
             ident = self._identify(request, route)
@@ -61,18 +61,18 @@ class Proxy:
             chosen = policy.decide(upstream, request.method, route.path, override=ident.policy,
                                    has_key=ident.key is not None, has_run=ident.run is not None)
             if ident.run:
-                await self._fence(ident, fail_open=chosen == policy.PASSTHROUGH)
-            if chosen == policy.PASSTHROUGH:
-                request[OUTCOME] = "passthrough"
+                await self._fence(ident, fail_open=chosen is Policy.PASSTHROUGH)
+            if chosen is Policy.PASSTHROUGH:
+                request[OUTCOME] = Outcome.PASSTHROUGH
                 return await self._passthrough(request, route, body, started)
             return await self._record(request, route, ident, body, started)
         except Problem as problem:
             if STREAM in request:  # the head is sent: a refusal can only cut the stream short
                 return cut_short(request)
             if problem.slug == "stale-epoch":
-                request[OUTCOME] = "fenced"
+                request[OUTCOME] = Outcome.FENCED
             elif problem.slug in ("key-reused", "in-flight", "outcome-unknown", "not-replayable"):
-                request[OUTCOME] = "conflict"
+                request[OUTCOME] = Outcome.CONFLICT
             return self._refuse(request, problem, started)
         except StoreUnavailable as exc:
             log.error("store unavailable: %s", exc)
@@ -81,10 +81,10 @@ class Proxy:
             return self._refuse(request, Problem("store-unavailable", "the journal store did not "
                                                  "answer; nothing was forwarded"), started)
         except ConnectionResetError:  # the agent went away; a recorded call goes on without it
-            request[OUTCOME] = "disconnected"
+            request[OUTCOME] = Outcome.DISCONNECTED
             return request.get(STREAM) or web.Response(status=499)
         finally:
-            self.metrics.observe(request.get(OUTCOME, "rejected"), time.perf_counter() - started,
+            self.metrics.observe(request.get(OUTCOME, Outcome.REJECTED), time.perf_counter() - started,
                                  request.get(UPSTREAM_S))
 
     @staticmethod
@@ -210,7 +210,7 @@ class Proxy:
                 await self._until_joinable(call, deadline)
                 if call.result is not None and call.result.fate in GIVEN_BACK:
                     continue
-                request[OUTCOME] = "joined"
+                request[OUTCOME] = Outcome.JOINED
                 return await listen(request, call, started, replayed=True)
             # a store whose claim answers a taken key with its entry is asked that alone
             entry = None if self.store.journal.claim_reads else await self.store.journal.get(kid)
@@ -223,7 +223,7 @@ class Proxy:
                     raise Problem("stale-epoch", f"run {ident.run} is at epoch {result.stale_epoch}",
                                   epoch=result.stale_epoch)
                 if result.won:
-                    request[OUTCOME] = "recorded"
+                    request[OUTCOME] = Outcome.RECORDED
                     call = self._start(request, route, result.entry, body, ident.namespace)
                     try:
                         return await listen(request, call, started, replayed=False)
@@ -234,7 +234,7 @@ class Proxy:
                 raise Problem("key-reused", "this Idempotency-Key was first used with a different "
                               "request (method, path or body)")
             if entry.state == EntryState.COMPLETE:
-                request[OUTCOME] = "replayed"
+                request[OUTCOME] = Outcome.REPLAYED
                 self.replays[kid] = self.replays.get(kid, 0) + 1
                 self.metrics.saved(upstream, kid, entry.response)
                 return await send_record(request, entry.response, started, paced)
@@ -245,7 +245,7 @@ class Proxy:
                 raise Problem("not-replayable", entry.detail or "the response was too large to record")
             joined = await join_remote(request, self.store, kid, started)
             if joined is not None:
-                request[OUTCOME] = "joined"
+                request[OUTCOME] = Outcome.JOINED
                 return joined
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -270,7 +270,7 @@ class Proxy:
     def _start(self, request: web.Request, route: Route, entry: Entry, body: bytes,
                namespace: str) -> Call:
         upstream: UpstreamSettings = route.upstream
-        call = Call(entry.kid, entry.owner, entry.fingerprint, upstream,
+        call = Call(entry.kid, entry.owner, entry.fingerprint, upstream, self.on_ambiguous[upstream.name],
                     self.settings.server.max_record_bytes)
         headers = request_headers(request.headers, upstream, self.settings.tenants.header,
                                   forwarded_key(entry.kid) if upstream.idempotency_header else None)
