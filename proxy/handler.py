@@ -14,6 +14,7 @@ from aiohttp import web
 from . import policy
 from .calls import GIVEN_BACK, Call
 from .config import Settings, UpstreamSettings
+from .errors import OUTCOME, STARTED, UPSTREAM_S
 from .fingerprint import fingerprint
 from .forward import forwarded_key, is_stream, request_headers, response_headers
 from .heartbeats import Heartbeats
@@ -22,15 +23,12 @@ from .metrics import Metrics
 from .outcomes import Outcome
 from .policy import OnAmbiguous, Policy
 from .problems import Problem
-from .replay import STREAM, cut_short, join_remote, listen, send_record, server_timing, start_stream
+from .replay import STREAM, join_remote, listen, send_record, server_timing, start_stream
 from .routing import Route, parse_route, upstream_url
 from .store import Store, StoreUnavailable
 from .store.base import Claim, Entry, EntryState, Run, Scope
 
 log = logging.getLogger("idemproxy.proxy")
-
-OUTCOME = web.RequestKey("outcome", Outcome)  # what the proxy did: metrics and the access log
-UPSTREAM_S = web.RequestKey("upstream_s", object)  # upstream time to headers, when forwarded
 
 
 @dataclass
@@ -51,7 +49,9 @@ class Proxy:
         self.on_ambiguous = {name: policy.on_ambiguous(up) for name, up in self.settings.upstreams.items()}
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        started = time.perf_counter()
+        """Refusals and store failures are raised: ``errors.problem_middleware`` answers them
+        and counts the request, once its outcome is final."""
+        started = request[STARTED] = time.perf_counter()
         request[OUTCOME] = Outcome.REJECTED
         try:
             route = parse_route(request.raw_path, self.settings.upstreams)
@@ -66,32 +66,9 @@ class Proxy:
                 request[OUTCOME] = Outcome.PASSTHROUGH
                 return await self._passthrough(request, route, body, started)
             return await self._record(request, route, ident, body, started)
-        except Problem as problem:
-            if STREAM in request:  # the head is sent: a refusal can only cut the stream short
-                return cut_short(request)
-            if problem.slug == "stale-epoch":
-                request[OUTCOME] = Outcome.FENCED
-            elif problem.slug in ("key-reused", "in-flight", "outcome-unknown", "not-replayable"):
-                request[OUTCOME] = Outcome.CONFLICT
-            return self._refuse(request, problem, started)
-        except StoreUnavailable as exc:
-            log.error("store unavailable: %s", exc)
-            if STREAM in request:
-                return cut_short(request)
-            return self._refuse(request, Problem("store-unavailable", "the journal store did not "
-                                                 "answer; nothing was forwarded"), started)
         except ConnectionResetError:  # the agent went away; a recorded call goes on without it
             request[OUTCOME] = Outcome.DISCONNECTED
             return request.get(STREAM) or web.Response(status=499)
-        finally:
-            self.metrics.observe(request.get(OUTCOME, Outcome.REJECTED), time.perf_counter() - started,
-                                 request.get(UPSTREAM_S))
-
-    @staticmethod
-    def _refuse(request: web.Request, problem: Problem, started: float) -> web.Response:
-        response = problem.response(request.path)
-        response.headers["Server-Timing"] = server_timing(time.perf_counter() - started)
-        return response
 
     # -- identity -------------------------------------------------------------------------
 
