@@ -35,11 +35,12 @@ LauncherFactory = Callable[[Settings, Store], Launcher]
 
 
 def create_app(settings: Settings, launcher: LauncherFactory) -> web.Application:
+    counters = Metrics()  # not `metrics`: that is the /metrics route below
     # We read bodies ourselves to answer 413 as problem+json; aiohttp's own cap sits above ours.
     app = web.Application(client_max_size=settings.server.max_request_bytes + 1024,
-                          middlewares=[problem_middleware, _origin_form_only])
+                          middlewares=[problem_middleware(counters), _origin_form_only])
     app[SETTINGS] = settings
-    app[METRICS] = Metrics()
+    app[METRICS] = counters
     app.cleanup_ctx.append(lambda app: _lifecycle(app, launcher))
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
@@ -113,10 +114,8 @@ async def _origin_form_only(request: web.Request, handler) -> web.StreamResponse
     # Targets no route can take (`CONNECT host:port`, `OPTIONS *`) never reach the proxy
     # handler; refuse them as problems too, not with aiohttp's plain-text 404.
     if request.match_info.http_exception is not None:
-        response = Problem("invalid-request", "only origin-form request targets are accepted; "
-                           "this is not an open proxy").response()
-        response.headers["Server-Timing"] = server_timing(0.0)
-        return response
+        raise Problem("invalid-request", "only origin-form request targets are accepted; this is "
+                      "not an open proxy", headers={"Server-Timing": server_timing(0.0)})
     return await handler(request)
 
 
@@ -133,7 +132,7 @@ async def readyz(request: web.Request) -> web.Response:
     try:
         await asyncio.wait_for(store.ping(), request.app[SETTINGS].store.timeout)
     except (StoreUnavailable, asyncio.TimeoutError) as exc:
-        return Problem("store-unavailable", f"store not reachable: {exc}").response(request.path)
+        raise Problem("store-unavailable", f"store not reachable: {exc}") from None
     return web.json_response({"status": "ready", "store": repr(store), "durability": store.durability})
 
 

@@ -17,13 +17,14 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import aiohttp
 import orjson
 
-from .config import UpstreamSettings, ambiguous_policy
+from .config import UpstreamSettings
 from .forward import is_stream, is_timeout, never_sent, response_headers, storable_headers
-from .policy import outcome
+from .policy import OnAmbiguous, Verdict, verdict
 from .store import Store, StoreUnavailable
 from .store.base import Recorded
 
@@ -37,10 +38,25 @@ PARTIAL_FLUSH_S = 0.1  # how often stream bytes are shared with other proxies
 TERMINAL_EVENT = re.compile(rb"(?m)^(?:data: \[DONE\]|event: message_stop|event: response\.completed)\r?$")
 
 
+class Fate(StrEnum):
+    """How a recorded call ended."""
+    RECORDED = "recorded"          # the answer is in the journal
+    RELEASED = "released"          # nothing happened upstream: the key is free again
+    AMBIGUOUS = "ambiguous"        # the upstream may have acted; on_ambiguous=retry freed the key
+    QUARANTINED = "quarantined"    # ... on_ambiguous=quarantine kept it as outcome-unknown
+    UNRECORDABLE = "unrecordable"  # answered, but over max_record_bytes: replays get 409
+    UNSAVED = "unsaved"            # answered, but the journal could not take it: withheld (rule 1)
+    FAILED = "failed"              # the proxy failed (or shut down) before an outcome
+
+
+# A duplicate that waited on a call ending like this goes upstream itself, as a retry would.
+GIVEN_BACK = frozenset({Fate.RELEASED, Fate.AMBIGUOUS})
+
+
 @dataclass(slots=True)
 class CallResult:
     """How the call ended, for listeners."""
-    fate: str  # recorded | released | ambiguous | quarantined | unrecordable | unsaved | failed
+    fate: Fate
     problem: tuple[str, str] | None = None  # (slug, detail) when listeners get an error instead
 
 
@@ -50,6 +66,7 @@ class Call:
     owner: str
     fingerprint: str
     upstream: UpstreamSettings
+    on_ambiguous: OnAmbiguous
     max_record_bytes: int
     status: int = 0
     headers: list[tuple[str, str]] = field(default_factory=list)
@@ -58,9 +75,21 @@ class Call:
     result: CallResult | None = None
     upstream_s: float = 0.0  # time until the upstream's headers
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
-    _held: list[bytes] = field(default_factory=list)
+    _held: list[bytes] = field(default_factory=list)  # the last bytes, until the commit
     _gone: int = 0  # chunks let go from the front of ``chunks``
     _kept: int = 0  # bytes in ``chunks``
+    # the record, as the upstream's bytes pass
+    _recorded: bytearray = field(default_factory=bytearray)
+    _timing: list[tuple[int, float]] = field(default_factory=list)  # see Recorded.timing
+    _first_byte: float = 0.0  # time.perf_counter() at the first byte
+    _too_large: bool = False  # over max_record_bytes: nothing more is kept
+    _line_start: bytes = b""  # the unfinished last line passed so far, while it is short
+    _sharing: asyncio.Event | None = None  # streams: set when copying to the store must stop
+
+    @property
+    def gave_back(self) -> bool:
+        """It ended and gave the key back: a duplicate claims it like any retry would."""
+        return self.result is not None and self.result.fate in GIVEN_BACK
 
     # -- listeners ------------------------------------------------------------------------
 
@@ -107,119 +136,148 @@ class Call:
         try:
             self.result = await self._run(session, store, method, url, headers, body, heartbeat)
         except asyncio.CancelledError:
-            self.result = CallResult("failed", ("upstream-unavailable", "the proxy is shutting down"))
+            self.result = CallResult(Fate.FAILED, ("upstream-unavailable", "the proxy is shutting down"))
             raise
         except StoreUnavailable as exc:
             log.error("call %s: store unavailable: %s", self.kid[:12], exc)
-            self.result = CallResult("unsaved", ("store-unavailable", f"the journal store failed: {exc}"))
+            self.result = CallResult(Fate.UNSAVED, ("store-unavailable", f"the journal store failed: {exc}"))
         except Exception as exc:  # noqa: BLE001 - listeners must never hang
             log.exception("call %s failed", self.kid[:12])
-            self.result = CallResult("failed", ("upstream-unavailable", f"proxy error: {exc!r}"))
+            self.result = CallResult(Fate.FAILED, ("upstream-unavailable", f"proxy error: {exc!r}"))
         finally:
             self._publish()
 
     async def _run(self, session, store: Store, method, url, headers, body, heartbeat) -> CallResult:
-        started = time.perf_counter()
-        recorded = bytearray()
-        too_large = False
-        timing: list[tuple[int, float]] = []
+        sent = time.perf_counter()
         try:
             async with session.request(method, url, headers=headers, data=body,
                                        allow_redirects=False) as resp:
-                self.upstream_s = time.perf_counter() - started
-                self.status = resp.status
-                self.headers = response_headers(resp.headers)
-                self.streamed = is_stream(resp.headers)
-                if (resp.content_length or 0) > self.max_record_bytes:
-                    self.streamed = True  # unrecordable anyway: pass it on without buffering it whole
-                self._publish()
-                first_byte = None
-                line_start = b""  # the unfinished last line passed so far, while it is short
-                sharing = asyncio.Event()
-                flusher = asyncio.create_task(self._share(store, sharing)) if self.streamed else None
+                self._begin(resp, time.perf_counter() - sent)
+                flusher = self._start_sharing(store)
                 try:
-                    while True:
-                        chunk = await resp.content.readany()
-                        if not chunk:
-                            break
+                    while chunk := await resp.content.readany():
                         heartbeat()
-                        now = time.perf_counter()
-                        first_byte = first_byte or now
-                        if not too_large:
-                            if len(recorded) + len(chunk) > self.max_record_bytes:
-                                too_large = True
-                                recorded.clear()
-                                sharing.set()  # it will be unrecordable: nothing to join
-                            else:
-                                timing.append((len(recorded), round(now - first_byte, 4)))
-                                recorded += chunk
-                        # Look for a terminal event across reads: "data: [DO" + "NE]" is one.
-                        window = line_start + chunk
-                        terminal = TERMINAL_EVENT.search(window) is not None
-                        rest = window[window.rfind(b"\n") + 1:]
-                        line_start = rest if len(rest) <= 32 else b"\0"  # too long to be one
-                        if (self.streamed and not self._held and not resp.content.is_eof()
-                                and not terminal):
-                            self.chunks.append(chunk)
-                            self._kept += len(chunk)
-                            if too_large:
-                                self._let_go()
-                            self._publish()
-                        else:  # the last bytes (and what follows them) wait for the commit
-                            self._held.append(chunk)
+                        self._take(chunk, resp.content)
                 finally:
                     if flusher is not None:
-                        sharing.set()  # stopped before the record: no shared bytes land after it
+                        self._sharing.set()  # stopped before the record: no shared bytes land after it
                         await asyncio.gather(flusher, return_exceptions=True)
         except Exception as exc:
-            if never_sent(exc):
-                await store.journal.release(self.kid, self.owner)
-                return CallResult("released", ("upstream-unavailable", f"cannot connect to {self.upstream.name}"))
-            slug = "upstream-timeout" if is_timeout(exc) else "upstream-unavailable"
-            return await self._ambiguous(store, slug, f"{type(exc).__name__} talking to {self.upstream.name}")
+            return await self._broken(store, exc)
+        return await self._settle(store)
 
-        fate = outcome(self.status)
-        if fate == "release":
+    def _begin(self, resp: aiohttp.ClientResponse, upstream_s: float) -> None:
+        """The upstream's head: listeners may answer now (a stream from its first bytes)."""
+        self.upstream_s = upstream_s
+        self.status = resp.status
+        self.headers = response_headers(resp.headers)
+        self.streamed = is_stream(resp.headers)
+        if (resp.content_length or 0) > self.max_record_bytes:
+            self.streamed = True  # unrecordable anyway: pass it on without buffering it whole
+        self._publish()
+
+    def _take(self, chunk: bytes, content: aiohttp.StreamReader) -> None:
+        """One read from the upstream: into the record, then on to listeners, unless it may
+        be the end of the answer."""
+        self._keep(chunk)
+        if self.streamed and not self._held and not content.is_eof() and not self._ends_stream(chunk):
+            self._pass_on(chunk)
+        else:  # the last bytes (and what follows them) wait for the commit
+            self._held.append(chunk)
+
+    def _keep(self, chunk: bytes) -> None:
+        """Add to the record, up to ``max_record_bytes``: past that the answer is unrecordable."""
+        if self._too_large:
+            return
+        now = time.perf_counter()
+        self._first_byte = self._first_byte or now
+        if len(self._recorded) + len(chunk) > self.max_record_bytes:
+            self._too_large = True
+            self._recorded.clear()
+            if self._sharing is not None:
+                self._sharing.set()  # it will be unrecordable: nothing to join
+        else:
+            self._timing.append((len(self._recorded), round(now - self._first_byte, 4)))
+            self._recorded += chunk
+
+    def _ends_stream(self, chunk: bytes) -> bool:
+        """Whether the chunk completes a terminal event, looking across reads:
+        "data: [DO" + "NE]" is one."""
+        window = self._line_start + chunk
+        rest = window[window.rfind(b"\n") + 1:]
+        self._line_start = rest if len(rest) <= 32 else b"\0"  # too long to be one
+        return TERMINAL_EVENT.search(window) is not None
+
+    def _pass_on(self, chunk: bytes) -> None:
+        self.chunks.append(chunk)
+        self._kept += len(chunk)
+        if self._too_large:
+            self._let_go()
+        self._publish()
+
+    async def _broken(self, store: Store, exc: Exception) -> CallResult:
+        """The exchange with the upstream failed: nothing happened if the request was never
+        sent; otherwise the outcome is ambiguous."""
+        if never_sent(exc):
             await store.journal.release(self.kid, self.owner)
-            return self._release_held("released")
-        if fate == "ambiguous":
+            return CallResult(Fate.RELEASED, ("upstream-unavailable", f"cannot connect to {self.upstream.name}"))
+        slug = "upstream-timeout" if is_timeout(exc) else "upstream-unavailable"
+        return await self._ambiguous(store, slug, f"{type(exc).__name__} talking to {self.upstream.name}")
+
+    async def _settle(self, store: Store) -> CallResult:
+        """The upstream answered in full: journal what its status calls for (SPEC §4)."""
+        found = verdict(self.status)
+        if found is Verdict.RELEASE:
+            await store.journal.release(self.kid, self.owner)
+            return self._release_held(Fate.RELEASED)
+        if found is Verdict.AMBIGUOUS:
             result = await self._ambiguous(store, None, f"upstream answered {self.status}")
             self._release_held(result.fate)
             return result
-        if too_large:
+        if self._too_large:
             await store.journal.mark_unrecordable(self.kid, self.owner, f"response over {self.max_record_bytes} bytes")
-            return self._release_held("unrecordable")
-        record = Recorded(self.status, storable_headers(self.headers, self.upstream), bytes(recorded),
-                          self.streamed, timing if self.streamed else [])
+            return self._release_held(Fate.UNRECORDABLE)
+        return await self._commit(store)
+
+    async def _commit(self, store: Store) -> CallResult:
+        """Record the answer durably; only then do listeners get its last bytes (rule 1)."""
+        record = Recorded(self.status, storable_headers(self.headers, self.upstream), bytes(self._recorded),
+                          self.streamed, self._timing if self.streamed else [])
         try:
             kept = await store.journal.complete(self.kid, self.owner, record)
         except StoreUnavailable as exc:
             # Rule 1: the agent never sees an answer the journal does not hold.
             log.error("could not record %s: %s", self.kid[:12], exc)
-            return CallResult("unsaved", ("store-unavailable", "the upstream answered but the journal "
-                                          "could not record it; the key stays claimed until its lease ends"))
+            return CallResult(Fate.UNSAVED, ("store-unavailable", "the upstream answered but the journal "
+                                             "could not record it; the key stays claimed until its lease ends"))
         if not kept:
             # Another proxy took the key over (our lease lapsed): its outcome is the journal's,
             # and the agent must not act on one the journal does not hold (rule 1).
             log.warning("lease on %s was lost before its record; the answer is withheld", self.kid[:12])
-            return CallResult("unsaved", ("in-flight", "this proxy lost its claim on the key before "
-                                          "it could record the answer; retry to get the journal's outcome"))
-        return self._release_held("recorded")
+            return CallResult(Fate.UNSAVED, ("in-flight", "this proxy lost its claim on the key before "
+                                             "it could record the answer; retry to get the journal's outcome"))
+        return self._release_held(Fate.RECORDED)
 
-    def _release_held(self, fate: str) -> CallResult:
+    def _release_held(self, fate: Fate) -> CallResult:
         self.chunks.extend(self._held)
         self._held.clear()
         return CallResult(fate)
 
     async def _ambiguous(self, store: Store, slug: str | None, detail: str) -> CallResult:
         """The upstream may have acted: retry releases the key, quarantine keeps it unknown."""
-        if ambiguous_policy(self.upstream) == "quarantine":
+        if self.on_ambiguous is OnAmbiguous.QUARANTINE:
             await store.journal.quarantine(self.kid, self.owner, detail)
-            fate = "quarantined"
+            fate = Fate.QUARANTINED
         else:
             await store.journal.release(self.kid, self.owner)
-            fate = "ambiguous"
+            fate = Fate.AMBIGUOUS
         return CallResult(fate, (slug, detail) if slug else None)
+
+    def _start_sharing(self, store: Store) -> asyncio.Task | None:
+        if not self.streamed:
+            return None
+        self._sharing = asyncio.Event()
+        return asyncio.create_task(self._share(store, self._sharing))
 
     async def _share(self, store: Store, done: asyncio.Event) -> None:
         """Copy the stream to the store as it passes, so another proxy can join it."""

@@ -30,8 +30,8 @@ MODEL_PROVIDERS = {"api.openai.com", "api.anthropic.com", "generativelanguage.go
 
 class Policy(StrEnum):
     """What the proxy does with a request (SPEC §4): a rule's ``policy``, or ``Idem-Policy``."""
-    RECORD = "record"
-    PASSTHROUGH = "passthrough"
+    RECORD = "record"            # claim the key, forward, record the outcome, then answer
+    PASSTHROUGH = "passthrough"  # forward, record nothing
 
 
 # Path words with a meaning of their own in the proxy's routes; no upstream may take these names.

@@ -13,24 +13,22 @@ from aiohttp import web
 
 from . import policy
 from .calls import Call
-from .config import Settings, UpstreamSettings, ambiguous_policy
+from .config import Settings, UpstreamSettings
+from .errors import OUTCOME, STARTED, UPSTREAM_S
 from .fingerprint import fingerprint
 from .forward import forwarded_key, is_stream, request_headers, response_headers
 from .heartbeats import Heartbeats
 from .identity import Identity, TenantResolver, parse_epoch, parse_key, parse_policy, parse_run
 from .metrics import Metrics
+from .outcomes import Outcome
+from .policy import OnAmbiguous, Policy
 from .problems import Problem
-from .replay import STREAM, cut_short, join_remote, listen, send_record, server_timing, start_stream
+from .replay import STREAM, join_remote, listen, send_record, server_timing, start_stream
 from .routing import Route, parse_route, upstream_url
 from .store import Store, StoreUnavailable
-from .store.base import Claim, Entry, EntryState, Run, Scope
+from .store.base import Claim, ClaimResult, Entry, EntryState, Run, Scope
 
 log = logging.getLogger("idemproxy.proxy")
-
-OUTCOME = web.RequestKey("outcome", str)  # what the proxy did: metrics and the access log
-UPSTREAM_S = web.RequestKey("upstream_s", object)  # upstream time to headers, when forwarded
-# A duplicate that waited on a call ending like this goes upstream itself, as a retry would.
-GIVEN_BACK = frozenset({"released", "ambiguous"})
 
 
 @dataclass
@@ -44,15 +42,17 @@ class Proxy:
     calls: dict[str, Call] = field(default_factory=dict)  # recorded calls in flight here
     tasks: set[asyncio.Task] = field(default_factory=set)
     replays: dict[str, int] = field(default_factory=dict)  # replay counts not yet stored
-    on_ambiguous: dict[str, str] = field(init=False)  # per upstream, worked out once
+    on_ambiguous: dict[str, OnAmbiguous] = field(init=False)  # per upstream, worked out once
     _epoch_reads: dict[tuple, asyncio.Future] = field(default_factory=dict)  # shared fence reads
 
     def __post_init__(self) -> None:
-        self.on_ambiguous = {name: ambiguous_policy(up) for name, up in self.settings.upstreams.items()}
+        self.on_ambiguous = {name: policy.on_ambiguous(up) for name, up in self.settings.upstreams.items()}
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        started = time.perf_counter()
-        request[OUTCOME] = "rejected"
+        """Refusals and store failures are raised: ``errors.problem_middleware`` answers them
+        and counts the request, once its outcome is final."""
+        started = request[STARTED] = time.perf_counter()
+        request[OUTCOME] = Outcome.REJECTED
         try:
             route = parse_route(request.raw_path, self.settings.upstreams)
             ident = self._identify(request, route)
@@ -61,37 +61,14 @@ class Proxy:
             chosen = policy.decide(upstream, request.method, route.path, override=ident.policy,
                                    has_key=ident.key is not None, has_run=ident.run is not None)
             if ident.run:
-                await self._fence(ident, fail_open=chosen == policy.PASSTHROUGH)
-            if chosen == policy.PASSTHROUGH:
-                request[OUTCOME] = "passthrough"
+                await self._fence(ident, fail_open=chosen is Policy.PASSTHROUGH)
+            if chosen is Policy.PASSTHROUGH:
+                request[OUTCOME] = Outcome.PASSTHROUGH
                 return await self._passthrough(request, route, body, started)
             return await self._record(request, route, ident, body, started)
-        except Problem as problem:
-            if STREAM in request:  # the head is sent: a refusal can only cut the stream short
-                return cut_short(request)
-            if problem.slug == "stale-epoch":
-                request[OUTCOME] = "fenced"
-            elif problem.slug in ("key-reused", "in-flight", "outcome-unknown", "not-replayable"):
-                request[OUTCOME] = "conflict"
-            return self._refuse(request, problem, started)
-        except StoreUnavailable as exc:
-            log.error("store unavailable: %s", exc)
-            if STREAM in request:
-                return cut_short(request)
-            return self._refuse(request, Problem("store-unavailable", "the journal store did not "
-                                                 "answer; nothing was forwarded"), started)
         except ConnectionResetError:  # the agent went away; a recorded call goes on without it
-            request[OUTCOME] = "disconnected"
+            request[OUTCOME] = Outcome.DISCONNECTED
             return request.get(STREAM) or web.Response(status=499)
-        finally:
-            self.metrics.observe(request.get(OUTCOME, "rejected"), time.perf_counter() - started,
-                                 request.get(UPSTREAM_S))
-
-    @staticmethod
-    def _refuse(request: web.Request, problem: Problem, started: float) -> web.Response:
-        response = problem.response(request.path)
-        response.headers["Server-Timing"] = server_timing(time.perf_counter() - started)
-        return response
 
     # -- identity -------------------------------------------------------------------------
 
@@ -183,80 +160,57 @@ class Proxy:
 
     async def _record(self, request: web.Request, route: Route, ident: Identity, body: bytes,
                       started: float) -> web.StreamResponse:
+        """Claim the key and make the call, or answer from whoever holds it: a call in flight
+        here, the journal, or a stream another proxy is recording. While the key is in
+        flight elsewhere and its stream has not begun, wait for it and look again."""
         upstream = route.upstream
         fp = fingerprint(request.method, upstream.name, route.path_qs, body,
                          request.headers.get("Content-Type", ""),
                          policy.ignored_fields(upstream, request.method, route.path))
-        tenant = self.tenants.tenant(request.headers, ident.namespace)
-        if ident.key is not None:
-            scope = Scope.of_key(tenant, ident.run, upstream.name, ident.key)
-        elif ident.run is not None:
-            n = await self.store.journal.next_occurrence(ident.namespace, ident.run, ident.epoch, fp,
-                                                 self.settings.store.retention)
-            scope = Scope(tenant, ident.run, upstream.name, f"derived:{fp}:{n}")
-        else:  # `Idem-Policy: record` with neither key nor run: the request is its own key
-            scope = Scope(tenant, None, upstream.name, f"fingerprint:{fp}")
+        scope = await self._scope(request, route, ident, fp)
         kid = scope.kid
         deadline = time.monotonic() + self.settings.server.in_flight_wait
-        paced = request.headers.get("Idem-Replay", "").lower() == "paced"
         while True:
             call = self.calls.get(kid)
-            if call is not None and call.result is not None and call.result.fate in GIVEN_BACK:
-                call = None  # it ended and gave the key back: claim it like any retry
-            if call is not None:  # in flight here: join it
-                if call.fingerprint != fp:
-                    raise Problem("key-reused", "this Idempotency-Key is in use with a different "
-                                  "request (method, path or body)")
-                await self._until_joinable(call, deadline)
-                if call.result is not None and call.result.fate in GIVEN_BACK:
-                    continue
-                request[OUTCOME] = "joined"
-                return await listen(request, call, started, replayed=True)
+            if call is not None and not call.gave_back:  # in flight here: join it
+                if await self._joinable(call, fp, deadline):
+                    request[OUTCOME] = Outcome.JOINED
+                    return await listen(request, call, started, replayed=True)
+                continue  # it gave the key back meanwhile: claim it like any retry
             # a store whose claim answers a taken key with its entry is asked that alone
             entry = None if self.store.journal.claim_reads else await self.store.journal.get(kid)
-            if entry is None or (entry.state == EntryState.IN_FLIGHT and entry.lease_until < time.time()):
-                claim = Claim(scope, fp, os.urandom(16).hex(), self.settings.store.lease,
-                              self.settings.store.retention, request.method, route.path, ident.epoch,
-                              self.on_ambiguous[upstream.name], ident.namespace)
-                result = await self.store.journal.claim(claim)
-                if result.stale_epoch is not None:
-                    raise Problem("stale-epoch", f"run {ident.run} is at epoch {result.stale_epoch}",
-                                  epoch=result.stale_epoch)
+            if entry is None or _lapsed(entry):
+                result = await self._claim(request, route, ident, scope, fp)
                 if result.won:
-                    request[OUTCOME] = "recorded"
-                    call = self._start(request, route, result.entry, body, ident.namespace)
-                    try:
-                        return await listen(request, call, started, replayed=False)
-                    finally:
-                        request[UPSTREAM_S] = call.upstream_s if call.status else None
+                    return await self._call(request, route, result.entry, body, ident.namespace, started)
                 entry = result.entry
-            if entry.fingerprint != fp:
-                raise Problem("key-reused", "this Idempotency-Key was first used with a different "
-                              "request (method, path or body)")
-            if entry.state == EntryState.COMPLETE:
-                request[OUTCOME] = "replayed"
-                self.replays[kid] = self.replays.get(kid, 0) + 1
-                self.metrics.saved(upstream, kid, entry.response)
-                return await send_record(request, entry.response, started, paced)
-            if entry.state == EntryState.UNKNOWN:
-                raise Problem("outcome-unknown", "the first call's outcome is unknown (" +
-                              (entry.detail or "ambiguous") + "); an operator must resolve the key")
-            if entry.state == EntryState.UNRECORDABLE:
-                raise Problem("not-replayable", entry.detail or "the response was too large to record")
-            joined = await join_remote(request, self.store, kid, started)
-            if joined is not None:
-                request[OUTCOME] = "joined"
-                return joined
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise Problem("in-flight", "the first request with this key has not finished",
-                              headers={"Retry-After": "1"})
-            await self.store.journal.wait(kid, remaining)
+            answer = await self._from_journal(request, upstream, entry, fp, started)
+            if answer is not None:
+                return answer
+            await self._wait(kid, deadline)
+
+    async def _scope(self, request: web.Request, route: Route, ident: Identity, fp: str) -> Scope:
+        """Where the request's journal entry lives: under the agent's key, its derived key in
+        the run (SPEC §2), or its own fingerprint."""
+        tenant = self.tenants.tenant(request.headers, ident.namespace)
+        upstream = route.upstream.name
+        if ident.key is not None:
+            return Scope.of_key(tenant, ident.run, upstream, ident.key)
+        if ident.run is not None:
+            n = await self.store.journal.next_occurrence(ident.namespace, ident.run, ident.epoch, fp,
+                                                         self.settings.store.retention)
+            return Scope(tenant, ident.run, upstream, f"derived:{fp}:{n}")
+        # `Idem-Policy: record` with neither key nor run: the request is its own key
+        return Scope(tenant, None, upstream, f"fingerprint:{fp}")
 
     @staticmethod
-    async def _until_joinable(call: Call, deadline: float) -> None:
-        """A duplicate of a call in flight here waits, within ``in_flight_wait``, for its
-        outcome, or for its stream to begin (then it joins the stream live)."""
+    async def _joinable(call: Call, fp: str, deadline: float) -> bool:
+        """Whether a duplicate may join a call in flight here. It waits, within
+        ``in_flight_wait``, for the call's outcome, or for its stream to begin (then it joins
+        the stream live). False: the call gave the key back meanwhile."""
+        if call.fingerprint != fp:
+            raise _key_reused("is in use")
+
         async def joinable() -> None:
             await call.headers_ready()
             if not call.streamed:
@@ -264,14 +218,67 @@ class Proxy:
         try:
             await asyncio.wait_for(joinable(), max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
-            raise Problem("in-flight", "the first request with this key has not finished",
-                          headers={"Retry-After": "1"}) from None
+            raise _in_flight() from None
+        return not call.gave_back
+
+    async def _claim(self, request: web.Request, route: Route, ident: Identity, scope: Scope,
+                     fp: str) -> ClaimResult:
+        store = self.settings.store
+        result = await self.store.journal.claim(Claim(
+            scope=scope, fingerprint=fp, owner=os.urandom(16).hex(), lease_s=store.lease,
+            retention_s=store.retention, method=request.method, path=route.path, epoch=ident.epoch,
+            on_expired=self.on_ambiguous[route.upstream.name], namespace=ident.namespace))
+        if result.stale_epoch is not None:  # a restart moved the run on since the fence
+            raise Problem("stale-epoch", f"run {ident.run} is at epoch {result.stale_epoch}",
+                          epoch=result.stale_epoch)
+        return result
+
+    async def _call(self, request: web.Request, route: Route, entry: Entry, body: bytes,
+                    namespace: str, started: float) -> web.StreamResponse:
+        """The key is ours: make the call, and answer as it goes."""
+        request[OUTCOME] = Outcome.RECORDED
+        call = self._start(request, route, entry, body, namespace)
+        try:
+            return await listen(request, call, started, replayed=False)
+        finally:
+            request[UPSTREAM_S] = call.upstream_s if call.status else None
+
+    async def _from_journal(self, request: web.Request, upstream: UpstreamSettings, entry: Entry,
+                            fp: str, started: float) -> web.StreamResponse | None:
+        """Answer from a key someone else claimed: its replay, a refusal, or the stream
+        another proxy is recording. None: in flight, and its stream has not begun."""
+        if entry.fingerprint != fp:
+            raise _key_reused("was first used")
+        state = entry.state
+        if state == EntryState.COMPLETE:
+            request[OUTCOME] = Outcome.REPLAYED
+            self.replays[entry.kid] = self.replays.get(entry.kid, 0) + 1
+            self.metrics.saved(upstream, entry.kid, entry.response)
+            paced = request.headers.get("Idem-Replay", "").lower() == "paced"
+            return await send_record(request, entry.response, started, paced)
+        if state == EntryState.UNKNOWN:
+            raise Problem("outcome-unknown", "the first call's outcome is unknown (" +
+                          (entry.detail or "ambiguous") + "); an operator must resolve the key")
+        if state == EntryState.UNRECORDABLE:
+            raise Problem("not-replayable", entry.detail or "the response was too large to record")
+        joined = await join_remote(request, self.store, entry.kid, started)
+        if joined is not None:
+            request[OUTCOME] = Outcome.JOINED
+        return joined
+
+    async def _wait(self, kid: str, deadline: float) -> None:
+        """Until the key changes in the store, within ``in_flight_wait``."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise _in_flight()
+        await self.store.journal.wait(kid, remaining)
 
     def _start(self, request: web.Request, route: Route, entry: Entry, body: bytes,
                namespace: str) -> Call:
         upstream: UpstreamSettings = route.upstream
-        call = Call(entry.kid, entry.owner, entry.fingerprint, upstream,
-                    self.settings.server.max_record_bytes)
+        call = Call(kid=entry.kid, owner=entry.owner, fingerprint=entry.fingerprint, upstream=upstream,
+                    on_ambiguous=self.on_ambiguous[upstream.name],
+                    max_record_bytes=self.settings.server.max_record_bytes)
         headers = request_headers(request.headers, upstream, self.settings.tenants.header,
                                   forwarded_key(entry.kid) if upstream.idempotency_header else None)
         beat = (lambda: self.heartbeats.beat(namespace, entry.run)) if entry.run else (lambda: None)
@@ -312,3 +319,18 @@ class Proxy:
         if self.tasks:
             log.info("waiting up to %.0fs for %d call(s) in flight", timeout, len(self.tasks))
             await asyncio.wait(list(self.tasks), timeout=timeout)
+
+
+def _lapsed(entry: Entry) -> bool:
+    """An in-flight entry whose proxy stopped renewing its lease: claimable again."""
+    return entry.state == EntryState.IN_FLIGHT and entry.lease_until < time.time()
+
+
+def _key_reused(how: str) -> Problem:
+    return Problem("key-reused", f"this Idempotency-Key {how} with a different request "
+                   "(method, path or body)")
+
+
+def _in_flight() -> Problem:
+    return Problem("in-flight", "the first request with this key has not finished",
+                   headers={"Retry-After": "1"})

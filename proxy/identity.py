@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from multidict import CIMultiDictProxy
 
+from .policy import Policy
 from .problems import Problem
 
 MAX_KEY_LENGTH = 255
@@ -29,7 +30,7 @@ class Identity:
     key: str | None
     run: str | None
     epoch: int | None
-    policy: str | None
+    policy: Policy | None
     namespace: str  # whose runs these are (the tenant, whose journal entries, is worked
                     # out only for recorded calls: passthrough does not pay for the HMAC)
 
@@ -93,13 +94,13 @@ def parse_epoch(value: str | None) -> int | None:
     return int(value)
 
 
-def parse_policy(value: str | None) -> str | None:
+def parse_policy(value: str | None) -> Policy | None:
     if value is None:
         return None
-    value = value.strip().lower()
-    if value not in ("record", "passthrough"):
-        raise Problem("invalid-header", "Idem-Policy must be 'record' or 'passthrough'")
-    return value
+    try:
+        return Policy(value.strip().lower())
+    except ValueError:
+        raise Problem("invalid-header", "Idem-Policy must be 'record' or 'passthrough'") from None
 
 
 DEFAULT_NAMESPACE = "default"

@@ -11,10 +11,13 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from .config import UpstreamSettings
+from .outcomes import Outcome
 from .store.base import RUN_STATES, Recorded
 
 BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
            1, 2.5, 5, 10, 30, 60, 120)
+# Outcomes with no upstream time: the whole request is the proxy's own time.
+OWN_TIME_ONLY = frozenset({Outcome.REPLAYED, Outcome.REJECTED})
 USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "input_tokens", "output_tokens",
                 "cache_read_input_tokens", "cache_creation_input_tokens")
 SAVINGS_CACHE = 4096  # keys whose savings are remembered between replays
@@ -28,7 +31,7 @@ class Metrics:
         r = self.registry
         # Per-request counts are plain numbers, turned into Prometheus families when scraped:
         # a labelled Counter and two Histograms cost ~5 us of locking on every request.
-        self._outcomes: dict[str, int] = {}
+        self._outcomes: dict[Outcome, int] = {}
         self._upstream = Buckets()
         self._overhead = Buckets()
         r.register(_RequestCollector(self))
@@ -40,12 +43,12 @@ class Metrics:
         self.restarts = Counter("idemproxy_restarts_total", "Runs restarted by the supervisor",
                                 registry=r)
 
-    def observe(self, outcome: str, total_s: float, upstream_s: float | None) -> None:
+    def observe(self, outcome: Outcome, total_s: float, upstream_s: float | None) -> None:
         self._outcomes[outcome] = self._outcomes.get(outcome, 0) + 1
         if upstream_s is not None:
             self._upstream.observe(upstream_s)
             self._overhead.observe(max(0.0, total_s - upstream_s))
-        elif outcome == "replayed" or outcome == "rejected":
+        elif outcome in OWN_TIME_ONLY:
             self._overhead.observe(total_s)
 
     def saved(self, upstream: UpstreamSettings, kid: str, recorded: Recorded) -> None:

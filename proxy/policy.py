@@ -1,13 +1,26 @@
-"""What is recorded (SPEC §4): the policy of a request and the fate of an outcome."""
+"""What is recorded (SPEC §4): the policy of a request and the verdict on an answer."""
 
 from __future__ import annotations
 
+from enum import StrEnum
 from fnmatch import fnmatchcase
 
-from .config import UpstreamSettings
+from .config import Policy, UpstreamSettings, ambiguous_policy
 
-RECORD, PASSTHROUGH = "record", "passthrough"
-POLICIES = (RECORD, PASSTHROUGH)
+
+class Verdict(StrEnum):
+    """What an upstream's status means for the claimed key."""
+    RECORD = "record"        # keep the answer; replays return it
+    RELEASE = "release"      # nothing happened: give the key back, a retry goes upstream
+    AMBIGUOUS = "ambiguous"  # the upstream may have acted: see OnAmbiguous
+
+
+class OnAmbiguous(StrEnum):
+    """An upstream's ``on_ambiguous``: what an ambiguous outcome does to the key."""
+    RETRY = "retry"            # give the key back; a retry may go upstream again
+    QUARANTINE = "quarantine"  # keep it as outcome-unknown until an operator resolves it
+
+
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 # 408, 409, 425 and 429 mean "nothing happened": release the claim so a retry goes upstream.
@@ -21,17 +34,17 @@ def _matches(match: str, method: str, path: str) -> bool:
     return fnmatchcase(path, glob)
 
 
-def decide(upstream: UpstreamSettings, method: str, path: str, *, override: str | None,
-           has_key: bool, has_run: bool) -> str:
+def decide(upstream: UpstreamSettings, method: str, path: str, *, override: Policy | None,
+           has_key: bool, has_run: bool) -> Policy:
     """Per-request override, then the upstream's first matching rule, then the defaults."""
     if override:
         return override
     for rule in upstream.rules:
         if _matches(rule.match, method, path):
-            return rule.policy
+            return Policy(rule.policy)
     if method in SAFE_METHODS:
-        return PASSTHROUGH
-    return RECORD if has_key or has_run else PASSTHROUGH
+        return Policy.PASSTHROUGH
+    return Policy.RECORD if has_key or has_run else Policy.PASSTHROUGH
 
 
 def ignored_fields(upstream: UpstreamSettings, method: str, path: str) -> tuple[str, ...]:
@@ -42,10 +55,16 @@ def ignored_fields(upstream: UpstreamSettings, method: str, path: str) -> tuple[
     return fields
 
 
-def outcome(status: int) -> str:
-    """``record`` (keep and replay), ``release`` (nothing happened) or ``ambiguous``."""
+def verdict(status: int) -> Verdict:
+    """Which outcomes are recorded: 2xx and 4xx, except those that mean nothing happened."""
     if status >= 500:
-        return "ambiguous"
+        return Verdict.AMBIGUOUS
     if status in NOTHING_HAPPENED:
-        return "release"
-    return "record"
+        return Verdict.RELEASE
+    return Verdict.RECORD
+
+
+def on_ambiguous(upstream: UpstreamSettings) -> OnAmbiguous:
+    """The upstream's ``on_ambiguous``, or its kind's default (model calls retry, tools
+    quarantine)."""
+    return OnAmbiguous(ambiguous_policy(upstream))

@@ -1,56 +1,81 @@
-"""Refusals, and the one place they become HTTP answers (RFC 9457 problem+json).
+"""Refusals: a :class:`Problem` has a stable ``type`` slug (RFC 9457).
 
-Every refusal is a :class:`Problem` with a stable ``type`` slug; clients match on the
-slug (``https://idemproxy.dev/problems/<slug>``), never on the human ``detail``.
+Clients match on the slug (``https://idemproxy.dev/problems/<slug>``), never on the human
+``detail``. Code anywhere raises a Problem; ``errors.problem_middleware`` is the one place
+it becomes an HTTP answer.
 """
 
 from __future__ import annotations
 
-import orjson
-from aiohttp import web
+from typing import NamedTuple
+
+from .outcomes import Outcome
 
 TYPE_BASE = "https://idemproxy.dev/problems/"
 
-# slug -> (status, title)
-PROBLEMS: dict[str, tuple[int, str]] = {
-    "invalid-key": (400, "Malformed Idempotency-Key"),
-    "invalid-header": (400, "Malformed idemproxy header"),
-    "invalid-request": (400, "Request refused"),
-    "invalid-body": (400, "Malformed request body"),
-    "unauthorized": (401, "Admin token required"),
-    "untrusted-tenant": (403, "Tenant header from an untrusted source"),
-    "unknown-upstream": (404, "Unknown upstream"),
-    "not-found": (404, "Not found"),
-    "in-flight": (409, "A request with this key is still in flight"),
-    "not-replayable": (409, "The recorded response was too large to keep"),
-    "run-ended": (409, "The run has ended"),
-    "not-quarantined": (409, "The journal entry is not quarantined"),
-    "ambiguous-run": (409, "The run id exists in several namespaces"),
-    "stale-epoch": (412, "Superseded attempt"),
-    "too-large": (413, "Request body too large"),
-    "key-reused": (422, "Idempotency-Key reused with a different request"),
-    "outcome-unknown": (502, "Outcome of the first call is unknown"),
-    "upstream-unavailable": (502, "Upstream unreachable"),
-    "store-unavailable": (503, "Journal store unavailable"),
-    "upstream-timeout": (504, "Upstream timed out"),
+
+class ProblemType(NamedTuple):
+    status: int
+    title: str
+    # What a proxied request that ends in this problem counts as. None: what it got to
+    # stands (passthrough, recorded or joined, when the upstream or store failed it later).
+    outcome: Outcome | None
+
+
+_REJECTED, _CONFLICT = Outcome.REJECTED, Outcome.CONFLICT
+
+PROBLEMS: dict[str, ProblemType] = {
+    "invalid-key": ProblemType(400, "Malformed Idempotency-Key", _REJECTED),
+    "invalid-header": ProblemType(400, "Malformed idemproxy header", _REJECTED),
+    "invalid-request": ProblemType(400, "Request refused", _REJECTED),
+    "invalid-body": ProblemType(400, "Malformed request body", _REJECTED),
+    "unauthorized": ProblemType(401, "Admin token required", _REJECTED),
+    "untrusted-tenant": ProblemType(403, "Tenant header from an untrusted source", _REJECTED),
+    "unknown-upstream": ProblemType(404, "Unknown upstream", _REJECTED),
+    "not-found": ProblemType(404, "Not found", _REJECTED),
+    "in-flight": ProblemType(409, "A request with this key is still in flight", _CONFLICT),
+    "not-replayable": ProblemType(409, "The recorded response was too large to keep", _CONFLICT),
+    "run-ended": ProblemType(409, "The run has ended", _REJECTED),
+    "not-quarantined": ProblemType(409, "The journal entry is not quarantined", _REJECTED),
+    "ambiguous-run": ProblemType(409, "The run id exists in several namespaces", _REJECTED),
+    "stale-epoch": ProblemType(412, "Superseded attempt", Outcome.FENCED),
+    "too-large": ProblemType(413, "Request body too large", _REJECTED),
+    "key-reused": ProblemType(422, "Idempotency-Key reused with a different request", _CONFLICT),
+    "outcome-unknown": ProblemType(502, "Outcome of the first call is unknown", _CONFLICT),
+    "upstream-unavailable": ProblemType(502, "Upstream unreachable", None),
+    "store-unavailable": ProblemType(503, "Journal store unavailable", None),
+    "upstream-timeout": ProblemType(504, "Upstream timed out", None),
 }
 
 
 class Problem(Exception):
-    """A refusal with a stable type slug, a human detail and optional extra members."""
+    """A refusal with a stable type slug, a human detail, headers for the answer (such as
+    ``Retry-After``) and extra members for its body."""
 
     def __init__(self, slug: str, detail: str, *, headers: dict[str, str] | None = None, **extra):
+        if slug not in PROBLEMS:
+            raise ValueError(f"unknown problem type {slug!r}")
         super().__init__(detail)
         self.slug = slug
-        self.status, self.title = PROBLEMS[slug]
         self.detail = detail
         self.headers = headers or {}
         self.extra = extra
 
-    def response(self, instance: str | None = None) -> web.Response:
-        body = {"type": TYPE_BASE + self.slug, "title": self.title, "status": self.status,
+    @property
+    def status(self) -> int:
+        return PROBLEMS[self.slug].status
+
+    def body(self, instance: str | None = None) -> dict:
+        """The RFC 9457 members."""
+        kind = PROBLEMS[self.slug]
+        body = {"type": TYPE_BASE + self.slug, "title": kind.title, "status": kind.status,
                 "detail": self.detail, **self.extra}
         if instance:
             body["instance"] = instance
-        return web.Response(status=self.status, body=orjson.dumps(body),
-                            content_type="application/problem+json", headers=self.headers)
+        return body
+
+    def response(self, instance: str | None = None):
+        """Transitional, for ``supervisor/api.py``'s ``_endpoint`` until it is rewritten over
+        ``errors.problem_middleware``: raising here hands the problem on to the middleware,
+        which answers it."""
+        raise self

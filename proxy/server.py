@@ -14,7 +14,7 @@ from aiohttp.abc import AbstractAccessLogger
 
 from .config import Settings
 from .eventloop import run, until_signalled
-from .handler import OUTCOME
+from .errors import OUTCOME
 
 log = logging.getLogger("idemproxy")
 access_log = logging.getLogger("idemproxy.access")

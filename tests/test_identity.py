@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from idemproxy.proxy.identity import MAX_KEY_LENGTH, parse_epoch, parse_key, parse_policy, parse_run
+from idemproxy.proxy.policy import Policy
 from idemproxy.proxy.problems import Problem
 from rawhttp import problem, raw_problem, raw_request
 
@@ -105,7 +106,7 @@ def test_run_epoch_policy_parsing():
     assert parse_run("r" * 128) == "r" * 128
     assert parse_run(None) is None
     assert parse_epoch("0") == 0 and parse_epoch("17") == 17 and parse_epoch(None) is None
-    assert parse_policy("record") == "record" and parse_policy(" Passthrough ") == "passthrough"
+    assert parse_policy("record") is Policy.RECORD and parse_policy(" Passthrough ") is Policy.PASSTHROUGH
     for bad in ("", "r" * 129, "a b", "a/b", "ü"):
         with pytest.raises(Problem, match="Idem-Run"):
             parse_run(bad)

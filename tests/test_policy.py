@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from idemproxy.proxy.config import Rule, UpstreamSettings, ambiguous_policy
-from idemproxy.proxy.policy import PASSTHROUGH, RECORD, decide, outcome
+from idemproxy.proxy.policy import Policy, Verdict, decide, verdict
 from rawhttp import problem
 
 CHAT = "/openai/v1/chat/completions"
@@ -20,35 +20,37 @@ def upstream(**kw) -> UpstreamSettings:
 
 @pytest.mark.parametrize("method", ["GET", "HEAD", "OPTIONS"])
 def test_safe_methods_pass_through_by_default(method):
-    assert decide(upstream(), method, "/x", override=None, has_key=True, has_run=True) == PASSTHROUGH
+    assert decide(upstream(), method, "/x", override=None, has_key=True, has_run=True) is Policy.PASSTHROUGH
 
 
 @pytest.mark.parametrize("method", ["POST", "PUT", "PATCH", "DELETE"])
 def test_other_methods_record_with_a_key_or_a_run(method):
     up = upstream()
-    assert decide(up, method, "/x", override=None, has_key=True, has_run=False) == RECORD
-    assert decide(up, method, "/x", override=None, has_key=False, has_run=True) == RECORD
-    assert decide(up, method, "/x", override=None, has_key=False, has_run=False) == PASSTHROUGH
+    assert decide(up, method, "/x", override=None, has_key=True, has_run=False) is Policy.RECORD
+    assert decide(up, method, "/x", override=None, has_key=False, has_run=True) is Policy.RECORD
+    assert decide(up, method, "/x", override=None, has_key=False, has_run=False) is Policy.PASSTHROUGH
 
 
 def test_rules_then_override():
-    up = upstream(rules=(Rule("GET /search/*", PASSTHROUGH), Rule("/send", RECORD),
-                         Rule("POST /lookup*", PASSTHROUGH), Rule("* /v1/*", RECORD)))
-    assert decide(up, "GET", "/search/q", override=None, has_key=True, has_run=True) == PASSTHROUGH
-    assert decide(up, "GET", "/send", override=None, has_key=False, has_run=False) == RECORD  # any method
-    assert decide(up, "POST", "/lookup/1", override=None, has_key=True, has_run=True) == PASSTHROUGH
-    assert decide(up, "GET", "/v1/models", override=None, has_key=False, has_run=False) == RECORD
-    assert decide(up, "POST", "/lookup/1", override=RECORD, has_key=False, has_run=False) == RECORD
-    assert decide(up, "GET", "/send", override=PASSTHROUGH, has_key=True, has_run=True) == PASSTHROUGH
+    # as configuration gives them: names, turned into Policy members by decide()
+    up = upstream(rules=(Rule("GET /search/*", "passthrough"), Rule("/send", "record"),
+                         Rule("POST /lookup*", "passthrough"), Rule("* /v1/*", "record")))
+    assert decide(up, "GET", "/search/q", override=None, has_key=True, has_run=True) is Policy.PASSTHROUGH
+    assert decide(up, "GET", "/send", override=None, has_key=False, has_run=False) is Policy.RECORD  # any method
+    assert decide(up, "POST", "/lookup/1", override=None, has_key=True, has_run=True) is Policy.PASSTHROUGH
+    assert decide(up, "GET", "/v1/models", override=None, has_key=False, has_run=False) is Policy.RECORD
+    assert decide(up, "POST", "/lookup/1", override=Policy.RECORD, has_key=False, has_run=False) is Policy.RECORD
+    assert decide(up, "GET", "/send", override=Policy.PASSTHROUGH, has_key=True, has_run=True) is Policy.PASSTHROUGH
 
 
-@pytest.mark.parametrize("status, fate", [
-    (200, "record"), (201, "record"), (204, "record"), (301, "record"), (400, "record"), (401, "record"),
-    (404, "record"), (422, "record"), (408, "release"), (409, "release"), (425, "release"),
-    (429, "release"), (500, "ambiguous"), (502, "ambiguous"), (503, "ambiguous"), (504, "ambiguous"),
+@pytest.mark.parametrize("status, expected", [
+    (200, Verdict.RECORD), (201, Verdict.RECORD), (204, Verdict.RECORD), (301, Verdict.RECORD),
+    (400, Verdict.RECORD), (401, Verdict.RECORD), (404, Verdict.RECORD), (422, Verdict.RECORD),
+    (408, Verdict.RELEASE), (409, Verdict.RELEASE), (425, Verdict.RELEASE), (429, Verdict.RELEASE),
+    (500, Verdict.AMBIGUOUS), (502, Verdict.AMBIGUOUS), (503, Verdict.AMBIGUOUS), (504, Verdict.AMBIGUOUS),
 ])
-def test_which_outcomes_are_recorded(status, fate):
-    assert outcome(status) == fate
+def test_which_outcomes_are_recorded(status, expected):
+    assert verdict(status) is expected
 
 
 def test_ambiguous_defaults_by_kind():
