@@ -107,6 +107,9 @@ class SQLiteConnection:
             with self._handover:
                 op.abandoned = not op.taken
             if op.abandoned:
+                # nobody awaits the future now: retrieve its outcome when it comes, so asyncio
+                # does not log "Future exception was never retrieved"
+                op.future.add_done_callback(_retrieve)
                 raise StoreUnavailable(f"sqlite write took longer than {self.timeout}s") from None
         # The writer took it before we gave up: its outcome, committed or not, is the truth.
         # (This second bound only guards against a disk that never returns.)
@@ -208,3 +211,8 @@ def _settle(future: asyncio.Future, value: Any, exc: BaseException | None) -> No
         future.set_exception(exc)
     else:
         future.set_result(value)
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
