@@ -73,9 +73,3 @@ class Problem(Exception):
         if instance:
             body["instance"] = instance
         return body
-
-    def response(self, instance: str | None = None):
-        """Transitional, for ``supervisor/api.py``'s ``_endpoint`` until it is rewritten over
-        ``errors.problem_middleware``: raising here hands the problem on to the middleware,
-        which answers it."""
-        raise self
