@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -147,3 +148,11 @@ def test_the_supervisor_stays_out_of_the_proxys_http_internals():
     reaching = sorted(f"{m} -> {e}" for m, edges in GRAPH.items() if m.startswith(PACKAGES["supervisor"])
                       for e in edges if e in PROXY_HTTP)
     assert reaching == []
+
+
+def test_every_package_is_installed():
+    # setuptools installs the packages pyproject lists (the folders are mapped, not found):
+    # a package missing there works from a checkout and is absent from the wheel
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {name for name in MODULES if _is_package(name)}
+    assert packages - listed == set()
