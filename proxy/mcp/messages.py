@@ -39,8 +39,9 @@ class ToolCall:
     progress_token: Any
     key: str | None  # from `_meta`
 
-    def fingerprint(self, upstream: str, path_qs: str) -> str:
-        return fingerprint("MCP", upstream, path_qs, self.meaning, "")  # canonical already
+    def fingerprint(self, upstream: str, path_qs: str, tenant: str) -> str:
+        """Per tenant: so are the derived key's occurrences, which the store counts by fingerprint."""
+        return fingerprint("MCP", upstream, path_qs, tenant.encode() + b"\0" + self.meaning, "")
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,7 +64,7 @@ class McpUpstreams:
         if chosen is Policy.PASSTHROUGH or (ident.policy is None and key is None and ident.run is None):
             return Plan(ident)  # SPEC §4: without a key or a run there is nothing to replay into
         request[READDRESS] = Readdress(message.request_id, message.progress_token)
-        fp = message.fingerprint(upstream.name, path_qs)
+        fp = message.fingerprint(upstream.name, path_qs, tenant())
         ident = Identity(key=key, run=ident.run, epoch=ident.epoch, policy=ident.policy,
                          namespace=ident.namespace)
         site = (tenant(), ident.namespace, ident.run, ident.epoch, fp) if key is None and ident.run else None
