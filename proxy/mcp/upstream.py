@@ -50,7 +50,8 @@ class McpUpstreams:
         are raised, and answered as JSON-RPC errors."""
         request[RENDER_PROBLEM] = jsonrpc_problem(None)
         named = header_tool(request.headers)
-        if named is not None and ident.policy is None and self._policy(upstream, tenant(), named) is Policy.PASSTHROUGH:
+        named_policy = self._policy(upstream, tenant(), named) if named is not None else None
+        if named_policy is Policy.PASSTHROUGH and ident.policy is None:
             return Plan(ident)  # a read, named in the headers the server must check: its body is not read
         message = read(request.method, request.headers, body)
         request[RENDER_PROBLEM] = jsonrpc_problem(message.request_id)
@@ -60,7 +61,8 @@ class McpUpstreams:
         if message.key is not None and ident.key not in (None, message.key):
             raise Problem("invalid-key", "the Idempotency-Key header and the _meta key differ")
         key = ident.key or message.key
-        chosen = ident.policy or self._policy(upstream, tenant(), message.name)
+        chosen = ident.policy or (named_policy if named == message.name else None) \
+            or self._policy(upstream, tenant(), message.name)
         if chosen is Policy.PASSTHROUGH or (ident.policy is None and key is None and ident.run is None):
             return Plan(ident)  # SPEC §4: without a key or a run there is nothing to replay into
         request[READDRESS] = Readdress(message.request_id, message.progress_token)
