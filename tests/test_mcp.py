@@ -4,7 +4,8 @@ The tool server is examples/mcp_tool_server.py (an SDK ``MCPServer`` over Stream
 served by uvicorn in the test's event loop) whose tools count their executions; the agent is
 the SDK's ``Client`` pointed at the proxy, speaking 2025-11-25 (``mode="legacy"``:
 ``initialize``, ``Mcp-Session-Id``) or 2026-07-28 (stateless, ``Mcp-Method``/``Mcp-Name``).
-The server answers SSE streams (``sse``) or JSON (``json``).
+The server answers SSE streams (``sse``) or JSON (``json``). Tests where the store matters (replay
+across attempts, single flight, quarantine, re-issue) run on every backend; the rest on SQLite.
 """
 
 from __future__ import annotations
@@ -120,9 +121,9 @@ async def test_a_restarted_agent_replays_its_tool_calls(make_proxy, store_url, t
 
 
 @pytest.mark.parametrize("revision", REVISIONS)
-async def test_a_replayed_stream_brings_its_progress_under_the_callers_ids(make_proxy, store_url, sse_tools,
+async def test_a_replayed_stream_brings_its_progress_under_the_callers_ids(make_proxy, sqlite_url, sse_tools,
                                                                           revision):
-    proxy = await make_proxy(store_url, **mcp_sections(sse_tools.url))
+    proxy = await make_proxy(sqlite_url, **mcp_sections(sse_tools.url))
     seen: dict[int, list] = {0: [], 1: []}
     results = {}
     for epoch in (0, 1):
@@ -138,8 +139,8 @@ async def test_a_replayed_stream_brings_its_progress_under_the_callers_ids(make_
     assert seen[1] == seen[0] == [(n, 3, f"page {n} of 3") for n in (1, 2, 3)]
 
 
-async def test_the_key_ignores_ids_and_meta_and_the_answer_takes_the_callers_id(make_proxy, store_url, tools, http):
-    proxy = await make_proxy(store_url, **mcp_sections(tools.url))
+async def test_the_key_ignores_ids_and_meta_and_the_answer_takes_the_callers_id(make_proxy, sqlite_url, tools, http):
+    proxy = await make_proxy(sqlite_url, **mcp_sections(tools.url))
     answers = []
     for epoch, request_id, meta in ((0, 1, {"progressToken": "t-1", "traceparent": "00-aa-01"}), (1, "again-7", {})):
         body = {"jsonrpc": "2.0", "id": request_id, "method": "tools/call",
@@ -172,8 +173,8 @@ async def test_concurrent_duplicates_run_once(make_proxy, store_url, sse_tools, 
 
 
 @pytest.mark.parametrize("revision", REVISIONS)
-async def test_everything_but_tools_call_passes_through(make_proxy, store_url, tools, revision):
-    proxy = await make_proxy(store_url, **mcp_sections(tools.url))
+async def test_everything_but_tools_call_passes_through(make_proxy, sqlite_url, tools, revision):
+    proxy = await make_proxy(sqlite_url, **mcp_sections(tools.url))
     for epoch in (0, 1):
         async with client(run_url(proxy, "r5", epoch), revision) as agent:
             if revision == LEGACY:  # gone in 2026-07-28, and the SDK says so
@@ -187,8 +188,8 @@ async def test_everything_but_tools_call_passes_through(make_proxy, store_url, t
     assert await proxy.store.journal.entries("default", "r5") == []
 
 
-async def test_annotations_steer_the_policy(make_proxy, store_url, sse_tools):
-    proxy = await make_proxy(store_url, **mcp_sections(sse_tools.url, read_only_tools="record"))
+async def test_annotations_steer_the_policy(make_proxy, sqlite_url, sse_tools):
+    proxy = await make_proxy(sqlite_url, **mcp_sections(sse_tools.url, read_only_tools="record"))
     for epoch in (0, 1):
         async with client(run_url(proxy, "r6", epoch), STATELESS) as agent:
             await agent.list_tools()
@@ -219,8 +220,8 @@ async def test_outcomes_is_error_and_invalid_params_recorded_internal_errors_qua
     assert states == ["complete", "complete", "unknown"]
 
 
-async def test_a_transport_failure_is_quarantined(make_proxy, store_url, sse_tools):
-    proxy = await make_proxy(store_url, **mcp_sections(sse_tools.url, read_timeout="0.3s"))
+async def test_a_transport_failure_is_quarantined(make_proxy, sqlite_url, sse_tools):
+    proxy = await make_proxy(sqlite_url, **mcp_sections(sse_tools.url, read_timeout="0.3s"))
     for epoch, slug in ((0, "upstream-timeout"), (1, "outcome-unknown")):
         async with client(run_url(proxy, "r8", epoch), STATELESS) as agent:
             with pytest.raises(MCPError) as failed:
@@ -229,8 +230,8 @@ async def test_a_transport_failure_is_quarantined(make_proxy, store_url, sse_too
     assert sse_tools.calls["wait"] == 1
 
 
-async def test_a_batch_with_a_tools_call_is_refused_whole(make_proxy, store_url, sse_tools, http):
-    proxy = await make_proxy(store_url, **mcp_sections(sse_tools.url))
+async def test_a_batch_with_a_tools_call_is_refused_whole(make_proxy, sqlite_url, sse_tools, http):
+    proxy = await make_proxy(sqlite_url, **mcp_sections(sse_tools.url))
     batch = [{"jsonrpc": "2.0", "id": 1, "method": "tools/call",
               "params": {"name": "send_email", "arguments": {"to": "a@x", "subject": "s"}}},
              {"jsonrpc": "2.0", "id": 2, "method": "ping"}]
@@ -266,8 +267,8 @@ async def test_a_call_reissued_after_a_broken_stream_runs_once(make_proxy, store
     assert sse_tools.calls["build_report"] == 2
 
 
-async def test_an_explicit_key_reused_with_other_arguments_is_422(make_proxy, store_url, sse_tools):
-    proxy = await make_proxy(store_url, **mcp_sections(sse_tools.url))
+async def test_an_explicit_key_reused_with_other_arguments_is_422(make_proxy, sqlite_url, sse_tools):
+    proxy = await make_proxy(sqlite_url, **mcp_sections(sse_tools.url))
     async with client(f"{proxy.url}/mcp/mcp", STATELESS, headers={"Idempotency-Key": "pay-1"}) as agent:
         assert text(await agent.call_tool("charge", {"amount": 10})) == "charged 10 (charge #1)"
         with pytest.raises(MCPError) as reused:
@@ -284,8 +285,8 @@ async def test_an_explicit_key_reused_with_other_arguments_is_422(make_proxy, st
     assert sse_tools.calls["charge"] == 2
 
 
-async def test_tenants_never_see_each_others_tool_calls(make_proxy, store_url, sse_tools):
-    proxy = await make_proxy(store_url, **mcp_sections(sse_tools.url))
+async def test_tenants_never_see_each_others_tool_calls(make_proxy, sqlite_url, sse_tools):
+    proxy = await make_proxy(sqlite_url, **mcp_sections(sse_tools.url))
     answers = {}
     for epoch, order in ((0, "ab"), (1, "ba")):
         for who in order:
@@ -297,8 +298,8 @@ async def test_tenants_never_see_each_others_tool_calls(make_proxy, store_url, s
     assert answers["a", 1] == answers["a", 0] and answers["b", 1] == answers["b", 0]
 
 
-async def test_mcp_traffic_keeps_its_run_alive(make_proxy, store_url, sse_tools):
-    proxy = await make_proxy(store_url, **mcp_sections(sse_tools.url))
+async def test_mcp_traffic_keeps_its_run_alive(make_proxy, sqlite_url, sse_tools):
+    proxy = await make_proxy(sqlite_url, **mcp_sections(sse_tools.url))
     async with client(run_url(proxy, "r12"), STATELESS) as agent:
         await agent.list_tools()
         await proxy.proxy.heartbeats.flush()
