@@ -309,3 +309,16 @@ async def test_mcp_traffic_keeps_its_run_alive(make_proxy, sqlite_url, sse_tools
         await proxy.proxy.heartbeats.flush()
         (later,) = await proxy.store.runs.find("default", "r12")
     assert later.last_seen > run.last_seen
+
+
+async def test_a_json_answer_whose_agent_gave_up_is_joined_by_the_reissue(make_proxy, sqlite_url, sse_tools):
+    """The same for a JSON answer (a tool that sends no progress): the agent's connection is
+    gone when its answer is ready, so that answer did not count as delivered."""
+    proxy = await make_proxy(sqlite_url, **mcp_sections(sse_tools.url))
+    async with client(run_url(proxy, "r13"), STATELESS) as agent:
+        with pytest.raises((MCPError, TimeoutError)):
+            await agent.call_tool("wait", {"seconds": 0.4}, read_timeout_seconds=0.1)
+        assert text(await agent.call_tool("wait", {"seconds": 0.4})).endswith("(wait #1)")
+        await asyncio.sleep(0.5)
+        assert text(await agent.call_tool("wait", {"seconds": 0.4})).endswith("(wait #2)")
+    assert sse_tools.calls["wait"] == 2

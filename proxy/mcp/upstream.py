@@ -78,12 +78,11 @@ class McpUpstreams:
         plan.occurrence = await self.occurrences.take(plan.site, count)
         return plan.occurrence
 
-    async def deliver(self, request: web.Request, plan: Plan, resp: web.StreamResponse) -> web.StreamResponse:
-        """Send the whole answer now, so that whether it reached the agent is known: until one
-        has, an identical call is the same call (see occurrences.py)."""
-        if not resp.prepared:
-            await resp.prepare(request)
-            await resp.write_eof()
+    def deliver(self, request: web.Request, plan: Plan, resp: web.StreamResponse) -> web.StreamResponse:
+        """Note whether the answer reached the agent: until one has, an identical call is the same
+        call (see occurrences.py). A stream has been written whole, or cut short (its connection
+        closed); a JSON answer is written next, to a connection still open (the agent of a broken
+        exchange has closed it by the time its answer is ready)."""
         transport = request.transport
         if plan.site is not None and plan.occurrence is not None and transport is not None \
                 and not transport.is_closing():
