@@ -139,7 +139,15 @@ class Processes:
             time.sleep(1.0)  # one process answered; give the others their start
         return server
 
-    def idemproxy(self, name: str, upstream: str, store_url: str, workers: int) -> Server:
+    def mcp_tools(self) -> Server:
+        """examples/mcp_tool_server.py (the official MCP SDK's server), answering JSON."""
+        port = free_port()
+        return self.start("mcp-tools", [sys.executable, str(REPO / "examples" / "mcp_tool_server.py"),
+                                        "--port", str(port), "--json"],
+                          port, lambda s: http("GET", s.url + "/calls", timeout=1)[0] == 200)
+
+    def idemproxy(self, name: str, upstream: str, store_url: str, workers: int,
+                  mcp: str | None = None) -> Server:
         port = free_port()
         config = self.workdir / f"{name}.toml"
         config.write_text(
@@ -147,7 +155,8 @@ class Processes:
             f'host = "127.0.0.1"\nport = {port}\nworkers = {workers}\naccess_log = false\n\n'
             f'[store]\nurl = "{store_url}"\n\n'
             f'[upstreams.openai]\nurl = "{upstream}"\n\n'
-            "[supervisor]\nenabled = false\n")
+            + (f'[upstreams.mcp]\nurl = "{mcp}"\nkind = "mcp"\n\n' if mcp else "")
+            + "[supervisor]\nenabled = false\n")
         argv = [sys.executable, "-m", "idemproxy.proxy.cli", "--log-level", "WARNING", "serve",
                 "--config", str(config), "--no-supervisor"]
         server = self.start(name, argv, port,

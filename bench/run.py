@@ -45,6 +45,15 @@ BODY = json.dumps({"model": "gpt-bench", "temperature": 0,
 # A credential, so that idemproxy derives a tenant (an HMAC) as it would in production.
 HEADERS = (("Content-Type", "application/json"), ("Authorization", "Bearer sk-bench-not-a-real-key"))
 RUN = "/runs/bench-run/epochs/0"
+# A 2026-07-28 tools/call to examples/mcp_tool_server.py (upstream `mcp`). The probe records it
+# under another JSON-RPC id, so every replay is readdressed to the caller's id.
+MCP_CALL = {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+            "params": {"name": "send_email", "arguments": {"to": "bench@example.com", "subject": "hi"},
+                       "_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                                 "io.modelcontextprotocol/clientCapabilities": {}}}}
+MCP_BODY = json.dumps(MCP_CALL)
+MCP_HEADERS = (("Accept", "application/json, text/event-stream"), ("MCP-Protocol-Version", "2026-07-28"),
+               ("Mcp-Method", "tools/call"), ("Mcp-Name", "send_email"))
 PROFILE_HZ = 250
 
 
@@ -55,6 +64,8 @@ class Scenario:
     policy: str | None = None  # Idem-Policy header
     key: str = "none"          # Idempotency-Key: none, same (every request) or fresh (per request)
     upstream: bool = True      # does each request reach the provider?
+    body: str = BODY
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 SCENARIOS = {s.name: s for s in (
@@ -67,6 +78,8 @@ SCENARIOS = {s.name: s for s in (
     # Not in the default set: a run with no Idempotency-Key, so every request gets a
     # derived key (run, fingerprint, n); n costs one more store write per request.
     Scenario("run-derived", RUN + "/openai/small"),
+    # An MCP tools/call replayed from the journal (issue 12): to be read next to `replay`.
+    Scenario("mcp-replay", "/mcp/mcp", key="same", upstream=False, body=MCP_BODY, headers=MCP_HEADERS),
 )}
 DEFAULT_SCENARIOS = ("passthrough", "replay", "record", "run-passthrough", "run-record")
 
@@ -77,6 +90,7 @@ class Bench:
     kind: str          # load generator: wrk or python
     procs: Processes
     provider: Server
+    mcp: Server | None = None  # the MCP tool server, for mcp-* scenarios
     tag: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:8])
     serial: Iterator[int] = dataclasses.field(default_factory=itertools.count)  # fresh keys stay fresh
 
@@ -87,9 +101,9 @@ class Bench:
         return json.loads(body).get("small", 0)
 
     def load(self, server: Server, scenario: Scenario, connections: int, duration: float) -> loadgen.Load:
-        headers = HEADERS + ((("Idem-Policy", scenario.policy),) if scenario.policy else ())
+        headers = HEADERS + scenario.headers + ((("Idem-Policy", scenario.policy),) if scenario.policy else ())
         return loadgen.Load(
-            server.url + scenario.path, connections, duration, BODY, headers,
+            server.url + scenario.path, connections, duration, scenario.body, headers,
             key=self.replay_key(server) if scenario.key == "same" else "",
             key_prefix=f"bench-{self.tag}-{next(self.serial)}-" if scenario.key == "fresh" else "")
 
@@ -218,6 +232,20 @@ def probe(bench: Bench, server: Server) -> None:
         raise BenchError(f"record/replay probe: {first} then {second}")
     if bench.upstream_calls() - before != 2:
         raise BenchError("probe: the provider did not see exactly the two calls expected")
+    if "mcp-replay" in bench.args.scenarios:
+        probe_mcp(bench, server)
+
+
+def probe_mcp(bench: Bench, server: Server) -> None:
+    """The MCP tools/call is recorded once (under id "probe"), then replayed under the caller's id."""
+    headers = {**dict(HEADERS), **dict(MCP_HEADERS), "Idempotency-Key": bench.replay_key(server)}
+    answers = []
+    for request_id in ("probe", 7):
+        body = json.dumps({**MCP_CALL, "id": request_id}).encode()
+        status, got, answer = http("POST", server.url + "/mcp/mcp", body, headers)
+        answers.append((status, got.get("Idempotent-Replayed"), json.loads(answer).get("id")))
+    if answers != [(200, "false", "probe"), (200, "true", 7)]:
+        raise BenchError(f"MCP record/replay probe: {answers}")
 
 
 def run_store(bench: Bench, store: str, baseline: Server, results: list[dict]) -> None:
@@ -235,7 +263,8 @@ def run_store(bench: Bench, store: str, baseline: Server, results: list[dict]) -
         url, drop = make_store(store, bench.procs.workdir, a.postgres_url, a.redis_url)
         server = None
         try:
-            server = bench.procs.idemproxy(f"idemproxy-{store}-w{workers}", bench.provider.url, url, workers)
+            server = bench.procs.idemproxy(f"idemproxy-{store}-w{workers}", bench.provider.url, url, workers,
+                                           mcp=bench.mcp.url if bench.mcp else None)
             probe(bench, server)
             for name in a.scenarios:
                 for connections in ((LOW, HIGH) if workers == 1 else (HIGH,)):
@@ -306,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="idem-bench-") as tmp, Processes(Path(tmp)) as procs:
             provider = procs.provider()
             baseline = procs.baseline(provider.url)
-            bench = Bench(args, kind, procs, provider)
+            mcp = procs.mcp_tools() if any(s.startswith("mcp-") for s in args.scenarios) else None
+            bench = Bench(args, kind, procs, provider, mcp)
             for store in args.stores:
                 try:
                     run_store(bench, store, baseline, results)

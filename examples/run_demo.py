@@ -1,6 +1,6 @@
 """Run one example end to end, offline: crash, supervisor restart, replay, exact counts.
 
-    python examples/run_demo.py openai               # or: anthropic, langgraph, email, plain
+    python examples/run_demo.py openai               # or: anthropic, langgraph, email, plain, mcp, mcp_stateless
     python examples/run_demo.py email --steps 4 --crash-at 2
     python examples/run_demo.py plain --json         # one JSON summary on stdout (for tests)
 
@@ -52,6 +52,8 @@ class Example:
     model_call: str      # the fake provider's counter of its model calls
     tool_call: str       # the counter of its tool calls ("outbox" for the email sender)
     email_server: bool = False
+    mcp_server: bool = False  # examples/mcp_tool_server.py, whose counters are "mcp:<tool>"
+    revision: str | None = None  # the MCP revision the agent speaks
 
     def first_attempt(self, python: str, steps: int, crash_at: int) -> list[str]:
         if self.name == "plain":  # unmodified: the wrapper gives it its URLs
@@ -61,6 +63,9 @@ class Example:
             recipients = [f"person{n}@example.com" for n in range(1, steps + 1)]
             return [python, "examples/email_agent.py", *[a for to in recipients for a in ("--to", to)],
                     "--crash-at", str(crash_at)]
+        if self.mcp_server:
+            return [python, "examples/mcp_agent.py", "--steps", str(steps), "--crash-at", str(crash_at),
+                    "--revision", self.revision or "legacy"]
         return [python, f"examples/{self.name}_agent.py", "--steps", str(steps),
                 "--crash-at", str(crash_at)]
 
@@ -71,6 +76,8 @@ EXAMPLES = {e.name: e for e in [
     Example("langgraph", "langgraph_agent", "chat", "tool:record_step"),
     Example("email", "email_agent", "chat", "outbox", email_server=True),
     Example("plain", "plain_agent", "chat", "tool:log_step"),
+    Example("mcp", "mcp_agent", "chat", "mcp:send_email", mcp_server=True, revision="legacy"),
+    Example("mcp_stateless", "mcp_agent", "chat", "mcp:send_email", mcp_server=True, revision="2026-07-28"),
 ]}
 
 
@@ -132,6 +139,7 @@ class Demo:
     admin_token: str = field(default_factory=lambda: secrets.token_hex(16))
     fake_url: str = ""
     email_url: str = ""
+    mcp_url: str = ""
     proxy_url: str = ""
 
     @property
@@ -166,6 +174,10 @@ class Demo:
             self.email_url = f"http://127.0.0.1:{port}"
             email = self.spawn("email-server", [self.python, "examples/email_tool_server.py",
                                                 "--port", str(port), "--outbox", str(self.outbox)], env)
+        if self.example.mcp_server:
+            port = free_port()
+            self.mcp_url = f"http://127.0.0.1:{port}"
+            mcp = self.spawn("mcp-server", [self.python, "examples/mcp_tool_server.py", "--port", str(port)], env)
         port = free_port()
         self.proxy_url = f"http://127.0.0.1:{port}"
         overrides = {
@@ -177,6 +189,8 @@ class Demo:
         }
         if self.email_url:
             overrides["upstreams.email.url"] = self.email_url
+        if self.mcp_url:
+            overrides["upstreams.mcp.url"] = self.mcp_url
         argv = [self.python, "-m", "idemproxy.proxy.cli", "serve", "--config", str(CONFIG),
                 "--port", str(port), "--store", self.store_url]
         for option, value in overrides.items():
@@ -185,6 +199,8 @@ class Demo:
         wait_until_up(f"{self.fake_url}/_calls", fake, self.workdir / "fake-provider.log")
         if self.example.email_server:
             wait_until_up(f"{self.email_url}/outbox", email, self.workdir / "email-server.log")
+        if self.example.mcp_server:
+            wait_until_up(f"{self.mcp_url}/calls", mcp, self.workdir / "mcp-server.log")
         wait_until_up(f"{self.proxy_url}/healthz", proxy, self.workdir / "proxy.log")
 
     def run_state(self, run_id: str) -> dict[str, Any] | None:
@@ -274,6 +290,8 @@ def run_demo(example: Example, steps: int, crash_at: int, workdir: Path, store_u
         crashed = time.time()
         run = wait_for_end(demo, run_id, deadline)
         calls = get_json(f"{demo.fake_url}/_calls")
+        if demo.mcp_url:
+            calls.update({f"mcp:{tool}": n for tool, n in get_json(f"{demo.mcp_url}/calls").items()})
         journal = read_journal(demo, run_id, replays=2 * crash_at) if run else None
     finally:
         stop_restarted_attempts(run)

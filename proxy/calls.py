@@ -18,6 +18,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Protocol
 
 import aiohttp
 import orjson
@@ -53,6 +54,17 @@ class Fate(StrEnum):
 GIVEN_BACK = frozenset({Fate.RELEASED, Fate.AMBIGUOUS})
 
 
+class AnswerReader(Protocol):
+    """How an upstream kind whose outcome lives inside the body reads an answer (MCP: the
+    JSON-RPC response, proxy/mcp/outcome.py). One per call: it may keep state across reads."""
+
+    def ends_stream(self, chunk: bytes) -> bool:
+        """Whether this read completes the answer's terminal event (it waits for the commit)."""
+
+    def verdict(self, status: int, body: bytes | None, streamed: bool) -> Verdict:
+        """What the whole answer means for the key; ``body`` None when too large to keep."""
+
+
 @dataclass(slots=True)
 class CallResult:
     """How the call ended, for listeners."""
@@ -68,6 +80,7 @@ class Call:
     upstream: UpstreamSettings
     on_ambiguous: OnAmbiguous
     max_record_bytes: int
+    reader: AnswerReader | None = None  # None: the HTTP status decides (SPEC §4)
     status: int = 0
     headers: list[tuple[str, str]] = field(default_factory=list)
     streamed: bool = False
@@ -203,6 +216,8 @@ class Call:
     def _ends_stream(self, chunk: bytes) -> bool:
         """Whether the chunk completes a terminal event, looking across reads:
         "data: [DO" + "NE]" is one."""
+        if self.reader is not None:
+            return self.reader.ends_stream(chunk)
         window = self._line_start + chunk
         rest = window[window.rfind(b"\n") + 1:]
         self._line_start = rest if len(rest) <= 32 else b"\0"  # too long to be one
@@ -226,7 +241,11 @@ class Call:
 
     async def _settle(self, store: Store) -> CallResult:
         """The upstream answered in full: journal what its status calls for (SPEC §4)."""
-        found = verdict(self.status)
+        if self.reader is None:
+            found = verdict(self.status)
+        else:
+            found = self.reader.verdict(self.status, None if self._too_large else bytes(self._recorded),
+                                        self.streamed)
         if found is Verdict.RELEASE:
             await store.journal.release(self.kid, self.owner)
             return self._release_held(Fate.RELEASED)

@@ -126,7 +126,7 @@ class TenantSettings:
 class UpstreamSettings:
     name: str
     url: str
-    kind: str = ""  # "model" or "tool"; derived from the host when empty
+    kind: str = ""  # "model", "tool" or "mcp" (an MCP server); derived from the host when empty
     on_ambiguous: str = ""  # "retry" or "quarantine"; by kind when empty
     idempotency_header: str | None = None
     rules: tuple[Rule, ...] = ()
@@ -139,6 +139,11 @@ class UpstreamSettings:
     # model -> [USD per million input tokens, per million output tokens] ("*" for any model),
     # for the cost that replays saved (idemproxy_cost_saved_usd_total)
     prices: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    # kind = "mcp": the policy of a tools/call by the tool's annotations (learned from tools/list),
+    # the first that applies; any other tool is recorded
+    read_only_tools: str = "passthrough"   # readOnlyHint: true
+    idempotent_tools: str = "record"       # idempotentHint: true
+    non_destructive_tools: str = "record"  # destructiveHint: false
 
     def __repr__(self) -> str:
         return (f"UpstreamSettings(name={self.name!r}, url={mask_url(self.url)!r}, kind={self.kind!r}, "
@@ -345,8 +350,11 @@ def _validate(s: Settings) -> None:
         parts = urlsplit(up.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError(f"upstreams.{up.name}.url must be an http(s) URL, got {up.url!r}")
-        if up.kind not in ("", "model", "tool"):
-            raise ConfigError(f"upstreams.{up.name}.kind must be 'model' or 'tool'")
+        if up.kind not in ("", "model", "tool", "mcp"):
+            raise ConfigError(f"upstreams.{up.name}.kind must be 'model', 'tool' or 'mcp'")
+        for option in ("read_only_tools", "idempotent_tools", "non_destructive_tools"):
+            if getattr(up, option) not in tuple(Policy):
+                raise ConfigError(f"upstreams.{up.name}.{option} must be 'record' or 'passthrough'")
         if up.on_ambiguous not in ("", "retry", "quarantine"):
             raise ConfigError(f"upstreams.{up.name}.on_ambiguous must be 'retry' or 'quarantine'")
         for model, price in up.prices.items():

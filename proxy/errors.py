@@ -31,6 +31,9 @@ log = logging.getLogger("idemproxy.proxy")
 OUTCOME = web.RequestKey("outcome", Outcome)  # what the proxy did: metrics and the access log
 STARTED = web.RequestKey("started", float)  # time.perf_counter() when the proxy handler took it
 UPSTREAM_S = web.RequestKey("upstream_s", object)  # upstream time to headers, when forwarded
+# How a problem's body is put for a client that reads no problem+json (an MCP client reads JSON-RPC
+# errors: proxy/mcp/upstream.py). It answers as application/json with the problem's status.
+RENDER_PROBLEM = web.RequestKey("render_problem", object)
 
 
 def problem_middleware(metrics: Metrics) -> Middleware:
@@ -62,8 +65,10 @@ def answer(request: web.Request, problem: Problem) -> web.StreamResponse:
         request[OUTCOME] = kind.outcome
     path = request.path  # `OPTIONS *` and `CONNECT host:port` have none to name
     body = problem.body(instance=path if path[:1] == "/" else None)
-    response = web.Response(status=kind.status, body=orjson.dumps(body),
-                            content_type="application/problem+json", headers=problem.headers)
+    render = request.get(RENDER_PROBLEM)
+    response = web.Response(status=kind.status, body=orjson.dumps(body) if render is None else render(body),
+                            content_type="application/problem+json" if render is None else "application/json",
+                            headers=problem.headers)
     started = request.get(STARTED)
     if started is not None:  # the proxy's answers carry its own time (SPEC §5)
         response.headers["Server-Timing"] = server_timing(time.perf_counter() - started)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
@@ -19,6 +21,7 @@ from .fingerprint import fingerprint
 from .forward import forwarded_key, is_stream, request_headers, response_headers
 from .heartbeats import Heartbeats
 from .identity import Identity, TenantResolver, parse_epoch, parse_key, parse_policy, parse_run
+from .mcp import McpUpstreams, ToolAnswer
 from .metrics import Metrics
 from .outcomes import Outcome
 from .policy import OnAmbiguous, Policy
@@ -29,6 +32,9 @@ from .store import Store, StoreUnavailable
 from .store.base import Claim, ClaimResult, Entry, EntryState, Run, Scope
 
 log = logging.getLogger("idemproxy.proxy")
+
+# Counts a derived key's occurrence, given the store's count of it (see Proxy._scope)
+Occurrence = Callable[[Callable[[], Awaitable[int]]], Awaitable[int]]
 
 
 @dataclass
@@ -44,6 +50,7 @@ class Proxy:
     replays: dict[str, int] = field(default_factory=dict)  # replay counts not yet stored
     on_ambiguous: dict[str, OnAmbiguous] = field(init=False)  # per upstream, worked out once
     _epoch_reads: dict[tuple, asyncio.Future] = field(default_factory=dict)  # shared fence reads
+    mcp: McpUpstreams = field(default_factory=McpUpstreams)  # kind = "mcp" upstreams' state
 
     def __post_init__(self) -> None:
         self.on_ambiguous = {name: policy.on_ambiguous(up) for name, up in self.settings.upstreams.items()}
@@ -55,6 +62,8 @@ class Proxy:
         request[OUTCOME] = Outcome.REJECTED
         try:
             route = parse_route(request.raw_path, self.settings.upstreams)
+            if route.upstream.kind == "mcp":
+                return await self._mcp(request, route, started)
             ident = self._identify(request, route)
             body = await self._read_body(request)
             upstream = route.upstream
@@ -132,8 +141,9 @@ class Proxy:
 
     # -- passthrough ----------------------------------------------------------------------
 
-    async def _passthrough(self, request: web.Request, route: Route, body: bytes,
-                           started: float) -> web.StreamResponse:
+    async def _passthrough(self, request: web.Request, route: Route, body: bytes, started: float,
+                           tap: Callable[[bytes], None] | None = None) -> web.StreamResponse:
+        """Forward, record nothing; ``tap`` sees the answer's bytes as they pass."""
         upstream = route.upstream
         headers = request_headers(request.headers, upstream, self.settings.tenants.header, None)
         session = self.sessions[upstream.name]
@@ -146,9 +156,14 @@ class Proxy:
                 out.append(("Server-Timing", server_timing(time.perf_counter() - started - upstream_s,
                                                            upstream_s)))
                 if not is_stream(resp.headers):
-                    return web.Response(status=resp.status, body=await resp.read(), headers=out)
+                    answer = await resp.read()
+                    if tap is not None:
+                        tap(answer)
+                    return web.Response(status=resp.status, body=answer, headers=out)
                 stream = await start_stream(request, resp.status, out)
                 async for chunk in resp.content.iter_any():
+                    if tap is not None:
+                        tap(chunk)
                     await stream.write(chunk)
                 await stream.write_eof()
                 return stream
@@ -159,15 +174,20 @@ class Proxy:
     # -- record and replay ----------------------------------------------------------------
 
     async def _record(self, request: web.Request, route: Route, ident: Identity, body: bytes,
-                      started: float) -> web.StreamResponse:
+                      started: float, fp: str | None = None,
+                      occurrence: Occurrence | None = None) -> web.StreamResponse:
         """Claim the key and make the call, or answer from whoever holds it: a call in flight
         here, the journal, or a stream another proxy is recording. While the key is in
-        flight elsewhere and its stream has not begun, wait for it and look again."""
+        flight elsewhere and its stream has not begun, wait for it and look again.
+
+        An upstream kind that knows better what makes two calls the same (MCP) gives the
+        fingerprint, and how a derived key's occurrence is counted."""
         upstream = route.upstream
-        fp = fingerprint(request.method, upstream.name, route.path_qs, body,
-                         request.headers.get("Content-Type", ""),
-                         policy.ignored_fields(upstream, request.method, route.path))
-        scope = await self._scope(request, route, ident, fp)
+        if fp is None:
+            fp = fingerprint(request.method, upstream.name, route.path_qs, body,
+                             request.headers.get("Content-Type", ""),
+                             policy.ignored_fields(upstream, request.method, route.path))
+        scope = await self._scope(request, route, ident, fp, occurrence)
         kid = scope.kid
         deadline = time.monotonic() + self.settings.server.in_flight_wait
         while True:
@@ -189,7 +209,8 @@ class Proxy:
                 return answer
             await self._wait(kid, deadline)
 
-    async def _scope(self, request: web.Request, route: Route, ident: Identity, fp: str) -> Scope:
+    async def _scope(self, request: web.Request, route: Route, ident: Identity, fp: str,
+                     occurrence: Occurrence | None = None) -> Scope:
         """Where the request's journal entry lives: under the agent's key, its derived key in
         the run (SPEC §2), or its own fingerprint."""
         tenant = self.tenants.tenant(request.headers, ident.namespace)
@@ -197,8 +218,10 @@ class Proxy:
         if ident.key is not None:
             return Scope.of_key(tenant, ident.run, upstream, ident.key)
         if ident.run is not None:
-            n = await self.store.journal.next_occurrence(ident.namespace, ident.run, ident.epoch, fp,
-                                                         self.settings.store.retention)
+            def count() -> Awaitable[int]:
+                return self.store.journal.next_occurrence(ident.namespace, ident.run, ident.epoch, fp,
+                                                          self.settings.store.retention)
+            n = await (count() if occurrence is None else occurrence(count))
             return Scope(tenant, ident.run, upstream, f"derived:{fp}:{n}")
         # `Idem-Policy: record` with neither key nor run: the request is its own key
         return Scope(tenant, None, upstream, f"fingerprint:{fp}")
@@ -278,7 +301,8 @@ class Proxy:
         upstream: UpstreamSettings = route.upstream
         call = Call(kid=entry.kid, owner=entry.owner, fingerprint=entry.fingerprint, upstream=upstream,
                     on_ambiguous=self.on_ambiguous[upstream.name],
-                    max_record_bytes=self.settings.server.max_record_bytes)
+                    max_record_bytes=self.settings.server.max_record_bytes,
+                    reader=ToolAnswer() if upstream.kind == "mcp" else None)
         headers = request_headers(request.headers, upstream, self.settings.tenants.header,
                                   forwarded_key(entry.kid) if upstream.idempotency_header else None)
         beat = (lambda: self.heartbeats.beat(namespace, entry.run)) if entry.run else (lambda: None)
@@ -292,6 +316,24 @@ class Proxy:
             self.calls.pop(entry.kid, None)
         task.add_done_callback(done)
         return call
+
+    # -- MCP upstreams --------------------------------------------------------------------
+
+    async def _mcp(self, request: web.Request, route: Route, started: float) -> web.StreamResponse:
+        """A ``kind = "mcp"`` upstream (SPEC §12): a tools/call is recorded under what it means
+        and replayed under the caller's JSON-RPC id; everything else passes through."""
+        ident = self._identify(request, route)
+        body = await self._read_body(request)
+        tenant = functools.cache(lambda: self.tenants.tenant(request.headers, ident.namespace))
+        plan = self.mcp.plan(request, route.upstream, route.path_qs, ident, tenant, body)
+        if ident.run:
+            await self._fence(ident, fail_open=plan.call is None)
+        if plan.call is None:
+            request[OUTCOME] = Outcome.PASSTHROUGH
+            return await self._passthrough(request, route, body, started, plan.tap)
+        counted = functools.partial(self.mcp.occurrence, plan) if plan.site else None
+        resp = await self._record(request, route, plan.ident, body, started, plan.fp, counted)
+        return self.mcp.deliver(request, plan, resp)
 
     # -- background work ------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Protocol
 
 import orjson
 from aiohttp import web
@@ -17,12 +18,52 @@ REPLAYED = "Idempotent-Replayed"
 STREAM = web.RequestKey("stream", web.StreamResponse)  # the answer, once its head is sent
 
 
-async def start_stream(request: web.Request, status: int, headers) -> web.StreamResponse:
+class Readdress(Protocol):
+    """Addresses an answer recorded for one caller to another (proxy/mcp/readdress.py: the
+    caller's JSON-RPC id). Set as ``request[READDRESS]``; replays and joins go through it."""
+
+    def body(self, data: bytes) -> bytes: ...
+    def chunk(self, data: bytes) -> bytes: ...  # may keep back an unfinished event
+    def end(self) -> bytes: ...
+
+
+READDRESS = web.RequestKey("readdress", Readdress)
+
+
+class ReaddressedStream(web.StreamResponse):
+    """A streamed replay or join whose bytes are rewritten on their way to the caller."""
+
+    def __init__(self, readdress: Readdress, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._readdress = readdress
+
+    async def write(self, data) -> None:
+        out = self._readdress.chunk(bytes(data))
+        if out:
+            await super().write(out)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        rest = self._readdress.chunk(data) + self._readdress.end() if data else self._readdress.end()
+        await super().write_eof(rest)
+
+
+async def start_stream(request: web.Request, status: int, headers,
+                       replayed: bool = False) -> web.StreamResponse:
     """Send the head of a streamed answer; from here on, a failure can only cut it short."""
-    resp = web.StreamResponse(status=status, headers=headers)
+    readdress = request.get(READDRESS) if replayed else None
+    if readdress is None:
+        resp = web.StreamResponse(status=status, headers=headers)
+    else:
+        resp = ReaddressedStream(readdress, status=status, headers=headers)
     await resp.prepare(request)
     request[STREAM] = resp
     return resp
+
+
+def replayed_body(request: web.Request, body: bytes) -> bytes:
+    """A whole recorded answer, addressed to this caller."""
+    readdress = request.get(READDRESS)
+    return body if readdress is None else readdress.body(body)
 
 
 def cut_short(request: web.Request) -> web.StreamResponse:
@@ -48,8 +89,8 @@ async def send_record(request: web.Request, recorded: Recorded, started: float,
     """A replay: the recorded status, headers and body; a stream is replayed as a stream."""
     headers = _headers(recorded.headers, True, server_timing(time.perf_counter() - started))
     if not recorded.streamed:
-        return web.Response(status=recorded.status, body=recorded.body, headers=headers)
-    resp = await start_stream(request, recorded.status, headers)
+        return web.Response(status=recorded.status, body=replayed_body(request, recorded.body), headers=headers)
+    resp = await start_stream(request, recorded.status, headers, replayed=True)
     if paced and recorded.timing:
         clock = time.perf_counter()
         bounds = [offset for offset, _ in recorded.timing[1:]] + [len(recorded.body)]
@@ -74,8 +115,10 @@ async def listen(request: web.Request, call: Call, started: float, replayed: boo
         result = await call.finished()
         if result.problem:
             raise Problem(*result.problem)
-        return web.Response(status=call.status, body=b"".join(call.chunks), headers=headers)
-    resp = await start_stream(request, call.status, headers)
+        body = b"".join(call.chunks)
+        return web.Response(status=call.status, body=replayed_body(request, body) if replayed else body,
+                            headers=headers)
+    resp = await start_stream(request, call.status, headers, replayed)
     index, done = 0, False
     while not done:
         try:
@@ -103,7 +146,7 @@ async def join_remote(request: web.Request, store: Store, kid: str,
         return None
     meta = orjson.loads(head[0][1])
     resp = await start_stream(request, meta["status"], _headers(
-        meta["headers"], True, server_timing(time.perf_counter() - started)))
+        meta["headers"], True, server_timing(time.perf_counter() - started)), replayed=True)
     seq, sent = 0, 0
     for s, data in head[1:]:
         await resp.write(data)

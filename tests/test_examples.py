@@ -33,6 +33,8 @@ EXPECTED_CALLS = {
     "langgraph": {"chat": STEPS, "tool:record_step": STEPS},
     "email": {"chat": STEPS, "outbox": STEPS},
     "plain": {"chat": STEPS, "tool:log_step": STEPS},
+    "mcp": {"chat": STEPS, "mcp:send_email": STEPS},
+    "mcp_stateless": {"chat": STEPS, "mcp:send_email": STEPS},
 }
 
 
@@ -142,3 +144,14 @@ def test_plain_agent_resumes_with_environment_only(tmp_path):
     strings = {node.value for node in ast.walk(module) if isinstance(node, ast.Constant)
                and isinstance(node.value, str)} - {ast.get_docstring(module, clean=False)}
     assert not any("IDEM" in s.upper() for s in strings)  # no run id, epoch or key of its own
+
+
+@pytest.mark.parametrize("example", ["mcp", "mcp_stateless"])
+def test_mcp_agent_runs_each_tool_once(example, tmp_path):
+    """The MCP agent over 2025-11-25 sessions (a new session after the restart) and over
+    2026-07-28 (stateless): each email sent once, the replayed steps answered the same."""
+    summary = run_demo(example, tmp_path / "demo")
+    restarted = check_crash_and_resume(summary, tmp_path / "demo", example)
+    check_served(summary["first_attempt"], restarted)
+    assert replies(restarted["output"])[:CRASH_AT] == replies(summary["first_attempt"]["output"])
+    assert len(set(replies(restarted["output"]))) == STEPS

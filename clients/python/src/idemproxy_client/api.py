@@ -20,6 +20,7 @@ RUN_HEADER = "Idem-Run"
 EPOCH_HEADER = "Idem-Epoch"
 TENANT_HEADER = "Idem-Tenant"
 KEY_HEADER = "Idempotency-Key"
+MCP_KEY_META = "dev.idemproxy/idempotencyKey"  # an explicit key in a tools/call's _meta (SPEC §12)
 POLICY_HEADER = "Idem-Policy"
 
 

@@ -124,6 +124,19 @@ class BaseRun:
         tail = "/" + path.lstrip("/") if path else ""
         return f"{self.base_url}/{upstream}{tail}"
 
+    def mcp_url(self, upstream: str, path: str = "/mcp") -> str:
+        """The run-scoped URL of the MCP endpoint of an upstream of ``kind = "mcp"``.
+
+        ``mcp.Client(run.mcp_url("tools"))``: its ``tools/call`` are journaled and a restarted
+        attempt's are replayed, under the new attempt's JSON-RPC ids, in either MCP revision.
+        """
+        return self.url(upstream, path)
+
+    def mcp_meta(self, step: str, *parts: KeyPart) -> dict[str, str]:
+        """A tools/call ``_meta`` with an explicit key, ``run.key(step, *parts)``:
+        ``client.call_tool("charge", args, meta=run.mcp_meta("charge", order_id))``."""
+        return {api.MCP_KEY_META: self.key(step, *parts)}
+
     def headers(self, key: str | None = None, *, policy: str | None = None) -> dict[str, str]:
         """Headers that tie a request to this run and attempt.
 

@@ -1,0 +1,104 @@
+"""The MCP side of the request path (SPEC §12): what to do with one request to a
+``kind = "mcp"`` upstream, and what follows once it is answered.
+
+``proxy/handler.py`` (``Proxy._mcp``) drives it with the machinery every upstream uses:
+the fence, passthrough, and ``_record``'s claim, record, replay and join.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from aiohttp import web
+
+from ..config import Policy, UpstreamSettings
+from ..errors import RENDER_PROBLEM
+from ..identity import Identity
+from ..problems import PROBLEMS, Problem
+from ..replay import READDRESS
+from .catalog import Catalog, tool_policy
+from .jsonrpc import INVALID_REQUEST, PROXY_ERROR, dumps
+from .messages import TOOLS_LIST, ToolCall, header_tool, read
+from .occurrences import Occurrences, Site
+from .readdress import Readdress
+
+
+@dataclass(eq=False)
+class Plan:
+    """What the proxy does with one MCP request: pass it through (``call`` None, maybe
+    reading a tools/list answer with ``tap``), or record a tools/call under ``ident``'s key,
+    or under its fingerprint ``fp`` counted at ``site``."""
+    ident: Identity
+    call: ToolCall | None = None
+    tap: Callable[[bytes], None] | None = None
+    fp: str | None = None
+    site: Site | None = None
+    occurrence: int | None = field(default=None, init=False)  # once counted
+
+
+class McpUpstreams:
+    """Tool annotations and undelivered occurrences of this process, and the steps that use them."""
+
+    def __init__(self) -> None:
+        self.catalog = Catalog()
+        self.occurrences = Occurrences()
+
+    def plan(self, request: web.Request, upstream: UpstreamSettings, path_qs: str, ident: Identity,
+             tenant: Callable[[], str], body: bytes) -> Plan:
+        """Read the request and decide. Refusals (a batch with a tools/call, a bad `_meta` key)
+        are raised, and answered as JSON-RPC errors."""
+        request[RENDER_PROBLEM] = jsonrpc_problem(None)
+        named = header_tool(request.headers)
+        named_policy = self._policy(upstream, tenant(), named) if named is not None else None
+        if named_policy is Policy.PASSTHROUGH and ident.policy is None:
+            return Plan(ident)  # a read, named in the headers the server must check: its body is not read
+        message = read(request.method, request.headers, body)
+        request[RENDER_PROBLEM] = jsonrpc_problem(message.request_id)
+        if not isinstance(message, ToolCall):
+            tap = self.catalog.listing(upstream.name, tenant()) if message.method == TOOLS_LIST else None
+            return Plan(ident, tap=tap)
+        if message.key is not None and ident.key not in (None, message.key):
+            raise Problem("invalid-key", "the Idempotency-Key header and the _meta key differ")
+        key = ident.key or message.key
+        chosen = ident.policy or (named_policy if named == message.name else None) \
+            or self._policy(upstream, tenant(), message.name)
+        if chosen is Policy.PASSTHROUGH or (ident.policy is None and key is None and ident.run is None):
+            return Plan(ident)  # SPEC §4: without a key or a run there is nothing to replay into
+        request[READDRESS] = Readdress(message.request_id, message.progress_token)
+        fp = message.fingerprint(upstream.name, path_qs, tenant())
+        ident = Identity(key=key, run=ident.run, epoch=ident.epoch, policy=ident.policy,
+                         namespace=ident.namespace)
+        site = (tenant(), ident.namespace, ident.run, ident.epoch, fp) if key is None and ident.run else None
+        return Plan(ident, message, fp=fp, site=site)
+
+    async def occurrence(self, plan: Plan, count: Callable[[], Awaitable[int]]) -> int:
+        """The derived key's occurrence number: an undelivered identical call's, or the next."""
+        assert plan.site is not None
+        plan.occurrence = await self.occurrences.take(plan.site, count)
+        return plan.occurrence
+
+    def deliver(self, request: web.Request, plan: Plan, resp: web.StreamResponse) -> web.StreamResponse:
+        """Note whether the answer reached the agent: until one has, an identical call is the same
+        call (see occurrences.py). A stream has been written whole, or cut short (its connection
+        closed); a JSON answer is written next, to a connection still open (the agent of a broken
+        exchange has closed it by the time its answer is ready)."""
+        transport = request.transport
+        if plan.site is not None and plan.occurrence is not None and transport is not None \
+                and not transport.is_closing():
+            self.occurrences.delivered(plan.site, plan.occurrence)
+        return resp
+
+    def _policy(self, upstream: UpstreamSettings, tenant: str, tool: str) -> Policy:
+        return tool_policy(upstream, self.catalog.annotations(upstream.name, tenant, tool))
+
+
+def jsonrpc_problem(request_id: Any) -> Callable[[dict], bytes]:
+    """Problems as JSON-RPC errors, which an MCP client surfaces to its caller (a problem+json
+    body it would report as a bare HTTP error). The problem is the error's ``data``."""
+    def render(problem: dict) -> bytes:
+        bad_input = PROBLEMS[problem["type"].rsplit("/", 1)[-1]].status in (400, 413)
+        return dumps({"jsonrpc": "2.0", "id": request_id, "error": {
+            "code": INVALID_REQUEST if bad_input else PROXY_ERROR,
+            "message": f"{problem['title']}: {problem['detail']}", "data": problem}})
+    return render
