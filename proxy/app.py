@@ -13,7 +13,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from .appkeys import METRICS, PROXY, RUNS, SETTINGS, STORE, TENANTS
-from .config import Settings
+from .config import RUNS_SHARED, Settings
 from .errors import problem_middleware
 from .forward import make_session
 from .handler import Proxy
@@ -64,7 +64,8 @@ async def _lifecycle(app: web.Application, make_launcher: LauncherFactory) -> As
     store = app[STORE] = await open_store(settings)
     t = settings.tenants
     tenants = app[TENANTS] = TenantResolver(await tenant_secret(settings, store), t.credential_headers,
-                                            t.header, t.trusted_sources)
+                                            t.header, t.trusted_sources,
+                                            shared_runs=t.runs == RUNS_SHARED)
     launcher = make_launcher(settings, store)
     app[RUNS] = RunsService(store, settings, launcher)
     proxy = app[PROXY] = Proxy(
@@ -74,7 +75,7 @@ async def _lifecycle(app: web.Application, make_launcher: LauncherFactory) -> As
         ("heartbeats", proxy.heartbeats.run()),
         ("leases", proxy.renew_leases()),
         ("replay-counts", _every(1.0, proxy.flush_replay_counts)),
-        ("purge", _every(settings.store.purge_interval, lambda: _purge(store))),
+        ("purge", _every(settings.store.purge_interval, lambda: _purge(app[RUNS]))),
     )]
     try:
         yield
@@ -103,10 +104,10 @@ async def _every(interval: float, work: Callable[[], Awaitable[object]]) -> None
             log.exception("background work failed")
 
 
-async def _purge(store: Store) -> None:
-    n = await store.journal.purge(time.time())
-    if n:
-        log.info("purged %d expired journal entries", n)
+async def _purge(runs: RunsService) -> None:
+    entries, gone = await runs.purge()
+    if entries or gone:
+        log.info("purged %d expired journal entries and %d runs", entries, gone)
 
 
 @web.middleware

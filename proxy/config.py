@@ -39,6 +39,9 @@ RESERVED_NAMES = frozenset({"runs", "admin", "healthz", "readyz", "metrics", "ep
                             "heartbeat", "complete", "fail", "attempts"})
 
 
+RUNS_PER_CREDENTIAL, RUNS_SHARED = "credential", "shared"  # [tenants] runs
+
+
 class ConfigError(ValueError):
     """The configuration cannot be used; the message says which option and why."""
 
@@ -120,6 +123,10 @@ class TenantSettings:
     header: str = "Idem-Tenant"
     trusted_sources: tuple[str, ...] = ()  # CIDRs allowed to name a tenant by header
     credential_headers: tuple[str, ...] = ("authorization", "x-api-key", "api-key", "x-goog-api-key")
+    # Whose runs a caller reaches (SPEC §11): "credential", the namespace of the tenant of its
+    # credential (or of the trusted tenant header); "shared", one namespace ("default") for every
+    # caller without a trusted tenant header: a deliberate choice, for one trusted agent.
+    runs: str = RUNS_PER_CREDENTIAL
 
 
 @dataclass(frozen=True)
@@ -160,6 +167,12 @@ class RunSettings:
     backoff_max_s: float = 60.0
     hook: str | None = None
     on_dead: str | None = None
+    # What a registration (POST /runs/{id}) may ask for; the defaults above are the operator's
+    # and are not held to these.
+    min_timeout_s: float = 1.0
+    min_grace_s: float = 1.0
+    max_restarts_limit: int = 100
+    max_metadata_bytes: int = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -173,6 +186,9 @@ class HookSettings:
     env: Mapping[str, Secret] = field(default_factory=dict)  # added to a command hook's environment
     # When set, the only variables a command hook inherits (IDEM_* and `env` are still given).
     pass_env: tuple[str, ...] | None = None
+    # Namespaces whose own registrations (and runs their traffic creates) may arm this hook;
+    # otherwise only the admin API can (README "Who may do what").
+    allow_tenants: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -180,6 +196,8 @@ class SupervisorSettings:
     enabled: bool = True
     interval_s: float = 1.0
     proxy_url: str | None = None  # what hooks are told; http://{host}:{port} by default
+    max_hook_processes: int = 16  # command hooks running at once, started by this process
+    max_restarts_per_minute: int = 60  # restarts this supervisor makes, over any 60 s
 
 
 @dataclass(frozen=True)
@@ -197,6 +215,14 @@ class Settings:
     hooks: Mapping[str, HookSettings] = field(default_factory=dict)
     supervisor: SupervisorSettings = SupervisorSettings()
     admin: AdminSettings = AdminSettings()
+
+    def may_arm(self, hook: str | None, namespace: str) -> bool:
+        """Whether a run of ``namespace`` may arm ``hook`` by itself (without the admin token)."""
+        return hook is not None and hook in self.hooks and namespace in self.hooks[hook].allow_tenants
+
+    def default_hook(self, namespace: str) -> str | None:
+        """The ``[runs] hook`` a new run of ``namespace`` gets: none unless it may arm it."""
+        return self.runs.hook if self.may_arm(self.runs.hook, namespace) else None
 
     @property
     def proxy_url(self) -> str:
@@ -375,6 +401,11 @@ def _validate(s: Settings) -> None:
             raise ConfigError(f"runs: hook {name!r} is not defined under [hooks]")
     if s.server.workers < 1:
         raise ConfigError("server.workers must be at least 1")
+    if s.tenants.runs not in (RUNS_PER_CREDENTIAL, RUNS_SHARED):
+        raise ConfigError(f"tenants.runs must be {RUNS_PER_CREDENTIAL!r} or {RUNS_SHARED!r}")
+    for name in ("max_hook_processes", "max_restarts_per_minute"):
+        if getattr(s.supervisor, name) < 1:
+            raise ConfigError(f"supervisor.{name} must be at least 1")
 
 
 def upstream_kind(up: UpstreamSettings) -> str:

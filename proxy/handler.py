@@ -113,8 +113,9 @@ class Proxy:
         unfenced (SPEC §7: passthrough still works); a record request fails closed.
         """
         runs = self.settings.runs
+        # traffic arms no hook by itself: the [runs] hook only where its tenants may (README)
         defaults = Run(ident.namespace, ident.run, timeout_s=runs.timeout_s, grace_s=runs.grace_s,
-                       max_restarts=runs.max_restarts, hook=runs.hook)
+                       max_restarts=runs.max_restarts, hook=self.settings.default_hook(ident.namespace))
         try:
             current = await self._observe_epoch(ident, defaults)
         except StoreUnavailable:
@@ -125,6 +126,10 @@ class Proxy:
         if ident.epoch is not None and ident.epoch < current:
             raise Problem("stale-epoch", f"run {ident.run} is at epoch {current}; this attempt "
                           f"(epoch {ident.epoch}) has been superseded", epoch=current)
+        if ident.epoch is not None and ident.epoch > current:  # the store raises it by one at most
+            raise Problem("epoch-ahead", f"run {ident.run} is at epoch {current}; a request may start "
+                          f"epoch {current + 1} at most, not {ident.epoch} (POST /runs/{ident.run}/attempts "
+                          "starts the next attempt)", epoch=current)
         self.heartbeats.beat(ident.namespace, ident.run)  # a fenced zombie is no sign of life
 
     async def _observe_epoch(self, ident: Identity, defaults: Run) -> int:
@@ -217,10 +222,10 @@ class Proxy:
         upstream = route.upstream.name
         if ident.key is not None:
             return Scope.of_key(tenant, ident.run, upstream, ident.key)
-        if ident.run is not None:
+        if ident.run is not None:  # counted per tenant: another credential's calls shift nothing
             def count() -> Awaitable[int]:
                 return self.store.journal.next_occurrence(ident.namespace, ident.run, ident.epoch, fp,
-                                                          self.settings.store.retention)
+                                                          self.settings.store.retention, tenant=tenant)
             n = await (count() if occurrence is None else occurrence(count))
             return Scope(tenant, ident.run, upstream, f"derived:{fp}:{n}")
         # `Idem-Policy: record` with neither key nor run: the request is its own key

@@ -31,8 +31,8 @@ class Identity:
     run: str | None
     epoch: int | None
     policy: Policy | None
-    namespace: str  # whose runs these are (the tenant, whose journal entries, is worked
-                    # out only for recorded calls: passthrough does not pay for the HMAC)
+    namespace: str  # whose runs these are (TenantResolver.namespace); the tenant, whose
+                    # journal entries, is worked out only for recorded calls
 
 
 def parse_key(values: list[str]) -> str | None:
@@ -103,7 +103,9 @@ def parse_policy(value: str | None) -> Policy | None:
         raise Problem("invalid-header", "Idem-Policy must be 'record' or 'passthrough'") from None
 
 
-DEFAULT_NAMESPACE = "default"
+DEFAULT_NAMESPACE = "default"  # the one namespace of [tenants] runs = "shared"
+ANONYMOUS = "anonymous"  # the tenant, and the namespace, of callers that carry no credential
+CREDENTIAL_PREFIX = "k:"  # tenants (and namespaces) that are the HMAC of a credential
 
 
 class TenantResolver:
@@ -112,41 +114,46 @@ class TenantResolver:
     Hashing the credential means two API keys never share journal entries, and that
     the store never holds the credential itself.
 
-    Runs live in a *namespace*, not under a credential: one run calls several upstreams
-    with several credentials (an OpenAI key, an Anthropic key, none for a tool), and must
-    stay one run. The namespace is the trusted tenant header where one is configured, so a
-    multi-tenant gateway keeps tenants' runs apart, and ``default`` otherwise.
+    Runs live in a *namespace* (SPEC §11): the trusted tenant header where one is given;
+    else the caller's credential's tenant, so another credential never reaches them; or,
+    where ``[tenants] runs = "shared"`` says so, ``default`` for every caller.
     """
 
     def __init__(self, secret: bytes, credential_headers: tuple[str, ...], header: str,
-                 trusted_sources: tuple[str, ...]):
+                 trusted_sources: tuple[str, ...], *, shared_runs: bool = False):
         self._secret = secret
         self._credential_headers = credential_headers
         self._header = header
         self._trusted = tuple(ipaddress.ip_network(s, strict=False) for s in trusted_sources)
+        self._shared_runs = shared_runs
 
     def tenant(self, headers: CIMultiDictProxy[str], namespace: str) -> str:
-        """Whose journal entries a request's are: its trusted tenant, else its credential's."""
-        if namespace != DEFAULT_NAMESPACE:
+        """Whose journal entries a request's are: its trusted tenant, else its credential's.
+        ``namespace`` is what :meth:`namespace` answered for the same headers."""
+        if self._header in headers:  # named by a trusted source: namespace() checked it
             return "t:" + namespace
-        return self.of_credential(headers)
+        return self.of_credential(headers) if self._shared_runs else namespace
 
     def namespace(self, headers: CIMultiDictProxy[str], peer: str | None) -> str:
-        """The run namespace: the trusted tenant header, or ``default``."""
+        """The run namespace: the trusted tenant header, else the credential's tenant (or
+        ``default`` with shared runs)."""
         named = headers.get(self._header)
         if named is None:
-            return DEFAULT_NAMESPACE
+            return DEFAULT_NAMESPACE if self._shared_runs else self.of_credential(headers)
         if not self._is_trusted(peer):
             raise Problem("untrusted-tenant", f"{self._header} is accepted only from trusted sources")
         if not TENANT_NAME.fullmatch(named):
             raise Problem("invalid-header", f"{self._header} must be 1-128 of [A-Za-z0-9._:@/-]")
+        if named == ANONYMOUS or named.startswith(CREDENTIAL_PREFIX):
+            raise Problem("invalid-header", f"{self._header}: {ANONYMOUS!r} and names that start with "
+                          f"{CREDENTIAL_PREFIX!r} are the namespaces of credentials, not tenant names")
         return named
 
     def of_credential(self, headers: CIMultiDictProxy[str]) -> str:
         material = "\n".join(f"{h}={headers[h]}" for h in self._credential_headers if h in headers)
         if not material:
-            return "anonymous"
-        return "k:" + hmac.new(self._secret, material.encode(), hashlib.sha256).hexdigest()[:32]
+            return ANONYMOUS
+        return CREDENTIAL_PREFIX + hmac.new(self._secret, material.encode(), hashlib.sha256).hexdigest()[:32]
 
     def _is_trusted(self, peer: str | None) -> bool:
         if not peer or not self._trusted:

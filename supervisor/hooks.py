@@ -110,6 +110,7 @@ class Hooks:
         self._deliveries: set[asyncio.Task] = set()  # http hooks being delivered
         self._watchers: set[asyncio.Task] = set()  # started commands, until they exit
         self._session: aiohttp.ClientSession | None = None
+        self._max_processes = settings.supervisor.max_hook_processes
 
     async def fire(self, name: str | None, event: str, run: Run) -> str | None:
         """Start hook ``name`` for ``run``'s current attempt: None once started, else why
@@ -134,6 +135,11 @@ class Hooks:
                                       "error": error})
         return error
 
+    def has_room(self) -> bool:
+        """Whether another command hook may start: fewer than ``max_hook_processes`` of those
+        this process started are still running."""
+        return len(self._watchers) < self._max_processes
+
     async def aclose(self, timeout: float = 5.0) -> None:
         """Let deliveries in flight finish (bounded); started processes keep running."""
         if self._deliveries:
@@ -149,6 +155,8 @@ class Hooks:
     # -- command --------------------------------------------------------------------------
 
     async def _spawn(self, hook: HookSettings, call: HookCall) -> str | None:
+        if not self.has_room():  # a bound whoever asks: supervisor, operator, or anything else
+            return f"{self._max_processes} hook processes are running ([supervisor] max_hook_processes)"
         log_path = self._log_path(hook, call)
         try:
             log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -8,9 +8,13 @@ than their ``timeout_s`` (and past the ``grace_s`` that follows each start), and
   fences the old attempt; then fires the run's hook;
 - backs off exponentially: the k-th restart within ``restart_window_s`` waits
   ``backoff_base_s * 2**(k-2)`` (at most ``backoff_max_s``) beyond the silence itself;
+- stays within its own bounds: at most ``max_restarts_per_minute`` restarts over any minute
+  and ``max_hook_processes`` hook processes at once; a silent run beyond them waits, silent,
+  for a later tick (nothing claimed, nothing counted);
 - gives up after ``max_restarts`` restarts within the window (OTP-style intensity): the
-  run becomes ``dead`` and the ``on_dead`` hook fires. So does a silent run that has no
-  hook at all, since nothing could start it again. The restarts are counted from the
+  run becomes ``dead``. So does a silent run that has no hook at all, since nothing could
+  start it again. The ``on_dead`` hook fires for a dead run whose hook was armed or whose
+  namespace that hook allows, never for runs traffic made up. The restarts are counted from the
   run's ``restart_times``, which the store keeps to the window, not from its history,
   which hook and backoff events would push them out of.
 
@@ -21,6 +25,7 @@ restart is never left without its hook.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -32,6 +37,7 @@ from ..proxy.store import StoreUnavailable
 from ..proxy.store.base import Run, RunState
 
 log = logging.getLogger("idemproxy.supervisor")
+DEFERRED = "deferred"  # a restart left for a later tick: this supervisor is at its bounds
 
 
 class Supervisor:
@@ -42,6 +48,7 @@ class Supervisor:
         self.store = runs.store
         self.settings = settings
         self.metrics = metrics
+        self._restarted: collections.deque[float] = collections.deque()  # this minute's restarts
 
     async def run(self, stop: asyncio.Event) -> None:
         """Tick every ``interval_s`` until ``stop`` is set."""
@@ -66,6 +73,10 @@ class Supervisor:
             action = await self._handle_silent(run, now)
             if action:
                 done.append((run.run_id, action))
+        deferred = sum(action == DEFERRED for _, action in done)
+        if deferred:  # one line a tick, however many wait
+            log.warning("%d restart(s) deferred: at [supervisor] max_restarts_per_minute (%d) or "
+                        "max_hook_processes", deferred, self.settings.supervisor.max_restarts_per_minute)
         return done
 
     async def _handle_silent(self, run: Run, now: float) -> str | None:
@@ -81,12 +92,22 @@ class Supervisor:
                                             {"event": "backoff", "epoch": run.epoch, "delay_s": delay},
                                             next_restart_at=now + delay)
             return "backoff"
+        if not self._may_restart(now):
+            return DEFERRED  # left silent: a later tick with room restarts it; nothing is counted
         new = await self.runs.restart(run, reason=RESTART, expected_epoch=run.epoch, now=now, window_s=window)
         if new is None:
             return None  # another supervisor restarted it, or it ended meanwhile
+        self._restarted.append(now)
         if self.metrics is not None:
             self.metrics.restarts.inc()
         return "restart"
+
+    def _may_restart(self, now: float) -> bool:
+        """Within this supervisor's bounds: restarts per minute, hook processes at once."""
+        while self._restarted and self._restarted[0] <= now - 60:
+            self._restarted.popleft()
+        return (len(self._restarted) < self.settings.supervisor.max_restarts_per_minute
+                and self.runs.launcher.has_room())
 
     def backoff(self, restarts: int) -> float:
         """Extra wait before the next restart, given the restarts already in the window."""
@@ -106,7 +127,9 @@ class Supervisor:
         await self.store.runs.set_state(run.namespace, run.run_id, None, now,
                                         {"event": "why-dead", "epoch": run.epoch, "detail": why})
         on_dead = self.settings.runs.on_dead
-        if on_dead:
+        # Only for a run someone authorised to start processes: a hook armed, or a namespace
+        # on_dead allows. Runs that traffic made up die quietly (they cannot spawn anything).
+        if on_dead and (run.hook or self.settings.may_arm(on_dead, run.namespace)):
             await self.runs.launcher.fire(on_dead, RunState.DEAD, ended)
         return "dead"
 

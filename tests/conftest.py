@@ -144,6 +144,11 @@ def proxy_sections(provider_url: str, store_url: str, **extra: dict[str, Any]) -
         "upstreams.raw": {"url": provider_url, "kind": "tool"},
         "supervisor": {"enabled": False},
         "admin": {"token": "test-admin-token"},
+        # Most tests are about one agent whose calls carry several credentials (or none): they
+        # choose one shared namespace for runs, explicitly, and wait out timeouts in fractions
+        # of a second. Tests of namespaces and of registration limits set their own.
+        "tenants": {"runs": "shared"},
+        "runs": {"min_timeout_s": 0.01, "min_grace_s": 0.01},
     }
     for name, body in extra.items():
         sections.setdefault(name.replace("__", "."), {}).update(body)

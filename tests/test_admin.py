@@ -103,8 +103,8 @@ async def test_admin_restart_and_complete(make_proxy, store_url, http, tmp_path)
     marker = tmp_path / "restarted"
     proxy = await make_proxy(store_url, hooks__agent={
         "command": [sys.executable, "-c", f"open({str(marker)!r}, 'w').write('x')"],
-        "log_dir": str(tmp_path / "logs")})
-    await _call(http, "POST", f"{proxy.url}/runs/ops", json={"hook": "agent"})
+        "log_dir": str(tmp_path / "logs"), "allow_tenants": ["default"]})
+    assert (await _call(http, "POST", f"{proxy.url}/runs/ops", json={"hook": "agent"}))[0] == 201
     status, run = await _call(http, "POST", f"{proxy.url}/admin/runs/ops/restart", headers=ADMIN)
     assert status == 200 and (run["epoch"], run["restarts"], run["state"]) == (1, 1, "restarting")
     assert any(e["event"] == "admin-restart" for e in run["history"])
@@ -121,6 +121,32 @@ async def test_admin_restart_and_complete(make_proxy, store_url, http, tmp_path)
     assert status == 409 and problem["type"] == PROBLEM + "run-ended"
 
 
+@pytest.mark.slow  # starts the hook's process
+async def test_a_restart_tells_the_hook_the_configured_url_whatever_the_host_header(make_proxy, store_url, http,
+                                                                                    tmp_path):
+    seen = tmp_path / "env.json"
+    dump = ("import json, os, sys; json.dump({k: v for k, v in os.environ.items() if k.startswith('IDEM_')}, "
+            "open(sys.argv[1], 'w'))")
+    # no [supervisor] proxy_url: hooks are told http://{[server] host}:{[server] port}
+    proxy = await make_proxy(store_url, server={"port": 8787}, supervisor={"enabled": False, "proxy_url": ""},
+                             hooks__agent={"command": [sys.executable, "-c", dump, str(seen)],
+                                           "log_dir": str(tmp_path / "logs")})
+    assert (await _call(http, "POST", f"{proxy.url}/admin/runs/spoof?namespace=default", headers=ADMIN,
+                        json={"hook": "agent"}))[0] == 201
+    status, run = await _call(http, "POST", f"{proxy.url}/admin/runs/spoof/restart",
+                              headers={**ADMIN, "Host": "attacker.example", "X-Forwarded-Host": "attacker.example"})
+    assert status == 200 and run["epoch"] == 1
+    assert run["base_url"].startswith("http://attacker.example/")  # the Host did arrive: shown to its caller
+    for _ in range(100):
+        if seen.exists() and seen.stat().st_size:
+            break
+        await asyncio.sleep(0.05)
+    env = json.loads(seen.read_text())
+    assert env["IDEM_PROXY_URL"] == "http://127.0.0.1:8787"
+    assert env["IDEM_RUN_BASE"] == "http://127.0.0.1:8787/runs/spoof/epochs/1"
+    assert not any("attacker" in value for value in env.values())
+
+
 async def test_delete_a_runs_journal_and_purge(make_proxy, store_url, provider, http):
     proxy = await make_proxy(store_url)
     url = f"{proxy.url}/runs/wipe/epochs/0/openai/v1/chat/completions"
@@ -134,7 +160,7 @@ async def test_delete_a_runs_journal_and_purge(make_proxy, store_url, provider, 
         assert resp.headers["Idempotent-Replayed"] == "false"  # forgotten: goes upstream again
     assert provider.calls["chat"] == 3
     status, body = await _call(http, "POST", f"{proxy.url}/admin/purge", headers=ADMIN)
-    assert status == 200 and body == {"purged": 0}
+    assert status == 200 and body == {"purged": 0, "runs": 0}
 
 
 async def test_resolve_a_quarantined_key_by_retrying(make_proxy, store_url, provider, http):

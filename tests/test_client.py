@@ -188,7 +188,7 @@ async def test_supervisor_restarts_a_crashed_agent_which_replays_and_completes(
         "supervisor": {"enabled": True, "interval_s": 0.2},
         "runs": {"hook": "agent", "backoff_base_s": 0.1},
         "hooks.agent": {"command": [sys.executable, str(agent_script), "finish"],
-                        "log_dir": str(logs)}}))
+                        "log_dir": str(logs), "allow_tenants": ["default"]}}))
     first = await agent_process(agent_script, "crash", "nightly-1",
                                 env=clean_env(IDEM_PROXY_URL=server.url, AGENT_TIMEOUT_S="1"))
     assert first["exit"] == 3

@@ -60,7 +60,8 @@ async def test_agent_killed_at_step_200_resumes_and_completes(durable_store, pro
         supervisor={"enabled": True, "interval_s": 0.2},
         runs={"timeout_s": 2, "grace_s": 3, "max_restarts": 3, "hook": "agent",
               "backoff_base_s": 0.5},
-        **{"hooks.agent": {"command": [sys.executable, str(AGENT)], "log_dir": str(logs)}})
+        **{"hooks.agent": {"command": [sys.executable, str(AGENT)], "log_dir": str(logs),
+                           "allow_tenants": ["default"]}})
     agent_env = {"OPENAI_API_KEY": "sk-agent-test"}
     proxy = proxy_process(sections, env=agent_env)
 

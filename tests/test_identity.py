@@ -215,8 +215,9 @@ async def test_explicit_keys_are_scoped_by_run(make_proxy, store_url, provider, 
 async def test_stale_epoch_is_412_before_anything_is_forwarded(make_proxy, store_url, provider, http,
                                                                method, path):
     proxy = await make_proxy(store_url)
-    async with http.post(f"{proxy.url}/runs/z1/epochs/2{CHAT}", json=chat("new attempt")) as r:
-        assert r.status == 200
+    for epoch in (1, 2):  # each request may start the next attempt
+        async with http.post(f"{proxy.url}/runs/z1/epochs/{epoch}{CHAT}", json=chat(f"attempt {epoch}")) as r:
+            assert r.status == 200
     before = sum(provider.calls.values())
     for stale in ("/runs/z1/epochs/1" + path, "/runs/z1/epochs/0" + path):
         async with http.request(method, proxy.url + stale, json=chat("zombie")) as r:
@@ -229,3 +230,32 @@ async def test_stale_epoch_is_412_before_anything_is_forwarded(make_proxy, store
     # no epoch at all: not fenced
     async with http.request(method, f"{proxy.url}/runs/z1{path}", json=chat("unfenced")) as r:
         assert r.status == 200
+
+
+async def test_one_request_cannot_brick_a_run(make_proxy, store_url, provider, http):
+    """A request may start the next attempt (epoch + 1), never one further ahead: a run pushed
+    to an epoch past what the proxy parses, or far past its agent's, would be lost."""
+    proxy = await make_proxy(store_url)
+    async with http.post(f"{proxy.url}/runs/b1/epochs/0{CHAT}", json=chat("step")) as r:
+        assert r.status == 200
+    for ahead in ("999999999999999", "2"):
+        for where in ({"url": f"/runs/b1/epochs/{ahead}{CHAT}"},
+                      {"url": CHAT, "headers": {"Idem-Run": "b1", "Idem-Epoch": ahead}}):
+            async with http.post(proxy.url + where["url"], json=chat("jump"), headers=where.get("headers")) as r:
+                assert (await problem(r, "epoch-ahead", 409))["epoch"] == 0
+    async with http.post(f"{proxy.url}/runs/b1/epochs/1000000000000000{CHAT}", json=chat("jump")) as r:
+        await problem(r, "invalid-header", 400)  # 16 digits: out of the one range
+    async with http.post(f"{proxy.url}/runs/b1/epochs/0{CHAT}", json=chat("step two")) as r:
+        assert r.status == 200  # the agent's attempt was not superseded
+    async with http.post(f"{proxy.url}/runs/b1/heartbeat", json={"epoch": 10 ** 18}) as r:
+        await problem(r, "invalid-body", 400)  # the runs API keeps the same range
+    async with http.post(f"{proxy.url}/runs/b1/attempts") as r:
+        assert r.status == 201 and (await r.json())["epoch"] == 1  # only by one
+    async with http.post(f"{proxy.url}/runs/b1/epochs/2{CHAT}", json=chat("step")) as r:
+        assert r.headers["Idempotent-Replayed"] == "true"  # traffic may start the next attempt too
+    # an unknown run counts as one at epoch 0, and a refused request creates none
+    async with http.post(f"{proxy.url}/runs/b2/epochs/5{CHAT}", json=chat("jump")) as r:
+        await problem(r, "epoch-ahead", 409)
+    async with http.get(f"{proxy.url}/runs/b2") as r:
+        assert r.status == 404
+    assert provider.calls["chat"] == 2  # "step" and "step two": no refused request went upstream

@@ -109,3 +109,31 @@ async def test_expired_entries_run_as_new_and_are_purged(make_proxy, store_url, 
         assert time.monotonic() < deadline, f"expired entries still stored after 3 s: {left}"
         await asyncio.sleep(0.05)
     assert await proxy.store.journal.purge(time.time()) == 0  # nothing expired is left
+
+
+async def test_runs_go_with_the_journal_when_ended_or_idle_past_retention(make_proxy, store_url, reader, http):
+    """The issue's case: with a short retention the journal emptied while hundreds of runs,
+    60 KB of metadata each, stayed for ever. Ended and idle runs are purged with it now."""
+    proxy = await make_proxy(store_url, store={"retention": "1s", "purge_interval": "0.25s"})
+    blob = {"notes": "x" * 60_000}
+    for i in range(30):
+        async with http.post(f"{proxy.url}/runs/idle-{i}", json={"metadata": blob}) as r:
+            assert r.status == 201
+    for step in ("", "/complete"):  # a run that ended
+        async with http.post(f"{proxy.url}/runs/done{step}") as r:
+            assert r.status in (200, 201)
+    async with http.post(f"{proxy.url}/runs/by-traffic/epochs/0{CHAT}", json={"model": "m", "messages": []}) as r:
+        assert r.status == 200
+    async with http.post(f"{proxy.url}/runs/alive") as r:
+        assert r.status == 201
+    assert len(await reader.runs.list()) == 33
+
+    deadline = time.monotonic() + 5
+    while {r.run_id for r in await reader.runs.list()} != {"alive"}:
+        assert time.monotonic() < deadline, "runs idle past retention are still stored after 5 s"
+        async with http.post(f"{proxy.url}/runs/alive/heartbeat") as r:  # alive: never idle that long
+            assert r.status == 200
+        await asyncio.sleep(0.2)
+    assert await reader.runs.count() == {"running": 1}
+    async with http.get(f"{proxy.url}/runs/idle-0") as r:
+        assert r.status == 404

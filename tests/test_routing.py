@@ -104,7 +104,7 @@ async def test_dot_dot_escapes_are_refused(echo_proxy, provider, path):
     ("/echo/deep/er/path?", "/echo/base/deep/er/path"),
     ("/echo?q=1", "/echo/base/?q=1"),
     ("/runs/r1/echo/a?q=1", "/echo/base/a?q=1"),
-    ("/runs/r1/epochs/3/echo/a?q=1&r=%2F", "/echo/base/a?q=1&r=%2F"),
+    ("/runs/r1/epochs/1/echo/a?q=1&r=%2F", "/echo/base/a?q=1&r=%2F"),
     ("/echo/s%7E?sig=a%2Fb%3Fc%3D&odd=%zz&t=%7E", "/echo/base/s%7E?sig=a%2Fb%3Fc%3D&odd=%zz&t=%7E"),
     ("/raw/echo/p?q=v", "/echo/p?q=v"),
     ("/slash/a?z=9", "/echo/base/a?z=9"),  # a trailing slash on the upstream URL

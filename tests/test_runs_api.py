@@ -19,7 +19,7 @@ async def _call(http, method: str, url: str, **kwargs) -> tuple[int, dict]:
 
 async def test_register_creates_then_updates(make_proxy, store_url, http):
     proxy = await make_proxy(store_url, runs={"timeout_s": 45, "grace_s": 9, "max_restarts": 2},
-                             hooks__agent={"command": ["true"]})
+                             hooks__agent={"command": ["true"], "allow_tenants": ["default"]})
     status, run = await _call(http, "POST", f"{proxy.url}/runs/job-1")
     assert status == 201
     assert (run["run_id"], run["namespace"], run["state"], run["epoch"], run["restarts"]) == \
@@ -172,7 +172,7 @@ async def test_a_superseded_attempt_can_neither_beat_nor_end_its_run(make_proxy,
 
 
 async def test_agents_see_no_history_operators_do(make_proxy, store_url, http):
-    proxy = await make_proxy(store_url, hooks__agent={"command": ["true"]})
+    proxy = await make_proxy(store_url, hooks__agent={"command": ["true"], "allow_tenants": ["default"]})
     answers = [await _call(http, "POST", f"{proxy.url}/runs/private", json={"hook": "agent"}),
                await _call(http, "POST", f"{proxy.url}/runs/private/attempts"),
                await _call(http, "POST", f"{proxy.url}/runs/private/heartbeat"),

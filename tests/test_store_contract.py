@@ -135,7 +135,7 @@ async def test_concurrent_claims_across_instances_have_one_winner(store, open_st
 async def test_claims_arriving_together_each_get_their_own_answer(store):
     """What one batch of claims can hold: new keys, one key twice, a key taken already,
     a fenced attempt and an expired lease to take over, each answered as if alone."""
-    await store.runs.observe_epoch(NS, "run-1", 2, new_run(), time.time())
+    await store.runs.upsert(new_run(epoch=2))
     await claimed(store, scope("taken"), owner="first")
     await claimed(store, scope("lapsed"), owner="dead", lease_s=0.01)
     await asyncio.sleep(0.05)
@@ -203,7 +203,7 @@ async def test_expired_lease_is_quarantined_under_quarantine(store):
 
 
 async def test_claim_with_a_stale_epoch_is_refused(store):
-    await store.runs.observe_epoch(NS, "run-1", 3, new_run(), time.time())
+    await store.runs.upsert(new_run(epoch=3))
     stale = await store.journal.claim(claim_of(scope("a"), epoch=2))
     assert (stale.won, stale.entry, stale.stale_epoch) == (False, None, 3)
     assert await store.journal.get(scope("a").kid) is None
@@ -277,27 +277,30 @@ async def test_release_frees_the_key(store):
 
 
 async def test_occurrences_count_per_run_epoch_and_fingerprint(store):
-    n = [await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600) for _ in range(3)]
+    n = [await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600, tenant=TENANT) for _ in range(3)]
     assert n == [0, 1, 2]
-    assert await store.journal.next_occurrence(NS, "run-1", 1, "fp", 3600) == 0  # a new attempt
-    assert await store.journal.next_occurrence(NS, "run-1", None, "fp", 3600) == 0
-    assert await store.journal.next_occurrence(NS, "run-1", 0, "other", 3600) == 0
-    assert await store.journal.next_occurrence("tenant-b", "run-1", 0, "fp", 3600) == 0
+    assert await store.journal.next_occurrence(NS, "run-1", 1, "fp", 3600, tenant=TENANT) == 0  # a new attempt
+    assert await store.journal.next_occurrence(NS, "run-1", None, "fp", 3600, tenant=TENANT) == 0
+    assert await store.journal.next_occurrence(NS, "run-1", 0, "other", 3600, tenant=TENANT) == 0
+    assert await store.journal.next_occurrence("ns-b", "run-1", 0, "fp", 3600, tenant=TENANT) == 0
+    # another credential's calls alike in the same run (a shared namespace) are its own count
+    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600, tenant="tenant-b") == 0
+    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600, tenant=TENANT) == 3
 
 
 async def test_release_gives_back_a_derived_occurrence(store):
-    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600) == 0
-    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600) == 1
+    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600, tenant=TENANT) == 0
+    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600, tenant=TENANT) == 1
     sc = scope("derived:fp:1")
     await claimed(store, sc, owner="a", fingerprint="fp", epoch=0)
     await store.journal.release(sc.kid, "a")
     # the retry of the released call maps onto the same slot
-    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600) == 1
+    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600, tenant=TENANT) == 1
     # releasing an older slot gives nothing back: later calls already hold higher numbers
     sc0 = scope("derived:fp:0")
     await claimed(store, sc0, owner="a", fingerprint="fp", epoch=0)
     await store.journal.release(sc0.kid, "a")
-    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600) == 2
+    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600, tenant=TENANT) == 2
 
 
 async def test_quarantine_then_resolve_as_retry(store):
@@ -419,20 +422,20 @@ async def test_expired_entries_run_as_new_and_are_purged(store):
 
 
 async def test_expired_occurrence_counters_are_purged(store):
-    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 0.2) == 0
-    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 0.2) == 1
+    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 0.2, tenant=TENANT) == 0
+    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 0.2, tenant=TENANT) == 1
     await asyncio.sleep(0.4)
     await store.journal.purge(time.time())
-    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600) == 0
+    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600, tenant=TENANT) == 0
 
 
 async def test_each_occurrence_extends_the_counters_retention(store):
-    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 0.4) == 0
+    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 0.4, tenant=TENANT) == 0
     await asyncio.sleep(0.25)
-    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 0.4) == 1
+    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 0.4, tenant=TENANT) == 1
     await asyncio.sleep(0.25)  # past the first call's retention, within the second's
     await store.journal.purge(time.time())
-    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600) == 2
+    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600, tenant=TENANT) == 2
 
 
 async def test_journal_lists_a_runs_entries_without_bodies(store):
@@ -454,7 +457,7 @@ async def test_journal_lists_a_runs_entries_without_bodies(store):
 
 
 async def test_delete_journal_removes_only_that_run(store):
-    await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600)
+    await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600, tenant=TENANT)
     for key in ("s1", "s2"):
         await claimed(store, scope(key))
     await claimed(store, scope("s3", tenant="tenant-b"))
@@ -465,7 +468,7 @@ async def test_delete_journal_removes_only_that_run(store):
     assert await store.journal.get(scope("s1").kid) is None
     assert len(await store.journal.entries(NS, "run-2")) == 1
     assert len(await store.journal.entries("ns-b", "run-1")) == 1
-    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600) == 0  # numbering starts over
+    assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600, tenant=TENANT) == 0  # numbering starts over
 
 
 # -- runs ----------------------------------------------------------------------------------
@@ -492,29 +495,60 @@ async def test_upsert_get_and_list_runs(store):
     assert len(await store.runs.list(limit=2)) == 2
 
 
-async def test_observe_epoch_creates_raises_and_never_lowers(store):
+async def test_observe_epoch_creates_raises_by_one_and_never_lowers(store):
     now = time.time()
     defaults = new_run("ignored", timeout_s=7.0, hook="agent")
     assert await store.runs.observe_epoch(NS, "run-1", None, defaults, now) == 0
     [run] = await store.runs.find(NS, "run-1")
     assert (run.state, run.epoch, run.timeout_s, run.hook) == (RunState.RUNNING, 0, 7.0, "agent")
-    assert await store.runs.observe_epoch(NS, "run-1", 2, defaults, now + 1) == 2
-    assert await store.runs.observe_epoch(NS, "run-1", 1, defaults, now + 2) == 2
-    assert await store.runs.observe_epoch(NS, "run-1", None, defaults, now + 3) == 2
+    assert await store.runs.observe_epoch(NS, "run-1", 1, defaults, now + 1) == 1
+    assert await store.runs.observe_epoch(NS, "run-1", 2, defaults, now + 2) == 2
+    assert await store.runs.observe_epoch(NS, "run-1", 1, defaults, now + 3) == 2
+    assert await store.runs.observe_epoch(NS, "run-1", None, defaults, now + 4) == 2
     [run] = await store.runs.find(NS, "run-1")
-    assert run.epoch == 2 and run.started_at == pytest.approx(now + 1)
-    assert await store.runs.observe_epoch(NS, "run-new", 4, defaults, now) == 4
+    assert run.epoch == 2 and run.started_at == pytest.approx(now + 2)
+    assert await store.runs.observe_epoch(NS, "run-new", 1, defaults, now) == 1
+
+
+async def test_observe_epoch_moves_no_run_further_than_the_next_epoch(store):
+    now = time.time()
+    assert await store.runs.observe_epoch(NS, "run-1", 0, new_run(), now) == 0
+    for ahead in (2, 7, 999_999_999_999_999):
+        assert await store.runs.observe_epoch(NS, "run-1", ahead, new_run(), now + 1) == 0
+    [run] = await store.runs.find(NS, "run-1")
+    assert (run.epoch, run.started_at) == (0, pytest.approx(now))
+    # an unknown run counts as one at epoch 0: asked for more than 1, nothing is created
+    assert await store.runs.observe_epoch(NS, "run-2", 5, new_run(), now) == 0
+    assert await store.runs.find(NS, "run-2") == []
 
 
 async def test_observe_epoch_concurrently_from_two_instances(store, open_store):
     other = await open_store()
     now = time.time()
-    asked = [(store, 3), (other, 5), (store, 4), (other, 1)]
+    await store.runs.observe_epoch(NS, "run-1", 0, new_run(), now)
+    asked = [(store, 1), (other, 1), (store, 0), (other, 1), (store, 1)]
     seen = await asyncio.gather(*(s.runs.observe_epoch(NS, "run-1", e, new_run(), now) for s, e in asked))
-    # Any order may win the race (epoch 1 first creates the run at 1), but no caller is
-    # told less than it asked for, and the run ends at the highest.
-    assert max(seen) == 5 and all(got >= e for got, (_, e) in zip(seen, asked))
-    assert (await store.runs.find(NS, "run-1"))[0].epoch == 5
+    # whichever order the race takes, the run moves to epoch 1 once and nobody is told less
+    assert [got for got, (_, e) in zip(seen, asked) if e == 1] == [1, 1, 1, 1] and seen[2] in (0, 1)
+    assert (await store.runs.find(NS, "run-1"))[0].epoch == 1
+
+
+async def test_runs_neither_seen_nor_ended_for_a_retention_are_purged(store):
+    now = time.time()
+    for run_id in ("ended-long-ago", "ended-lately", "idle", "busy"):
+        await store.runs.upsert(new_run(run_id, last_seen=now - 100))
+    await store.runs.upsert(new_run("idle", tenant="ns-b", last_seen=now - 100))
+    await store.runs.end(NS, "ended-long-ago", RunState.COMPLETED, now - 90)
+    await store.runs.end(NS, "ended-lately", RunState.FAILED, now - 5)
+    await store.runs.touch({(NS, "busy"): now - 1})
+    assert await store.runs.purge(now - 10, batch=2) == 3  # in batches, to the end
+    assert {(r.namespace, r.run_id) for r in await store.runs.list()} == {(NS, "ended-lately"), (NS, "busy")}
+    assert await store.runs.find(None, "idle") == [] and await store.runs.find(NS, "ended-long-ago") == []
+    assert [r.run_id for r in await store.runs.silent(now + 1000)] == ["busy"]
+    assert await store.runs.count() == {RunState.FAILED: 1, RunState.RUNNING: 1}
+    assert await store.runs.purge(now - 10) == 0
+    # a purged run's id is free: its next request starts it over
+    assert await store.runs.observe_epoch(NS, "idle", 0, new_run(), now) == 0
 
 
 async def test_touch_moves_last_seen_forward_only(store):

@@ -117,7 +117,7 @@ async def test_every_key_and_channel_starts_with_the_prefix(private_redis, open_
     won = await store.journal.claim(claim(run="run-1"))
     await store.journal.append_partial(won.entry.kid, "a", 0, b"{}")
     await store.journal.complete(won.entry.kid, "a", REPLY)
-    await store.journal.next_occurrence("default", "run-1", 0, "fp", 60)
+    await store.journal.next_occurrence("default", "run-1", 0, "fp", 60, tenant="t")
     await store.secret("tenant-hmac", b"x")
     await store.runs.upsert(Run("default", "run-1", created_at=time.time()))
     await store.runs.end("default", "run-1", "completed", time.time())
@@ -138,13 +138,13 @@ async def test_entries_expire_by_ttl_and_runs_do_not(shared_url, open_store):
     won = await store.journal.claim(claim(retention_s=100.0))
     kid = won.entry.kid
     await store.journal.append_partial(kid, "a", 0, b"{}")
-    await store.journal.next_occurrence("default", "run-1", 0, "fp", 100.0)
+    await store.journal.next_occurrence("default", "run-1", 0, "fp", 100.0, tenant="t")
     await store.runs.upsert(Run("default", "run-1", created_at=time.time()))
     raw = redis_asyncio.Redis.from_url(url.split("?")[0])
     try:
         for key in (f"entry:{kid}", f"partial:{kid}", "occ:7:default:run-1"):
             assert 95_000 < await raw.pttl(prefix + key) <= 100_000, key
-        assert await raw.pttl(prefix + "run:7:default:run-1") == -1  # runs are kept
+        assert await raw.pttl(prefix + "run:7:default:run-1") == -1  # runs are kept, until purge()
         await store.journal.complete(kid, "a", REPLY)
         assert 95_000 < await raw.pttl(prefix + f"entry:{kid}") <= 100_000  # the record keeps it
     finally:
@@ -203,7 +203,7 @@ async def test_stopped_redis_fails_fast_and_the_store_recovers_by_itself(private
     for operation in (store.journal.get(claim("before").scope.kid), store.journal.claim(claim("during")),
                       store.journal.complete(claim("before").scope.kid, "a", REPLY), store.ping(),
                       store.runs.observe_epoch("default", "run-1", 0, Run("default", "run-1"), time.time()),
-                      store.journal.next_occurrence("default", "run-1", 0, "fp", 60)):
+                      store.journal.next_occurrence("default", "run-1", 0, "fp", 60, tenant="t")):
         await _fails_within(operation, 1.5)
     started = time.monotonic()
     await store.journal.wait("some-kid", 0.3)  # waiting never hangs either

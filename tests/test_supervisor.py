@@ -80,7 +80,8 @@ async def test_silent_run_is_restarted_once_and_its_zombie_fenced(supervised, st
     seen = tmp_path / "restarted.jsonl"
     proxy = await supervised(store_url, runs={"timeout_s": 0.5, "grace_s": 0.2, "hook": "agent"},
                              hooks__agent={"command": [sys.executable, _script(tmp_path, "c", COMPLETER),
-                                                       str(seen)], "log_dir": str(tmp_path / "logs")})
+                                                       str(seen)], "log_dir": str(tmp_path / "logs"),
+                                           "allow_tenants": ["default"]})
     zombie = f"{proxy.url}/runs/quiet/epochs/0/openai/v1/chat/completions"
     async with http.post(zombie, json=CHAT) as resp:
         assert resp.status == 200
@@ -144,14 +145,15 @@ async def test_a_run_that_crashes_every_time_ends_dead(supervised, store_url, ht
     tally = _script(tmp_path, "t", TALLY)
     proxy = await supervised(
         store_url, runs={"backoff_base_s": 0.2, "on_dead": "pager", "restart_window_s": 60},
-        hooks__crasher={"command": [sys.executable, tally, str(fired), "3"], "log_dir": str(tmp_path / "logs")},
+        hooks__crasher={"command": [sys.executable, tally, str(fired), "3"], "log_dir": str(tmp_path / "logs"),
+                        "allow_tenants": ["default"]},
         hooks__pager={"command": [sys.executable, tally, str(buried), "0"], "log_dir": str(tmp_path / "logs")})
     status = (await http.post(f"{proxy.url}/runs/doomed", json={
         "hook": "crasher", "max_restarts": 3, "timeout_s": 0.3, "grace_s": 0.3})).status
     assert status == 201
     run = await _until(lambda: _ended(proxy, "doomed"), 15, "run dead")
     assert (run.state, run.epoch, run.restarts) == ("dead", 3, 3)
-    await _until(lambda: _async(buried.exists()), 5, "on_dead hook fired")
+    await _until(lambda: _async(_lines(buried)), 5, "on_dead hook fired")  # its line, not just its file
     assert _lines(buried) == ["doomed 3 dead"]
     assert _lines(fired) == ["doomed 1 restart", "doomed 2 restart", "doomed 3 restart"]
 
@@ -176,12 +178,13 @@ async def test_a_hookless_silent_run_is_dead_at_once(supervised, store_url, http
     buried = tmp_path / "dead.txt"
     proxy = await supervised(store_url, runs={"timeout_s": 0.3, "grace_s": 0.1, "on_dead": "pager"},
                              hooks__pager={"command": [sys.executable, _script(tmp_path, "t", TALLY),
-                                                       str(buried), "0"], "log_dir": str(tmp_path / "logs")})
+                                                       str(buried), "0"], "log_dir": str(tmp_path / "logs"),
+                                           "allow_tenants": ["default"]})  # its runs may page someone
     async with http.post(f"{proxy.url}/runs/orphan/epochs/0/openai/v1/chat/completions", json=CHAT) as resp:
         assert resp.status == 200
     run = await _until(lambda: _ended(proxy, "orphan"), 10, "run dead")
     assert (run.state, run.epoch, run.restarts) == ("dead", 0, 0)  # nothing could start it again
-    await _until(lambda: _async(buried.exists()), 5, "on_dead hook fired")
+    await _until(lambda: _async(_lines(buried)), 5, "on_dead hook fired")  # its line, not just its file
     assert _lines(buried) == ["orphan 0 dead"]
 
 
@@ -190,7 +193,8 @@ async def test_completed_and_failed_runs_are_never_restarted(supervised, store_u
     fired = tmp_path / "fired.txt"
     proxy = await supervised(store_url, runs={"timeout_s": 0.2, "grace_s": 0.1, "hook": "agent"},
                              hooks__agent={"command": [sys.executable, _script(tmp_path, "t", TALLY),
-                                                       str(fired), "0"], "log_dir": str(tmp_path / "logs")})
+                                                       str(fired), "0"], "log_dir": str(tmp_path / "logs"),
+                                           "allow_tenants": ["default"]})
     for run_id, end in (("finished", "complete"), ("gave-up", "fail")):
         await http.post(f"{proxy.url}/runs/{run_id}")
         assert (await http.post(f"{proxy.url}/runs/{run_id}/{end}")).status == 200
@@ -208,7 +212,8 @@ async def test_a_stream_keeps_its_run_alive_until_its_bytes_stop(supervised, sto
     fired = tmp_path / "fired.txt"
     proxy = await supervised(store_url, runs={"timeout_s": 1.5, "grace_s": 0.2, "hook": "agent"},
                              hooks__agent={"command": [sys.executable, _script(tmp_path, "t", TALLY),
-                                                       str(fired), "0"], "log_dir": str(tmp_path / "logs")},
+                                                       str(fired), "0"], "log_dir": str(tmp_path / "logs"),
+                                           "allow_tenants": ["default"]},
                              server={"shutdown_timeout": 1})
     url = f"{proxy.url}/runs/streamer/epochs/0/openai/v1/chat/completions"
     body = {**CHAT, "stream": True}
@@ -292,7 +297,8 @@ async def test_a_fenced_zombie_does_not_keep_its_run_alive(supervised, store_url
     proxy = await supervised(store_url, runs={"timeout_s": 1.5, "grace_s": 0.2, "hook": "agent",
                                               "backoff_base_s": 0.1},
                              hooks__agent={"command": [sys.executable, _script(tmp_path, "t", TALLY),
-                                                       str(fired), "0"], "log_dir": str(tmp_path / "logs")})
+                                                       str(fired), "0"], "log_dir": str(tmp_path / "logs"),
+                                           "allow_tenants": ["default"]})
     zombie = f"{proxy.url}/runs/haunted/epochs/0/openai/v1/chat/completions"
     async with http.post(zombie, json=CHAT) as resp:
         assert resp.status == 200

@@ -7,15 +7,18 @@ the API is off (always 401), never open::
     GET    /admin/runs/{id}[?namespace=][&bodies=1]
                                             run JSON + history + steps (the journal entries;
                                             bodies in base64 with bodies=1)
+    POST   /admin/runs/{id}[?namespace=]    register as the runs API does, for any namespace,
+                                            and arm any hook (201 new, 200 updated)
     POST   /admin/runs/{id}/restart         a new attempt now, its hook fired
     POST   /admin/runs/{id}/complete        marked completed
     DELETE /admin/runs/{id}/journal         {"deleted": n}
     POST   /admin/journal/{kid}/resolve     {"action": "retry"} or {"action": "respond",
                                             "status", "headers": [[name, value]], "body" |
                                             "body_base64"}
-    POST   /admin/purge                     {"purged": n}
+    POST   /admin/purge                     {"purged": journal entries, "runs": runs} deleted
 
-A run id found in several namespaces needs ``?namespace=`` (409 ``ambiguous-run``).
+A run id found in several namespaces needs ``?namespace=`` (409 ``ambiguous-run``), as does
+registering a run that exists in none.
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ import hmac
 from aiohttp import web
 
 from ..appkeys import METRICS, RUNS, SETTINGS
+from ..identity import TENANT_NAME
 from ..problems import Problem
 from ..store.base import RUN_STATES, RunState
 from .api import answer, json_response, proxy_url, run_id
-from .options import json_object, resolution
+from .options import json_object, resolution, run_options
 from .views import listing_json, run_json, step_json
 
 CHALLENGE = {"WWW-Authenticate": 'Bearer realm="idemproxy-admin"'}
@@ -41,6 +45,7 @@ def admin_app() -> web.Application:
     add = app.router
     add.add_get("/runs", list_runs)
     add.add_get("/runs/{run_id}", show_run)
+    add.add_post("/runs/{run_id}", register)
     add.add_post("/runs/{run_id}/restart", restart)
     add.add_post("/runs/{run_id}/complete", complete)
     add.add_delete("/runs/{run_id}/journal", delete_journal)
@@ -91,6 +96,19 @@ async def show_run(request: web.Request) -> web.Response:
     return json_response(body)
 
 
+async def register(request: web.Request) -> web.Response:
+    """An operator's registration: the only way to arm a hook its namespace may not arm."""
+    service = request.config_dict[RUNS]
+    options = run_options(json_object(await request.read()), request.config_dict[SETTINGS])
+    namespace = request.query.get("namespace")
+    if namespace is None:
+        namespace = (await service.find(run_id(request))).namespace  # 404 unless it exists
+    elif not TENANT_NAME.fullmatch(namespace):
+        raise Problem("invalid-request", "namespace must be 1-128 of [A-Za-z0-9._:@/-]")
+    run, created = await service.register(namespace, run_id(request), options, operator=True)
+    return answer(request, run, 201 if created else 200, history=True)
+
+
 async def restart(request: web.Request) -> web.Response:
     new = await request.config_dict[RUNS].restart_now(run_id(request), request.query.get("namespace"))
     request.config_dict[METRICS].restarts.inc()
@@ -118,7 +136,8 @@ async def resolve(request: web.Request) -> web.Response:
 
 
 async def purge(request: web.Request) -> web.Response:
-    return json_response({"purged": await request.config_dict[RUNS].purge()})
+    entries, runs = await request.config_dict[RUNS].purge()
+    return json_response({"purged": entries, "runs": runs})
 
 
 async def unknown(request: web.Request) -> web.Response:

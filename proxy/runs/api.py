@@ -1,13 +1,18 @@
 """The runs API, for agents (SPEC §8): a thin aiohttp face over :class:`RunsService`.
 
-Runs live in the caller's namespace: the tenant named by the ``Idem-Tenant`` header from a
-trusted source, else ``default``. Refusals are raised as :class:`~..problems.Problem`; the
-app's one error middleware answers them as problem+json. Times are UNIX seconds.
+Runs live in the caller's namespace (``TenantResolver.namespace``): the tenant named by the
+``Idem-Tenant`` header from a trusted source, else its credential's tenant (``default`` for
+everyone with ``[tenants] runs = "shared"``). Another namespace's run answers 404, as one that
+does not exist. A registration arms a hook (its own or the ``[runs]`` default) only for a
+namespace in that hook's ``allow_tenants`` (else 403 ``hook-not-allowed``; the admin API arms
+any), and asks for no less time and no more restarts or metadata than ``[runs]`` allows (422
+``outside-limits``). Refusals are raised as :class:`~..problems.Problem`; the app's one error
+middleware answers them as problem+json. Times are UNIX seconds.
 
 No token; the run JSON agents get has no ``history``, which is for operators::
 
     POST /runs/{id}            register: {timeout_s, grace_s, hook, max_restarts, metadata},
-                               all optional -> 201 new, 200 updated
+                               all optional -> 201 new, 200 updated          403, 422
     GET  /runs/{id}            the run                                       404 if none
     POST /runs/{id}/heartbeat  alive now (work outside the proxy)            404, 412
     POST /runs/{id}/complete   ended for good: never restarted               404, 409, 412

@@ -14,12 +14,11 @@ from typing import Any
 import orjson
 
 from ..config import Settings, parse_duration
-from ..identity import parse_epoch
+from ..identity import EPOCH, parse_epoch
 from ..problems import Problem
 from ..store.base import Recorded
 
 RUN_OPTIONS = ("timeout_s", "grace_s", "hook", "max_restarts", "metadata")
-MAX_METADATA_BYTES = 64 * 1024
 HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an RFC 9110 token
 CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # never in a field value (RFC 9110 §5.5; HTAB may be)
 
@@ -38,19 +37,27 @@ def json_object(raw: bytes) -> dict[str, Any]:
 
 
 def run_options(body: dict[str, Any], settings: Settings) -> dict[str, Any]:
-    """Validated run options from a registration body."""
+    """Validated run options from a registration body, within the ``[runs]`` limits (a
+    registration may not ask for a restart storm: ``outside-limits``)."""
     unknown = set(body) - set(RUN_OPTIONS)
     if unknown:
         raise Problem("invalid-body", f"unknown field(s): {', '.join(sorted(unknown))}; "
                       f"known: {', '.join(RUN_OPTIONS)}")
+    limits = settings.runs
     options: dict[str, Any] = {}
-    for name in ("timeout_s", "grace_s"):
+    for name, least in (("timeout_s", limits.min_timeout_s), ("grace_s", limits.min_grace_s)):
         if name in body:
             options[name] = _seconds(name, body[name])
+            if options[name] < least:
+                raise Problem("outside-limits", f"{name} must be at least {least:g} s ([runs] min_{name})",
+                              **{f"min_{name}": least})
     if "max_restarts" in body:
         value = body["max_restarts"]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise Problem("invalid-body", "max_restarts must be a non-negative integer")
+        if value > limits.max_restarts_limit:
+            raise Problem("outside-limits", f"max_restarts must be at most {limits.max_restarts_limit} "
+                          "([runs] max_restarts_limit)", max_restarts_limit=limits.max_restarts_limit)
         options["max_restarts"] = value
     if "hook" in body:
         hook = body["hook"]
@@ -60,9 +67,11 @@ def run_options(body: dict[str, Any], settings: Settings) -> dict[str, Any]:
         options["hook"] = hook
     if "metadata" in body:
         metadata = body["metadata"]
-        if not isinstance(metadata, dict) or len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
-            raise Problem("invalid-body", f"metadata must be a JSON object of at most "
-                          f"{MAX_METADATA_BYTES} bytes")
+        if not isinstance(metadata, dict):
+            raise Problem("invalid-body", "metadata must be a JSON object")
+        if len(orjson.dumps(metadata)) > limits.max_metadata_bytes:
+            raise Problem("outside-limits", f"metadata must be at most {limits.max_metadata_bytes} bytes "
+                          "of JSON ([runs] max_metadata_bytes)", max_metadata_bytes=limits.max_metadata_bytes)
         options["metadata"] = metadata
     return options
 
@@ -86,9 +95,8 @@ def attempt_epoch(header: str | None, body: dict[str, Any]) -> int | None:
     from_header = parse_epoch(header)
     given = body.get("epoch")
     if given is not None:
-        if isinstance(given, bool) or not isinstance(given, int):
-            raise Problem("invalid-body", "epoch must be a non-negative integer")
-        given = parse_epoch(str(given))
+        if isinstance(given, bool) or not isinstance(given, int) or not EPOCH.fullmatch(str(given)):
+            raise Problem("invalid-body", "epoch must be a non-negative integer of at most 15 digits")
     if from_header is not None and given is not None and from_header != given:
         raise Problem("invalid-request", f"Idem-Epoch ({from_header}) and the body's epoch ({given}) differ")
     return from_header if from_header is not None else given

@@ -33,6 +33,8 @@ class Launcher(Protocol):
 
     async def aclose(self, timeout: float = 5.0) -> None: """Let deliveries in flight finish."""
 
+    def has_room(self) -> bool: """Whether another hook may start now (a bound on processes)."""
+
 
 class RunsService:
     """Runs in a store, changed by the rules of SPEC §8: fenced by epoch, ended for good."""
@@ -44,10 +46,17 @@ class RunsService:
 
     # -- agents: their own runs, in their namespace -------------------------------------------
 
-    async def register(self, namespace: str, run_id: str, options: dict) -> tuple[Run, bool]:
-        """Create the run or update its options; (the run, whether it is new)."""
+    async def register(self, namespace: str, run_id: str, options: dict, *,
+                       operator: bool = False) -> tuple[Run, bool]:
+        """Create the run or update its options; (the run, whether it is new). Only an
+        ``operator`` (the admin API) or a namespace the hook allows may arm a hook."""
         existing = await self.store.runs.find(namespace, run_id)
-        run = existing[0] if existing else self.new_run(namespace, run_id, time.time())
+        run = existing[0] if existing else self.new_run(namespace, run_id, time.time(), operator=operator)
+        hook = options.get("hook", run.hook)
+        if hook not in (None, run.hook) and not operator and not self.settings.may_arm(hook, namespace):
+            raise Problem("hook-not-allowed", f"hook {hook!r} is armed only through the admin API or for "
+                          f"a namespace in [hooks.{hook}] allow_tenants; this caller's namespace is "
+                          f"{namespace!r}", hook=hook, namespace=namespace)
         for name, value in options.items():
             setattr(run, name, value)
         return await self.store.runs.upsert(run), not existing
@@ -86,9 +95,13 @@ class RunsService:
                           state=runs[0].state)
         return run
 
-    def new_run(self, namespace: str, run_id: str, now: float) -> Run:
-        """A run at epoch 0 with the configured ``[runs]`` defaults."""
-        return Run.new(namespace, run_id, self.settings.runs, now)
+    def new_run(self, namespace: str, run_id: str, now: float, *, operator: bool = False) -> Run:
+        """A run at epoch 0 with the configured ``[runs]`` defaults; its ``hook`` only for an
+        operator or a namespace that hook allows (traffic arms nothing by itself)."""
+        run = Run.new(namespace, run_id, self.settings.runs, now)
+        if not operator:
+            run.hook = self.settings.default_hook(namespace)
+        return run
 
     # -- operators and the supervisor: any run ------------------------------------------------
 
@@ -139,9 +152,12 @@ class RunsService:
     async def delete_journal(self, run: Run) -> int:
         return await self.store.journal.delete_run(run.namespace, run.run_id)
 
-    async def purge(self) -> int:
-        """Delete expired journal entries now."""
-        return await self.store.journal.purge(time.time())
+    async def purge(self) -> tuple[int, int]:
+        """Delete expired journal entries, and the runs neither seen nor ended for a retention;
+        (entries, runs) deleted."""
+        now = time.time()
+        entries = await self.store.journal.purge(now)
+        return entries, await self.store.runs.purge(now - self.settings.store.retention)
 
     async def journal(self, run: Run, *, bodies: bool = False) -> list[Entry]:
         """The run's journal entries, oldest first; with their responses when ``bodies``."""

@@ -188,6 +188,13 @@ def remembered(history: list[dict[str, Any]], event: dict[str, Any]) -> list[dic
     return (history + [event])[-HISTORY_LIMIT:]
 
 
+def counted(tenant: str, fingerprint: str) -> str:
+    """What the occurrences of derived keys are counted by, within a run's epoch: the
+    tenant's calls alike, so another credential's calls in a shared namespace never shift
+    the numbers (every backend keeps its counters under this)."""
+    return f"{tenant} {fingerprint}"
+
+
 def advance_attempt(run: Run, now: float, reason: str, restart: bool, window_s: float | None) -> None:
     """Move ``run`` to its next attempt, in memory: the one rule every backend stores.
 
@@ -255,7 +262,8 @@ class Journal(Protocol):
     async def get(self, kid: str) -> Entry | None: """The live entry, with its response."""
     async def claim(self, claim: Claim) -> ClaimResult: """Own ``claim.scope`` unless taken."""
     async def next_occurrence(self, namespace: str, run: str, epoch: int | None, fingerprint: str,
-                              retention_s: float) -> int: """Count of earlier calls alike."""
+                              retention_s: float, *, tenant: str) -> int:
+        """Count of earlier calls alike in the run's epoch by ``tenant`` (see ``counted``)."""
     async def renew(self, kid: str, owner: str, lease_s: float) -> bool: """Extend a lease."""
     async def complete(self, kid: str, owner: str, recorded: Recorded) -> bool:
         """Durably record the outcome; False if the claim was lost."""
@@ -290,7 +298,10 @@ class RunRegistry(Protocol):
     async def list(self, state: str | None = None, limit: int = 1000) -> list[Run]: ...
     async def observe_epoch(self, namespace: str, run_id: str, epoch: int | None, defaults: Run,
                             now: float) -> int:
-        """Create the run if new; raise its epoch to ``epoch``; return the current epoch."""
+        """Create the run if new (from ``defaults``, at ``epoch`` or 0); raise its epoch to
+        ``epoch`` when that is the next one (current + 1); return the epoch afterwards. An
+        ``epoch`` further ahead changes nothing, and creates no run unless it is 0 or 1 (an
+        unknown run counts as one at epoch 0): only new attempts move a run further."""
     async def touch(self, beats: dict[tuple[str, str], float]) -> None: """Coalesced heartbeats."""
     async def heartbeat(self, namespace: str, run_id: str, now: float,
                         epoch: int | None = None) -> Run | None:
@@ -309,6 +320,9 @@ class RunRegistry(Protocol):
                         event: dict[str, Any] | None = None, **fields: Any) -> None:
         """Set state (None keeps it), append ``event`` to the history, set ``fields``."""
     async def count(self) -> dict[str, int]: """Number of runs in each state."""
+    async def purge(self, before: float, batch: int = 1000) -> int:
+        """Delete the runs neither seen nor ended since ``before`` (ended long ago, or idle
+        that long); how many."""
 
 
 @runtime_checkable

@@ -13,7 +13,7 @@ import time
 
 import asyncpg
 
-from ..base import Claim, ClaimResult, Entry, EntryState, Recorded, StoreUnavailable
+from ..base import Claim, ClaimResult, Entry, EntryState, Recorded, StoreUnavailable, counted
 from ..batching import Batches, GiveBack
 from . import sql
 from .connection import PostgresConnection, json_text
@@ -128,9 +128,10 @@ class PostgresJournal:
         return results
 
     async def next_occurrence(self, namespace: str, run: str, epoch: int | None, fingerprint: str,
-                              retention_s: float) -> int:
+                              retention_s: float, *, tenant: str) -> int:
         row = await self._db.fetchrow("next_occurrence", sql.NEXT_OCCURRENCE, namespace, run,
-                                      -1 if epoch is None else epoch, fingerprint, time.time() + retention_s)
+                                      -1 if epoch is None else epoch, counted(tenant, fingerprint),
+                                      time.time() + retention_s)
         return row[0] - 1
 
     async def renew(self, kid: str, owner: str, lease_s: float) -> bool:

@@ -10,7 +10,7 @@ from typing import Any
 
 import asyncpg
 
-from ..base import ENDED, HISTORY_LIMIT, Run, advance_attempt, check_settable, remembered
+from ..base import ENDED, HISTORY_LIMIT, RUN_STATES, Run, advance_attempt, check_settable, remembered
 from . import sql
 from .connection import PostgresConnection
 
@@ -51,7 +51,9 @@ class PostgresRuns:
             raised = await c.fetchval(sql.RAISE_EPOCH, namespace, run_id, epoch or 0, now, defaults.timeout_s,
                                       defaults.grace_s, defaults.max_restarts, defaults.hook,
                                       defaults.metadata)
-            return raised if raised is not None else await c.fetchval(sql.RUN_EPOCH, namespace, run_id)
+            if raised is not None:
+                return raised
+            return await c.fetchval(sql.RUN_EPOCH, namespace, run_id) or 0  # none: counts as epoch 0
         return await self._db.use("observe_epoch", raise_epoch)
 
     async def touch(self, beats: dict[tuple[str, str], float]) -> None:
@@ -116,3 +118,11 @@ class PostgresRuns:
     async def count(self) -> dict[str, int]:
         rows = await self._db.fetch("count_runs", sql.COUNT_RUNS)
         return {state: n for state, n in rows}
+
+    async def purge(self, before: float, batch: int = 1000) -> int:
+        total = 0
+        while True:  # in batches: no transaction holds many rows for long
+            n = (await self._db.fetchrow("purge_runs", sql.PURGE_RUNS, before, batch, list(RUN_STATES)))[0]
+            total += n
+            if n < batch:
+                return total

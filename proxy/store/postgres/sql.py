@@ -103,12 +103,13 @@ SELECT kid, owner FROM done WHERE (SELECT count(*) FROM told) >= 0  -- (which se
 RELEASE = """
 WITH gone AS (
     DELETE FROM journal WHERE kid = $1 AND owner = $2
-    RETURNING namespace, run, coalesce(epoch, -1) AS epoch, fingerprint, key, pg_notify($3, kid)),
+    RETURNING namespace, run, coalesce(epoch, -1) AS epoch, tenant, fingerprint, key, pg_notify($3, kid)),
 dropped AS (DELETE FROM partials WHERE kid = $1)
 -- give a derived key's occurrence number back, so the caller's retry maps onto this slot
+-- (counters are kept under base.counted(tenant, fingerprint): "{tenant} {fingerprint}")
 UPDATE occurrences o SET n = o.n - 1 FROM gone
 WHERE gone.key LIKE 'derived:%' AND o.tenant = gone.namespace AND o.run = gone.run
-  AND o.epoch = gone.epoch AND o.fingerprint = gone.fingerprint
+  AND o.epoch = gone.epoch AND o.fingerprint = gone.tenant || ' ' || gone.fingerprint
   AND o.n = substring(gone.key from ':([0-9]+)$')::bigint + 1"""
 
 # $1 kid, $2 state, $3 detail, $4 owner (NULL: whoever holds it), $5 channel
@@ -157,13 +158,15 @@ ON CONFLICT (tenant, run_id) DO UPDATE SET timeout_s = excluded.timeout_s, grace
 RETURNING {RUN_COLUMNS}"""
 
 # $1 namespace, $2 run_id, $3 epoch, $4 now, then the defaults of a new run: $5 timeout_s,
-# $6 grace_s, $7 max_restarts, $8 hook, $9 metadata. Returns nothing when the epoch is not higher.
+# $6 grace_s, $7 max_restarts, $8 hook, $9 metadata. A new run only at epoch 0 or 1; an
+# existing one moves to the next epoch only. Returns nothing when nothing was written.
 RAISE_EPOCH = f"""
 INSERT INTO runs ({RUN_COLUMNS})
-VALUES ($1, $2, '{RunState.RUNNING}', $3, 0, $4, $4, $5, $6, $7, $8, $9, $4, NULL, 0, '[]', '[]')
+SELECT $1, $2, '{RunState.RUNNING}', $3::bigint, 0, $4, $4, $5, $6, $7, $8, $9, $4, NULL, 0, '[]', '[]'
+WHERE $3::bigint <= 1 OR EXISTS (SELECT 1 FROM runs WHERE tenant = $1 AND run_id = $2)
 ON CONFLICT (tenant, run_id) DO UPDATE SET epoch = excluded.epoch, started_at = excluded.started_at,
     state = CASE WHEN runs.state = '{RunState.RESTARTING}' THEN '{RunState.RUNNING}' ELSE runs.state END
-WHERE excluded.epoch > runs.epoch
+WHERE excluded.epoch = runs.epoch + 1
 RETURNING epoch"""
 
 # $1 at, $2 namespace, $3 run_id. Traffic after a restart means the new attempt is up.
@@ -213,3 +216,10 @@ NEW_ATTEMPT = ("UPDATE runs SET epoch = $1, restarts = $2, state = $3, started_a
 SILENT_RUNS = (f"SELECT {RUN_COLUMNS} FROM runs WHERE state IN ('{RunState.RUNNING}', '{RunState.RESTARTING}') "
                "AND last_seen + timeout_s < $1 AND started_at + grace_s < $1 AND next_restart_at <= $1")
 COUNT_RUNS = "SELECT state, count(*) FROM runs GROUP BY state"
+# $1 before, $2 batch, $3 every state (so runs_by_state (state, last_seen) finds them).
+# Rows a writer holds are skipped, not waited for, as the journal's purge does.
+PURGE_RUNS = """
+WITH doomed AS (SELECT tenant, run_id FROM runs WHERE state = ANY($3::text[]) AND last_seen < $1
+                AND coalesce(ended_at, 0) < $1 LIMIT $2 FOR UPDATE SKIP LOCKED),
+gone AS (DELETE FROM runs r USING doomed d WHERE r.tenant = d.tenant AND r.run_id = d.run_id RETURNING 1)
+SELECT count(*) FROM gone"""

@@ -8,12 +8,13 @@ unambiguous whatever the namespace holds. The layout::
     partial:{kid}      hash   a stream in flight: seq -> bytes (0: status and headers as JSON)
     steps:{rk}         zset   kid -> created_at: a run's journal
     steps-expiry       zset   "{kid} {rk}" -> expiry (ms): lets purge() clean steps:{rk}
-    occ:{rk}           hash   "{epoch}:{fingerprint}" -> occurrences (derived keys)
+    occ:{rk}           hash   "{epoch}:{tenant} {fingerprint}" -> occurrences (derived keys)
     run:{rk}           hash   a run;  history:{rk}  list  its last 50 events (JSON)
     restarts:{rk}      list   times of the restarts that count towards max_restarts, in its window
     runs, runs:{state} zset   rk -> created_at, for listing
     runs-deadline      zset   rk -> last_seen + timeout_s of live runs: silent-run detection
     runs-named:{id}    set    rks of the runs called {id} (one per namespace)
+    runs-idle          zset   rk -> max(last_seen, ended_at): runs purge() deletes
     secret:{name}      string
     channel {prefix}changed   pub/sub: a kid whose entry changed, to wake waiters
 

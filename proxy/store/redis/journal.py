@@ -12,7 +12,7 @@ from typing import Any, Awaitable
 
 import orjson
 
-from ..base import Claim, ClaimResult, Entry, EntryState, Recorded
+from ..base import Claim, ClaimResult, Entry, EntryState, Recorded, counted
 from ..batching import Batches, GiveBack
 from .connection import RedisConnection, maybe, run_ref, text
 from .scripts import ENTRY_FIELDS, READ_FIELDS
@@ -104,11 +104,11 @@ class RedisJournal:
         return ClaimResult(False, _entry(reply[1]))
 
     async def next_occurrence(self, namespace: str, run: str, epoch: int | None, fingerprint: str,
-                              retention_s: float) -> int:
+                              retention_s: float, *, tenant: str) -> int:
         key = self._db.key("occ", run_ref(namespace, run))
         pipe = self._db.client.pipeline(transaction=True)
         # the counter outlives, by one retention, the last entry it numbered
-        pipe.hincrby(key, f"{-1 if epoch is None else epoch}:{fingerprint}", 1)
+        pipe.hincrby(key, f"{-1 if epoch is None else epoch}:{counted(tenant, fingerprint)}", 1)
         pipe.pexpire(key, int(retention_s * 1000))
         n, _ = await self._db.do(pipe.execute())
         return n - 1

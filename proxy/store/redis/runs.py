@@ -131,6 +131,14 @@ class RedisRuns:
                 and r.last_seen + r.timeout_s < now and r.started_at + r.grace_s < now
                 and r.next_restart_at <= now]
 
+    async def purge(self, before: float, batch: int = 1000) -> int:
+        total = 0
+        while True:  # in batches, so no script holds the server for long
+            n = await self._script("purge_runs", "", repr(before), batch)
+            total += n
+            if n < batch:
+                return total
+
     async def set_state(self, namespace: str, run_id: str, state: str | None, now: float,
                         event: dict[str, Any] | None = None, **fields: Any) -> None:
         check_settable(fields)

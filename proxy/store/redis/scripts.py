@@ -88,7 +88,7 @@ return done
 
 RELEASE = """
 -- KEYS: entry, partial, steps-expiry; ARGV: owner, channel, kid, prefix
-local e = redis.call('HMGET', KEYS[1], 'owner', 'rk', 'key', 'epoch', 'fingerprint')
+local e = redis.call('HMGET', KEYS[1], 'owner', 'rk', 'key', 'epoch', 'fingerprint', 'tenant')
 if e[1] == ARGV[1] then
   redis.call('DEL', KEYS[1], KEYS[2])
   if e[2] then
@@ -96,7 +96,8 @@ if e[1] == ARGV[1] then
     redis.call('ZREM', KEYS[3], ARGV[3] .. ' ' .. e[2])
     local n = string.match(e[3], '^derived:.*:(%d+)$')
     if n then  -- give the occurrence number back, so the caller's retry maps onto this slot
-      local occ, field = ARGV[4] .. 'occ:' .. e[2], (e[4] or '-1') .. ':' .. e[5]
+      -- counted per tenant: the field is "{epoch}:" .. base.counted(tenant, fingerprint)
+      local occ, field = ARGV[4] .. 'occ:' .. e[2], (e[4] or '-1') .. ':' .. e[6] .. ' ' .. e[5]
       if tonumber(redis.call('HGET', occ, field)) == tonumber(n) + 1 then
         redis.call('HINCRBY', occ, field, -1)
       end
@@ -217,8 +218,9 @@ end
 local function event(at, epoch, name)
   return '{"at":' .. at .. ',"epoch":' .. epoch .. ',"event":' .. cjson.encode(name) .. '}'
 end
-local function reindex(p, rk)  -- after every change: listing by state, silent-run deadline
-  local r = redis.call('HMGET', p .. 'run:' .. rk, 'state', 'created_at', 'last_seen', 'timeout_s', 'run_id')
+local function reindex(p, rk)  -- after every change: listing by state, silent-run deadline, purge
+  local r = redis.call('HMGET', p .. 'run:' .. rk, 'state', 'created_at', 'last_seen', 'timeout_s', 'run_id',
+                       'ended_at')
   redis.call('ZADD', p .. 'runs', r[2], rk)
   for _, state in ipairs(STATES) do
     if state ~= r[1] then redis.call('ZREM', p .. 'runs:' .. state, rk) end
@@ -230,6 +232,7 @@ local function reindex(p, rk)  -- after every change: listing by state, silent-r
     redis.call('ZADD', p .. 'runs-deadline', tonumber(r[3]) + tonumber(r[4]), rk)
   end
   redis.call('SADD', p .. 'runs-named:' .. r[5], rk)
+  redis.call('ZADD', p .. 'runs-idle', math.max(tonumber(r[3]), tonumber(r[6] or 0)), rk)
 end
 local function reply(p, rk)
   return {redis.call('HGETALL', p .. 'run:' .. rk), redis.call('LRANGE', p .. 'history:' .. rk, 0, -1),
@@ -256,11 +259,13 @@ return reply(p, rk)
 """
 
 OBSERVE_EPOCH = RUN_HELPERS + """
--- ARGV[3]: epoch ('' = none), ARGV[4]: now, ARGV[5]: fields of a new run
+-- ARGV[3]: epoch ('' = none), ARGV[4]: now, ARGV[5]: fields of a new run. A new run only at
+-- epoch 0 or 1 (an unknown run counts as one at epoch 0); an existing one moves to the next only.
 local current = redis.call('HGET', run, 'epoch')
 if not current then
+  if ARGV[3] ~= '' and tonumber(ARGV[3]) > 1 then return 0 end
   write(run, cjson.decode(ARGV[5]))
-elseif ARGV[3] ~= '' and tonumber(ARGV[3]) > tonumber(current) then
+elseif ARGV[3] ~= '' and tonumber(ARGV[3]) == tonumber(current) + 1 then
   if redis.call('HGET', run, 'state') == 'restarting' then redis.call('HSET', run, 'state', 'running') end
   redis.call('HSET', run, 'epoch', ARGV[3], 'started_at', ARGV[4])
 else
@@ -339,11 +344,27 @@ reindex(p, rk)
 return 1
 """
 
+PURGE_RUNS = RUN_HELPERS + """
+-- ARGV[2]: '' (no one run), ARGV[3]: before, ARGV[4]: batch. Deletes the runs neither seen nor
+-- ended since before (runs-idle), with everything that indexes them; returns how many.
+local due = redis.call('ZRANGEBYSCORE', p .. 'runs-idle', '-inf', '(' .. ARGV[3], 'LIMIT', 0, ARGV[4])
+for _, ref in ipairs(due) do
+  local f = redis.call('HMGET', p .. 'run:' .. ref, 'state', 'run_id')
+  redis.call('DEL', p .. 'run:' .. ref, p .. 'history:' .. ref, p .. 'restarts:' .. ref)
+  redis.call('ZREM', p .. 'runs', ref)
+  redis.call('ZREM', p .. 'runs-deadline', ref)
+  redis.call('ZREM', p .. 'runs-idle', ref)
+  if f[1] then redis.call('ZREM', p .. 'runs:' .. f[1], ref) end
+  if f[2] then redis.call('SREM', p .. 'runs-named:' .. f[2], ref) end
+end
+return #due
+"""
+
 SCRIPTS = {
     "read": READ, "claim": CLAIM, "renew": RENEW, "complete": COMPLETE, "release": RELEASE, "set_state": SET_STATE,
     "resolve": RESOLVE, "append_partial": APPEND_PARTIAL, "read_partial": READ_PARTIAL,
     "count_replays": COUNT_REPLAYS, "purge": PURGE, "delete_journal": DELETE_JOURNAL,
     "upsert_run": UPSERT_RUN, "observe_epoch": OBSERVE_EPOCH, "touch": TOUCH, "heartbeat": HEARTBEAT,
     "end_run": END_RUN,
-    "new_attempt": NEW_ATTEMPT, "set_run_state": SET_RUN_STATE,
+    "new_attempt": NEW_ATTEMPT, "set_run_state": SET_RUN_STATE, "purge_runs": PURGE_RUNS,
 }

@@ -11,7 +11,7 @@ import time
 
 import orjson
 
-from ..base import Claim, ClaimResult, Entry, EntryState, Recorded
+from ..base import Claim, ClaimResult, Entry, EntryState, Recorded, counted
 from .connection import SQLiteConnection
 
 ENTRY_COLUMNS = ("kid, tenant, run, epoch, upstream, key, fingerprint, state, owner, lease_until, "
@@ -78,13 +78,13 @@ class SQLiteJournal:
         return await self._db.write(op)
 
     async def next_occurrence(self, namespace: str, run: str, epoch: int | None, fingerprint: str,
-                              retention_s: float) -> int:
+                              retention_s: float, *, tenant: str) -> int:
         def op(c):
             row = c.execute(
                 "INSERT INTO occurrences (tenant, run, epoch, fingerprint, n, expires_at) "
                 "VALUES (?, ?, ?, ?, 1, ?) ON CONFLICT DO UPDATE SET n = n + 1, "
                 "expires_at = excluded.expires_at RETURNING n",
-                (namespace, run, -1 if epoch is None else epoch, fingerprint,
+                (namespace, run, -1 if epoch is None else epoch, counted(tenant, fingerprint),
                  time.time() + retention_s)).fetchone()
             return row[0] - 1
         return await self._db.write(op)
@@ -114,7 +114,7 @@ class SQLiteJournal:
     async def release(self, kid: str, owner: str) -> None:
         def op(c):
             row = c.execute("DELETE FROM journal WHERE kid = ? AND owner = ? RETURNING namespace, run, "
-                            "epoch, fingerprint, key", (kid, owner)).fetchone()
+                            "epoch, tenant, fingerprint, key", (kid, owner)).fetchone()
             c.execute("DELETE FROM partials WHERE kid = ?", (kid,))
             if row is not None and row["key"].startswith("derived:"):
                 # give the occurrence number back, so the caller's retry maps onto this slot
@@ -122,7 +122,7 @@ class SQLiteJournal:
                 c.execute("UPDATE occurrences SET n = n - 1 WHERE tenant = ? AND run = ? AND epoch = ? "
                           "AND fingerprint = ? AND n = ?",
                           (row["namespace"], row["run"], -1 if row["epoch"] is None else row["epoch"],
-                           row["fingerprint"], n + 1))
+                           counted(row["tenant"], row["fingerprint"]), n + 1))
         try:
             await self._db.write(op)
         finally:

@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from ..base import (ENDED, HISTORY_LIMIT, Run, RunState, advance_attempt, check_settable,
+from ..base import (ENDED, HISTORY_LIMIT, RUN_STATES, Run, RunState, advance_attempt, check_settable,
                     remembered)
 from .connection import SQLiteConnection
 
@@ -75,17 +75,23 @@ class SQLiteRuns:
             return rows[0][0]  # the common case: a known run at its current epoch, no write
 
         def op(c):
-            c.execute(
-                f"INSERT INTO runs ({RUN_COLUMNS}) "
-                "VALUES (?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, NULL, 0, ?, ?) "
-                "ON CONFLICT DO UPDATE SET epoch = excluded.epoch, started_at = excluded.started_at, "
-                "state = CASE WHEN state = ? THEN ? ELSE state END "
-                "WHERE excluded.epoch > runs.epoch",
-                (namespace, run_id, RunState.RUNNING, epoch or 0, now, now, defaults.timeout_s, defaults.grace_s,
-                 defaults.max_restarts, defaults.hook, orjson.dumps(defaults.metadata), now, b"[]", b"[]",
-                 RunState.RESTARTING, RunState.RUNNING))
-            return c.execute("SELECT epoch FROM runs WHERE tenant = ? AND run_id = ?",
-                             (namespace, run_id)).fetchone()[0]
+            row = c.execute("SELECT epoch FROM runs WHERE tenant = ? AND run_id = ?", (namespace, run_id)).fetchone()
+            if row is None:
+                if (epoch or 0) > 1:
+                    return 0  # an unknown run counts as one at epoch 0
+                c.execute(
+                    f"INSERT INTO runs ({RUN_COLUMNS}) "
+                    "VALUES (?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, NULL, 0, ?, ?)",
+                    (namespace, run_id, RunState.RUNNING, epoch or 0, now, now, defaults.timeout_s,
+                     defaults.grace_s, defaults.max_restarts, defaults.hook, orjson.dumps(defaults.metadata),
+                     now, b"[]", b"[]"))
+                return epoch or 0
+            if epoch != row[0] + 1:
+                return row[0]  # not the next attempt: only new attempts move a run further
+            c.execute("UPDATE runs SET epoch = ?, started_at = ?, "
+                      f"state = CASE WHEN state = '{RunState.RESTARTING}' THEN '{RunState.RUNNING}' ELSE state END "
+                      "WHERE tenant = ? AND run_id = ?", (epoch, now, namespace, run_id))
+            return epoch
         return await self._db.write(op)
 
     async def touch(self, beats: dict[tuple[str, str], float]) -> None:
@@ -162,3 +168,17 @@ class SQLiteRuns:
 
     async def count(self) -> dict[str, int]:
         return {state: n for state, n in self._db.read("SELECT state, count(*) FROM runs GROUP BY state")}
+
+    async def purge(self, before: float, batch: int = 1000) -> int:
+        def op(c):
+            # by state, so runs_by_state (state, last_seen) finds them without a full scan
+            return c.execute(
+                "DELETE FROM runs WHERE rowid IN (SELECT rowid FROM runs WHERE state IN "
+                f"({', '.join('?' * len(RUN_STATES))}) AND last_seen < ? AND coalesce(ended_at, 0) < ? "
+                "LIMIT ?)", (*RUN_STATES, before, before, batch)).rowcount
+        total = 0
+        while True:  # short transactions, as the journal's purge
+            n = await self._db.write(op)
+            total += n
+            if n < batch:
+                return total

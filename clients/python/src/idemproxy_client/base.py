@@ -19,7 +19,7 @@ from .errors import IdemProxyError, RunEnded, Superseded
 from .heartbeat import interval_for
 from .info import RunInfo, RunState
 from .keys import KeyPart, step_key
-from .launch import DEFAULT_NAMESPACE, DEFAULT_PROXY_URL, Launch
+from .launch import DEFAULT_PROXY_URL, Launch, tenant_of
 
 log = logging.getLogger("idemproxy_client")
 
@@ -42,7 +42,8 @@ class BaseRun:
             interval in seconds, False for none.
         finish: mark the run completed/failed when the block ends.
         tenant: sent as ``Idem-Tenant`` (only honoured from trusted sources). Default:
-            ``IDEM_NAMESPACE`` when it is not ``default``.
+            ``IDEM_NAMESPACE`` when it names a trusted tenant (not ``default``, nor a
+            credential's namespace: ``anonymous``, ``k:…``).
         http_timeout: timeout of runs-API calls, in seconds.
         env: the environment to read ``IDEM_*`` from (default ``os.environ``).
     """
@@ -62,8 +63,7 @@ class BaseRun:
         if epoch is not None and epoch < 0:
             raise ValueError("epoch must be a non-negative integer")
         self.proxy_url: str = (proxy_url or launch.proxy_url or DEFAULT_PROXY_URL).rstrip("/")
-        namespace = launch.namespace if launch.namespace != DEFAULT_NAMESPACE else None
-        self.tenant: str | None = tenant or namespace
+        self.tenant: str | None = tenant or tenant_of(launch.namespace)
         self._handed_epoch = epoch if epoch is not None else (launch.epoch if handed else None)
         self._epoch = self._handed_epoch
         self._options = RunOptions(timeout_s, grace_s, max_restarts, hook, metadata)

@@ -16,6 +16,15 @@ DEFAULT_PROXY_URL = "http://127.0.0.1:8787"
 DEFAULT_NAMESPACE = "default"
 
 
+def tenant_of(namespace: str | None) -> str | None:
+    """The ``Idem-Tenant`` to send for a run's namespace: only a trusted tenant's name. The
+    shared ``default`` namespace and a credential's (``anonymous``, ``k:…``) come from the
+    request itself (its credential), so naming them is neither needed nor accepted."""
+    if not namespace or namespace in (DEFAULT_NAMESPACE, "anonymous") or namespace.startswith("k:"):
+        return None
+    return namespace
+
+
 @dataclass(frozen=True)
 class Launch:
     """The ``IDEM_*`` facts of this process; every field is None when not set."""
