@@ -371,7 +371,8 @@ async def test_a_sqlite_journal_from_before_restart_times_is_upgraded(sqlite_url
 
     path = sqlite_url.removeprefix("sqlite:///")
     with contextlib.closing(sqlite3.connect(path)) as old:  # version 1: runs without restart_times
-        old.executescript(sqlite_store.SCHEMA.replace(", restart_times BLOB", "") + "PRAGMA user_version=1;")
+        old.executescript(sqlite_store.SCHEMA.replace(", restart_times BLOB", "").replace(
+            ", lost_epoch INTEGER, attachments INTEGER NOT NULL DEFAULT 0", "") + "PRAGMA user_version=1;")
         old.execute("INSERT INTO runs (tenant, run_id, state, epoch, last_seen, started_at, timeout_s, "
                     "grace_s, max_restarts, created_at) "
                     "VALUES ('default', 'old', 'running', 2, 1, 1, 60, 30, 5, 1)")

@@ -8,12 +8,13 @@ each statement.
 
 from __future__ import annotations
 
-from ..base import EntryState, RunState
+from ..base import RUN_LOST, EntryState, RunState
 
 ENTRY_COLUMNS = ("kid, tenant, run, epoch, upstream, key, fingerprint, state, owner, lease_until, "
                  "created_at, completed_at, expires_at, replays, detail, method, path, namespace")
 RUN_COLUMNS = ("tenant, run_id, state, epoch, restarts, last_seen, started_at, timeout_s, grace_s, "
-               "max_restarts, hook, metadata, created_at, ended_at, next_restart_at, history, restart_times")
+               "max_restarts, hook, metadata, created_at, ended_at, next_restart_at, history, restart_times, "
+               "lost_epoch, attachments")
 
 # Claims that arrived together, one element per claim in arrays: $1 kid, $2 tenant,
 # $3 run, $4 epoch, $5 upstream, $6 key, $7 fingerprint, $8 method, $9 path, $10 owner,
@@ -148,10 +149,10 @@ o AS (DELETE FROM occurrences WHERE tenant = $1 AND run = $2),
 j AS (DELETE FROM journal WHERE namespace = $1 AND run = $2 RETURNING kid)
 SELECT count(*) FROM j"""
 
-# $1..$17: the columns of RUN_COLUMNS, in order
+# $1..$19: the columns of RUN_COLUMNS, in order
 UPSERT_RUN = f"""
 INSERT INTO runs ({RUN_COLUMNS})
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19)
 ON CONFLICT (tenant, run_id) DO UPDATE SET timeout_s = excluded.timeout_s, grace_s = excluded.grace_s,
     max_restarts = excluded.max_restarts, hook = excluded.hook, metadata = excluded.metadata
 RETURNING {RUN_COLUMNS}"""
@@ -160,7 +161,7 @@ RETURNING {RUN_COLUMNS}"""
 # $6 grace_s, $7 max_restarts, $8 hook, $9 metadata. Returns nothing when the epoch is not higher.
 RAISE_EPOCH = f"""
 INSERT INTO runs ({RUN_COLUMNS})
-VALUES ($1, $2, '{RunState.RUNNING}', $3, 0, $4, $4, $5, $6, $7, $8, $9, $4, NULL, 0, '[]', '[]')
+VALUES ($1, $2, '{RunState.RUNNING}', $3, 0, $4, $4, $5, $6, $7, $8, $9, $4, NULL, 0, '[]', '[]', NULL, 0)
 ON CONFLICT (tenant, run_id) DO UPDATE SET epoch = excluded.epoch, started_at = excluded.started_at,
     state = CASE WHEN runs.state = '{RunState.RESTARTING}' THEN '{RunState.RUNNING}' ELSE runs.state END
 WHERE excluded.epoch > runs.epoch
@@ -211,5 +212,12 @@ END_RUN = "UPDATE runs SET state = $1, ended_at = $2, history = $3 WHERE tenant 
 NEW_ATTEMPT = ("UPDATE runs SET epoch = $1, restarts = $2, state = $3, started_at = $4, last_seen = $4, "
                "history = $5, restart_times = $6 WHERE tenant = $7 AND run_id = $8")
 SILENT_RUNS = (f"SELECT {RUN_COLUMNS} FROM runs WHERE state IN ('{RunState.RUNNING}', '{RunState.RESTARTING}') "
-               "AND last_seen + timeout_s < $1 AND started_at + grace_s < $1 AND next_restart_at <= $1")
+               "AND ((last_seen + timeout_s < $1 AND started_at + grace_s < $1) OR lost_epoch = epoch) "
+               "AND next_restart_at <= $1")
 COUNT_RUNS = "SELECT state, count(*) FROM runs GROUP BY state"
+# $1 namespace, $2 run_id, $3 epoch: one more held connection of a live, not lost attempt
+ATTACH = (f"UPDATE runs SET attachments = attachments + 1 WHERE tenant = $1 AND run_id = $2 AND epoch = $3 "
+          f"AND state IN ('{RunState.RUNNING}', '{RunState.RESTARTING}') AND lost_epoch IS DISTINCT FROM epoch")
+# $1 epoch, $2 history, $3 namespace, $4 run_id, $5 channel: told at commit, to every supervisor
+LOSE = (f"UPDATE runs SET lost_epoch = $1, history = $2 WHERE tenant = $3 AND run_id = $4 "
+        f"RETURNING pg_notify($5, '{RUN_LOST}')")
