@@ -21,8 +21,8 @@ import time
 import pytest
 
 from idemproxy.proxy.appkeys import METRICS
-from idemproxy.proxy.store.base import Run
-from conftest import proxy_sections
+from idemproxy.proxy.store.base import Run as StoredRun
+from conftest import proxy_sections, until
 from idemproxy_client import AsyncRun, Attachment, Run, Superseded
 from rawhttp import problem
 from relay import Relay
@@ -64,22 +64,12 @@ async def replicas(make_proxy, proxy_process, provider, store_url, tmp_path):
     return holder, watcher, started
 
 
-async def the_run(proxy, run_id: str) -> Run:
+async def the_run(proxy, run_id: str) -> StoredRun:
     (run,) = await proxy.store.runs.find("default", run_id)
     return run
 
 
-async def until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = await predicate()
-        if value:
-            return value
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"not within {timeout}s: {what}")
-
-
-def events(run: Run, name: str) -> list[dict]:
+def events(run: StoredRun, name: str) -> list[dict]:
     return [e for e in run.history if e["event"] == name]
 
 
@@ -248,11 +238,11 @@ async def _async(value):
     return value
 
 
-async def _at_epoch(proxy, run_id: str, epoch: int) -> Run | None:
+async def _at_epoch(proxy, run_id: str, epoch: int) -> StoredRun | None:
     run = await the_run(proxy, run_id)
     return run if run.epoch >= epoch else None
 
 
-async def _ended(proxy, run_id: str) -> Run | None:
+async def _ended(proxy, run_id: str) -> StoredRun | None:
     run = await the_run(proxy, run_id)
     return run if run.state in ("completed", "failed", "dead") else None

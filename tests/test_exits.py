@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import until
 from idemproxy.proxy.store.base import Run
 
 pytestmark = pytest.mark.slow  # agent processes, killed and restarted
@@ -73,16 +74,6 @@ async def watched(make_proxy, store_url, agent, http):
         await until(lambda: started_at(started, 1), 10, "first attempt up")
         return proxy, started
     return make
-
-
-async def until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = await predicate()
-        if value:
-            return value
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"not within {timeout}s: {what}")
 
 
 async def started_at(path: Path, epoch: int) -> dict | None:

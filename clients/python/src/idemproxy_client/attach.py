@@ -30,7 +30,7 @@ import httpx
 
 from . import api
 from .errors import IdemProxyError, ProblemError, RunEnded, Superseded, problem_from_response
-from .heartbeat import ends_beating
+from .heartbeat import cancelled, ends_beating
 from .launch import DEFAULT_NAMESPACE, DEFAULT_PROXY_URL, Launch
 
 log = logging.getLogger("idemproxy_client")
@@ -188,11 +188,8 @@ class AsyncAttachment(_Holding):
 
     async def stop(self) -> None:
         """Close the connection and end the task."""
-        if self._task is None:
-            return
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-        self._task = None
+        task, self._task = self._task, None
+        await cancelled(task)
 
     async def __aenter__(self) -> AsyncAttachment:
         return self.start()
