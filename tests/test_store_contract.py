@@ -677,6 +677,12 @@ async def test_a_lost_attempt_is_due_at_once_until_its_restart(store):
     restarted = await store.runs.new_attempt(NS, "crashed", 0, now + 5, "restart", True)
     assert not restarted.lost  # the new attempt is not the lost one
     assert await store.runs.silent(now + 6) == []
+    # no hook to start it again (a Kubernetes Job restarts it): its timeout decides, as before
+    await store.runs.upsert(new_run("hookless", last_seen=now, started_at=now, timeout_s=60, grace_s=30,
+                                   hook=None))
+    assert await store.runs.lose(NS, "hookless", 0, now, exited)
+    assert await store.runs.silent(now + 6) == []
+    assert "hookless" in {r.run_id for r in await store.runs.silent(now + 61)}
 
 
 async def test_only_the_current_live_attempt_can_be_lost(store):

@@ -343,7 +343,9 @@ class RunRegistry(Protocol):
         """Compare-and-set the epoch to epoch+1; None when another caller won. With
         ``window_s``, ``now`` joins ``restart_times``, which keeps the last ``window_s`` seconds."""
     async def silent(self, now: float) -> list[Run]:
-        """Running runs past timeout and grace, or whose attempt is lost; none backing off."""
+        """Running runs past timeout and grace, or whose attempt is lost and which have a hook
+        to start them again (without one, something else restarts them: silence decides);
+        none backing off."""
     async def attach(self, namespace: str, run_id: str, epoch: int) -> Run | None:
         """Count a held connection of attempt ``epoch`` (``attachments`` + 1), unless the run
         has ended, is at another epoch or that attempt is lost (then nothing changes). The run

@@ -212,7 +212,8 @@ END_RUN = "UPDATE runs SET state = $1, ended_at = $2, history = $3 WHERE tenant 
 NEW_ATTEMPT = ("UPDATE runs SET epoch = $1, restarts = $2, state = $3, started_at = $4, last_seen = $4, "
                "history = $5, restart_times = $6 WHERE tenant = $7 AND run_id = $8")
 SILENT_RUNS = (f"SELECT {RUN_COLUMNS} FROM runs WHERE state IN ('{RunState.RUNNING}', '{RunState.RESTARTING}') "
-               "AND ((last_seen + timeout_s < $1 AND started_at + grace_s < $1) OR lost_epoch = epoch) "
+               "AND ((last_seen + timeout_s < $1 AND started_at + grace_s < $1) "
+               "OR (lost_epoch = epoch AND hook IS NOT NULL)) "
                "AND next_restart_at <= $1")
 COUNT_RUNS = "SELECT state, count(*) FROM runs GROUP BY state"
 # $1 namespace, $2 run_id, $3 epoch: one more held connection of a live, not lost attempt

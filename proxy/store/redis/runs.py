@@ -130,7 +130,7 @@ class RedisRuns:
         rks = await self._db.do(self._db.client.zrangebyscore(deadlines, "-inf", f"({now!r}"))
         runs = await self._runs([rk.decode() for rk in rks])
         return [r for r in runs if r.state in (RunState.RUNNING, RunState.RESTARTING)
-                and (r.lost or (r.last_seen + r.timeout_s < now and r.started_at + r.grace_s < now))
+                and ((r.lost and r.hook) or (r.last_seen + r.timeout_s < now and r.started_at + r.grace_s < now))
                 and r.next_restart_at <= now]
 
     async def attach(self, namespace: str, run_id: str, epoch: int) -> Run | None:

@@ -140,7 +140,8 @@ class SQLiteRuns:
 
     async def silent(self, now: float) -> list[Run]:
         rows = self._db.read(f"SELECT {RUN_COLUMNS} FROM runs WHERE state IN (?, ?) "
-                          "AND ((last_seen + timeout_s < ? AND started_at + grace_s < ?) OR lost_epoch = epoch) "
+                          "AND ((last_seen + timeout_s < ? AND started_at + grace_s < ?) "
+                          "OR (lost_epoch = epoch AND hook IS NOT NULL)) "
                           "AND next_restart_at <= ?", (RunState.RUNNING, RunState.RESTARTING, now, now, now))
         return [_run(r) for r in rows]
 
