@@ -29,6 +29,10 @@ from relay import Relay
 
 GRACE_S = 0.5
 RUNS = {"timeout_s": 60, "grace_s": 30, "attach_grace_s": GRACE_S, "attach_keepalive_s": 0.2}
+# For the quick tests of the HTTP face and the client: one store (the contract suite runs
+# the store's side on all three), a shorter grace.
+QUICK_GRACE_S = 0.2
+QUICK = {**RUNS, "attach_grace_s": QUICK_GRACE_S, "attach_keepalive_s": 0.1}
 # The restarted attempt, started by replica B's hook: says so in argv[1], completes the run.
 COMPLETER = textwrap.dedent("""
     import json, os, sys, time, urllib.request
@@ -146,14 +150,15 @@ async def test_a_blip_within_the_grace_restarts_nothing_and_a_longer_one_makes_a
         await relay.down()
 
 
-async def test_attach_streams_while_the_attempt_lives_and_ends_quietly(make_proxy, store_url, http):
-    proxy = await make_proxy(store_url, runs=RUNS)
+async def test_attach_streams_while_the_attempt_lives_and_ends_quietly(make_proxy, sqlite_url, http):
+    proxy = await make_proxy(sqlite_url, runs=QUICK)
     url = f"{proxy.url}/runs/quiet/attach"
     await http.post(f"{proxy.url}/runs/quiet")
     async with http.post(url, headers={"Idem-Epoch": "0"}) as resp:
         assert resp.status == 200 and resp.content_type == "application/x-ndjson"
         first = json.loads(await resp.content.readline())
-        assert first == {"attached": 1, "run_id": "quiet", "epoch": 0, "keepalive_s": 0.2, "grace_s": GRACE_S}
+        assert first == {"attached": 1, "run_id": "quiet", "epoch": 0, "keepalive_s": 0.1,
+                         "grace_s": QUICK_GRACE_S}
         assert "alive" in json.loads(await resp.content.readline())  # keep-alive lines
         async with http.post(f"{proxy.url}/runs/quiet/attempts") as new:
             assert (await new.json())["epoch"] == 1
@@ -164,7 +169,7 @@ async def test_attach_streams_while_the_attempt_lives_and_ends_quietly(make_prox
         async with http.post(f"{proxy.url}/runs/quiet/complete", headers={"Idem-Epoch": "1"}):
             pass
         assert json.loads(await resp.content.readline()) == {"ended": "completed"}
-    await asyncio.sleep(GRACE_S + 0.2)
+    await asyncio.sleep(QUICK_GRACE_S + 0.2)
     run = await the_run(proxy, "quiet")
     assert run.lost_epoch is None and not events(run, "attachment-lost")
 
@@ -191,23 +196,23 @@ async def test_attach_and_detach_refusals_are_problems_that_change_nothing(make_
     assert (run.attachments, run.lost_epoch, run.state) == (1, None, "completed")
 
 
-async def test_a_proxy_that_shuts_down_ends_its_holds_and_marks_nothing(make_proxy, store_url, http):
-    proxy = await make_proxy(store_url, runs={**RUNS, "attach_keepalive_s": 20})
-    observer = await make_proxy(store_url, runs=RUNS)
+async def test_a_proxy_that_shuts_down_ends_its_holds_and_marks_nothing(make_proxy, sqlite_url, http):
+    proxy = await make_proxy(sqlite_url, runs={**QUICK, "attach_keepalive_s": 20})
+    observer = await make_proxy(sqlite_url, runs=QUICK)
     await http.post(f"{proxy.url}/runs/moving")
     async with http.post(f"{proxy.url}/runs/moving/attach", headers={"Idem-Epoch": "0"}) as resp:
         await resp.content.readline()
         closing = asyncio.create_task(proxy.server.close())
         assert json.loads(await asyncio.wait_for(resp.content.readline(), 5)) == {"closing": True}
         await asyncio.wait_for(closing, 5)  # not held up by the stream
-    await asyncio.sleep(GRACE_S + 0.2)
+    await asyncio.sleep(QUICK_GRACE_S + 0.2)
     run = await the_run(observer, "moving")  # the client reconnects elsewhere; nothing is lost
     assert (run.lost_epoch, run.state) == (None, "running")
 
 
 async def test_a_block_that_ends_normally_lets_its_connection_go_and_one_that_raises_does_not(
-        make_proxy, store_url):
-    proxy = await make_proxy(store_url, runs=RUNS)
+        make_proxy, sqlite_url):
+    proxy = await make_proxy(sqlite_url, runs=QUICK)
 
     def hand_on(run_id: str, fail: bool) -> None:  # finish=False: another process goes on with the run
         with Run(run_id, proxy_url=proxy.url, attach=True, finish=False, heartbeat=False, env={}) as run:
@@ -218,7 +223,7 @@ async def test_a_block_that_ends_normally_lets_its_connection_go_and_one_that_ra
     await asyncio.to_thread(hand_on, "handed-on", False)
     with pytest.raises(RuntimeError):
         await asyncio.to_thread(hand_on, "broken", True)
-    await asyncio.sleep(GRACE_S + 0.3)
+    await asyncio.sleep(QUICK_GRACE_S + 0.3)
     handed_on, broken = await the_run(proxy, "handed-on"), await the_run(proxy, "broken")
     assert (handed_on.lost_epoch, handed_on.attachments) == (None, 2)  # let go on purpose
     assert (broken.lost_epoch, broken.attachments) == (0, 1)  # dropped like a crash: restart it
