@@ -22,7 +22,7 @@ from .identity import TenantResolver
 from .metrics import Metrics
 from .problems import Problem
 from .replay import server_timing
-from .runs import Launcher, RunsService, admin, api
+from .runs import Launcher, RunsService, admin, api, attach
 from .store import Store, StoreUnavailable, open_store
 
 log = logging.getLogger("idemproxy.proxy")
@@ -46,6 +46,7 @@ def create_app(settings: Settings, launcher: LauncherFactory) -> web.Application
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     api.add_routes(app.router)
+    attach.setup(app)
     app.add_subapp("/admin/", admin.admin_app())
     app.router.add_route("*", "/{tail:.*}", _proxy)
     return app

@@ -7,6 +7,7 @@ from .handler import Proxy
 from .identity import TenantResolver
 from .metrics import Metrics
 from .runs import RunsService
+from .runs.held import Attachments
 from .store import Store
 
 SETTINGS = web.AppKey("settings", Settings)
@@ -15,3 +16,4 @@ PROXY = web.AppKey("proxy", Proxy)
 METRICS = web.AppKey("metrics", Metrics)
 RUNS = web.AppKey("runs", RunsService)
 TENANTS = web.AppKey("tenants", TenantResolver)
+ATTACHMENTS = web.AppKey("attachments", Attachments)

@@ -173,6 +173,10 @@ class RunSettings:
     min_grace_s: float = 1.0
     max_restarts_limit: int = 100
     max_metadata_bytes: int = 64 * 1024
+    # A held connection (POST /runs/{id}/attach) that stays gone this long marks its attempt
+    # lost: long enough for a client to reconnect after a blip, short next to timeout_s.
+    attach_grace_s: float = 1.0
+    attach_keepalive_s: float = 5.0  # a line down each held connection this often
 
 
 @dataclass(frozen=True)
@@ -189,6 +193,9 @@ class HookSettings:
     # Namespaces whose own registrations (and runs their traffic creates) may arm this hook;
     # otherwise only the admin API can (README "Who may do what").
     allow_tenants: tuple[str, ...] = ()
+    # The command is the agent: its exit without complete/fail restarts the run at once.
+    # False for a launcher that hands the agent to something else and exits (kubectl, systemd-run).
+    watch_exit: bool = True
 
 
 @dataclass(frozen=True)
@@ -399,6 +406,8 @@ def _validate(s: Settings) -> None:
     for name in (s.runs.hook, s.runs.on_dead):
         if name and name not in s.hooks:
             raise ConfigError(f"runs: hook {name!r} is not defined under [hooks]")
+    if not 0 < s.runs.attach_keepalive_s <= 60 or s.runs.attach_grace_s <= 0:
+        raise ConfigError("runs.attach_grace_s must be positive and runs.attach_keepalive_s from 0 to 60 s")
     if s.server.workers < 1:
         raise ConfigError("server.workers must be at least 1")
     if s.tenants.runs not in (RUNS_PER_CREDENTIAL, RUNS_SHARED):

@@ -40,6 +40,7 @@ PROBLEMS: dict[str, ProblemType] = {
     "not-quarantined": ProblemType(409, "The journal entry is not quarantined", _REJECTED),
     "ambiguous-run": ProblemType(409, "The run id exists in several namespaces", _REJECTED),
     "epoch-ahead": ProblemType(409, "Epoch ahead of the run", _REJECTED),
+    "attempt-lost": ProblemType(409, "The attempt was found lost; a new one is starting", _REJECTED),
     "stale-epoch": ProblemType(412, "Superseded attempt", Outcome.FENCED),
     "too-large": ProblemType(413, "Request body too large", _REJECTED),
     "key-reused": ProblemType(422, "Idempotency-Key reused with a different request", _CONFLICT),

@@ -2,7 +2,10 @@
 
 ``command`` hooks start an argv detached: its own session (a supervisor that stops or
 dies takes no agent with it), stdin from /dev/null, stdout and stderr appended to one log
-file per attempt, and the exit code written into the run's history when it ends. Its
+file per attempt, and the exit code and signal written into the run's history when it
+ends. The command is taken for the agent itself (``watch_exit``): when it ends while its
+attempt is still current and neither completed nor failed, the attempt is marked lost and
+the supervisor restarts the run at once, without waiting for ``timeout_s``. Its
 environment is described at :func:`hook_environment`.
 ``http`` hooks POST the same facts as JSON, signed with HMAC-SHA256 over the raw body in
 ``Idem-Signature: sha256=<hex>``, retried with exponential backoff.
@@ -32,10 +35,10 @@ import orjson
 from ..proxy.config import ENV_PREFIX, HookSettings, Settings
 from ..proxy.store import Store, StoreUnavailable
 from ..proxy.store.base import Run
+from .reaper import describe, exit_facts, exited
 
 log = logging.getLogger("idemproxy.supervisor")
 
-REAP_INTERVAL_S = 0.2     # how often a started hook is checked for its exit
 HTTP_TIMEOUT_S = 10.0     # per delivery try
 HTTP_BACKOFF_S = 0.5      # first wait between tries; doubles each time
 HTTP_BACKOFF_MAX_S = 30.0
@@ -190,18 +193,26 @@ class Hooks:
         return Path(hook.log_dir) / f"{name}.log"
 
     async def _watch(self, hook: HookSettings, call: HookCall, pid: int) -> None:
-        while True:
-            try:
-                done, status = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:  # reaped by someone else: the code is lost, not the exit
-                done, status = pid, None
-            if done:
-                break
-            await asyncio.sleep(REAP_INTERVAL_S)
-        code = None if status is None else os.waitstatus_to_exitcode(status)
-        log.info("hook %s for run %s epoch %d exited with %s", hook.name, call.run_id, call.epoch, code)
-        await self._record(call, {"event": "hook-exit", "hook": hook.name, "epoch": call.epoch,
-                                  "pid": pid, "code": code})
+        facts = exit_facts(await exited(pid))
+        log.info("hook %s for run %s epoch %d %s", hook.name, call.run_id, call.epoch, describe(facts))
+        event = {"event": "hook-exit", "hook": hook.name, "epoch": call.epoch, "pid": pid, **facts}
+        if hook.watch_exit and call.event == "restart" and await self._lose(call, event):
+            return
+        await self._record(call, event)
+
+    async def _lose(self, call: HookCall, event: dict) -> bool:
+        """The agent's process is gone: unless its attempt completed, failed or was superseded
+        first, mark it lost (with ``event``), which any supervisor restarts at once."""
+        try:
+            lost = await self._store.runs.lose(call.namespace, call.run_id, call.epoch, time.time(),
+                                               {**event, "lost": True})
+        except StoreUnavailable as exc:  # then silence (timeout_s) restarts it
+            log.warning("could not mark run %s epoch %d lost: %s", call.run_id, call.epoch, exc)
+            return False
+        if lost:
+            log.warning("run %s/%s epoch %d: its agent %s without completing the run; restarting it",
+                        call.namespace, call.run_id, call.epoch, describe(event))
+        return lost
 
     # -- http -----------------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 """The supervisor: a small loop that restarts runs gone silent (SPEC §8).
 
 Every ``[supervisor] interval_s`` it asks the store for running runs silent for longer
-than their ``timeout_s`` (and past the ``grace_s`` that follows each start), and for each:
+than their ``timeout_s`` (and past the ``grace_s`` that follows each start), or whose
+attempt was found lost (its hook-started process exited, its held connection stayed gone:
+the store rings every supervisor, which then ticks at once), and for each:
 
 - claims the restart with a compare-and-set on the epoch (``RunsService.restart``), so
   among many supervisors sharing a store exactly one restarts it, and the new epoch
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import time
 
@@ -61,9 +62,20 @@ class Supervisor:
                 log.warning("supervisor tick skipped: %s", exc)
             except Exception:  # noqa: BLE001 - one bad run must not stop the supervision of all
                 log.exception("supervisor tick failed")
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval)
+            await self._pause(stop, interval)
         log.info("supervisor stopped")
+
+    async def _pause(self, stop: asyncio.Event, interval: float) -> None:
+        """Wait ``interval`` before the next tick; less when ``stop`` is set or an attempt is
+        found lost (its process exited, its held connection stayed gone), here or, heard
+        through the store, on any replica."""
+        stopping = asyncio.ensure_future(stop.wait())
+        lost = asyncio.ensure_future(self.store.runs.wait_lost(interval))
+        try:
+            await asyncio.wait({stopping, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            lost.cancel()
 
     async def tick(self, now: float | None = None) -> list[tuple[str, str]]:
         """One pass: what was done, as (run_id, action) pairs."""

@@ -107,6 +107,18 @@ def sqlite_url(tmp_path) -> str:
     return f"sqlite:///{tmp_path}/journal.db"
 
 
+async def until(predicate, timeout: float, what: str):
+    """``await predicate()`` every 10 ms until it gives something true, which is returned;
+    AssertionError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = await predicate()
+        if value:
+            return value
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not within {timeout}s: {what}")
+
+
 def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"

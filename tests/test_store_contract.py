@@ -690,3 +690,77 @@ async def test_count_steps_of_runs(store):
     counts = await store.journal.count_steps([(NS, "run-1"), (NS, "run-2"), ("ns-b", "run-1"), (NS, "none")])
     assert counts == {(NS, "run-1"): 3, (NS, "run-2"): 1, ("ns-b", "run-1"): 1}
     assert await store.journal.count_steps([]) == {}
+
+
+# -- lost attempts and held connections (issue 14) ------------------------------------------
+
+async def test_a_lost_attempt_is_due_at_once_until_its_restart(store):
+    now = time.time()
+    await store.runs.upsert(new_run("crashed", last_seen=now, started_at=now, timeout_s=60, grace_s=30))
+    await store.runs.upsert(new_run("alive", last_seen=now, started_at=now, timeout_s=60, grace_s=30))
+    assert await store.runs.silent(now) == []
+    exited = {"event": "hook-exit", "epoch": 0, "code": None, "signal": "SIGKILL"}
+    assert await store.runs.lose(NS, "crashed", 0, now, exited)
+    [run] = await store.runs.silent(now)  # in its grace, far from its timeout: due all the same
+    assert (run.run_id, run.lost, run.lost_epoch) == ("crashed", True, 0)
+    assert run.history[-1] == {"at": now, **exited}
+    assert not await store.runs.lose(NS, "crashed", 0, now + 1, exited)  # once
+    await store.runs.set_state(NS, "crashed", None, now, next_restart_at=now + 5)  # backing off
+    assert await store.runs.silent(now) == []
+    assert [r.run_id for r in await store.runs.silent(now + 5)] == ["crashed"]
+    restarted = await store.runs.new_attempt(NS, "crashed", 0, now + 5, "restart", True)
+    assert not restarted.lost  # the new attempt is not the lost one
+    assert await store.runs.silent(now + 6) == []
+    # no hook to start it again (a Kubernetes Job restarts it): its timeout decides, as before
+    await store.runs.upsert(new_run("hookless", last_seen=now, started_at=now, timeout_s=60, grace_s=30,
+                                   hook=None))
+    assert await store.runs.lose(NS, "hookless", 0, now, exited)
+    assert await store.runs.silent(now + 6) == []
+    assert "hookless" in {r.run_id for r in await store.runs.silent(now + 61)}
+
+
+async def test_only_the_current_live_attempt_can_be_lost(store):
+    await store.runs.upsert(new_run("run-1"))
+    await store.runs.new_attempt(NS, "run-1", 0, 100.0, "restart", True)
+    event = {"event": "hook-exit", "epoch": 0}
+    assert not await store.runs.lose(NS, "run-1", 0, 101.0, event)  # superseded: nothing changes
+    assert not await store.runs.lose(NS, "run-1", 2, 101.0, event)  # not yet
+    assert not await store.runs.lose(NS, "no-such-run", 0, 101.0, event)
+    await store.runs.end(NS, "run-1", RunState.COMPLETED, 102.0)
+    assert not await store.runs.lose(NS, "run-1", 1, 103.0, event)  # completed: never restarted
+    [run] = await store.runs.find(NS, "run-1")
+    assert run.lost_epoch is None and not any(e["event"] == "hook-exit" for e in run.history)
+
+
+async def test_a_dropped_connection_loses_its_attempt_only_if_none_was_held_since(store):
+    await store.runs.upsert(new_run("run-1"))
+    first = await store.runs.attach(NS, "run-1", 0)
+    second = await store.runs.attach(NS, "run-1", 0)  # the client reconnected (to any replica)
+    assert (first.attachments, second.attachments) == (1, 2)
+    gone = {"event": "attachment-lost", "epoch": 0}
+    assert not await store.runs.lose(NS, "run-1", 0, 100.0, gone, attachment=1)
+    assert await store.runs.lose(NS, "run-1", 0, 101.0, gone, attachment=2)
+    # a lost attempt takes no new connection; another epoch's or an ended run's neither
+    assert (await store.runs.attach(NS, "run-1", 0)).attachments == 2
+    await store.runs.new_attempt(NS, "run-1", 0, 102.0, "restart", True)
+    assert (await store.runs.attach(NS, "run-1", 0)).attachments == 2
+    assert (await store.runs.attach(NS, "run-1", 1)).attachments == 3
+    await store.runs.end(NS, "run-1", RunState.FAILED, 103.0)
+    assert (await store.runs.attach(NS, "run-1", 1)).attachments == 3
+    assert await store.runs.attach(NS, "no-such-run", 0) is None
+
+
+async def test_a_lost_attempt_rings_every_instance(store, open_store, store_url):
+    other = await open_store()  # a supervisor on another replica
+    await store.runs.upsert(new_run("run-1"))
+    assert not await other.runs.wait_lost(0.05)
+    waiting = asyncio.create_task(other.runs.wait_lost(5.0))
+    await asyncio.sleep(0.05)
+    assert await store.runs.lose(NS, "run-1", 0, time.time(), {"event": "attachment-lost", "epoch": 0})
+    if store_url.startswith("sqlite:"):
+        waiting.cancel()  # SQLite has no channel: only its own process hears at once
+        assert await store.runs.wait_lost(0.05)
+        return
+    assert await waiting
+    assert await store.runs.wait_lost(1.0)  # and the instance that marked it
+    assert not await store.runs.wait_lost(0.05)  # heard once

@@ -173,7 +173,7 @@ async def test_concurrent_claims_share_one_transaction(schema, open_pg):
 HOT_STATEMENTS = ("CLAIM_MANY", "GET_MANY", "COMPLETE_MANY", "RELEASE", "RENEW", "SET_STATE",
                   "QUARANTINE_EXPIRED", "READ_PARTIAL", "COUNT_REPLAYS", "RAISE_EPOCH", "RUN_EPOCH",
                   "TOUCH", "HEARTBEAT", "PURGE_JOURNAL", "PURGE_OCCURRENCES", "JOURNAL", "COUNT_STEPS",
-                  "DELETE_JOURNAL", "SILENT_RUNS", "PURGE_RUNS")
+                  "DELETE_JOURNAL", "SILENT_RUNS", "PURGE_RUNS", "ATTACH", "LOSE")
 
 
 async def test_statements_use_their_index_even_planned_on_empty_tables(schema, open_pg):

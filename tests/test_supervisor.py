@@ -1,4 +1,8 @@
-"""The supervisor: silent runs are restarted once, fenced, backed off, buried; live ones are not."""
+"""The supervisor: silent runs are restarted once, fenced, backed off, buried; live ones are not.
+
+The hooks here exit at once, so they say ``watch_exit = false``: silence alone restarts
+their runs. Restarts on an agent's exit are tested in test_exits.py.
+"""
 
 from __future__ import annotations
 
@@ -115,7 +119,7 @@ async def test_two_supervisors_restart_each_silent_run_exactly_once(store_url, t
     sections = proxy_sections("http://127.0.0.1:9", store_url, supervisor={"interval_s": 0.05},
                               runs={"hook": "agent"}, hooks__agent={
                                   "command": [sys.executable, _script(tmp_path, "t", TALLY), str(fired), "0"],
-                                  "log_dir": str(tmp_path / "logs")})
+                                  "log_dir": str(tmp_path / "logs"), "watch_exit": False})
     settings = load_settings(write_config(tmp_path / "two.toml", sections), env={})
     stores = [await open_store(settings) for _ in range(2)]
     supervisors = [Supervisor(RunsService(s, settings, Hooks(settings, s)), settings) for s in stores]
@@ -146,7 +150,7 @@ async def test_a_run_that_crashes_every_time_ends_dead(supervised, store_url, ht
     proxy = await supervised(
         store_url, runs={"backoff_base_s": 0.2, "on_dead": "pager", "restart_window_s": 60},
         hooks__crasher={"command": [sys.executable, tally, str(fired), "3"], "log_dir": str(tmp_path / "logs"),
-                        "allow_tenants": ["default"]},
+                        "allow_tenants": ["default"], "watch_exit": False},
         hooks__pager={"command": [sys.executable, tally, str(buried), "0"], "log_dir": str(tmp_path / "logs")})
     status = (await http.post(f"{proxy.url}/runs/doomed", json={
         "hook": "crasher", "max_restarts": 3, "timeout_s": 0.3, "grace_s": 0.3})).status
@@ -194,7 +198,7 @@ async def test_completed_and_failed_runs_are_never_restarted(supervised, store_u
     proxy = await supervised(store_url, runs={"timeout_s": 0.2, "grace_s": 0.1, "hook": "agent"},
                              hooks__agent={"command": [sys.executable, _script(tmp_path, "t", TALLY),
                                                        str(fired), "0"], "log_dir": str(tmp_path / "logs"),
-                                           "allow_tenants": ["default"]})
+                                           "allow_tenants": ["default"], "watch_exit": False})
     for run_id, end in (("finished", "complete"), ("gave-up", "fail")):
         await http.post(f"{proxy.url}/runs/{run_id}")
         assert (await http.post(f"{proxy.url}/runs/{run_id}/{end}")).status == 200
@@ -213,7 +217,7 @@ async def test_a_stream_keeps_its_run_alive_until_its_bytes_stop(supervised, sto
     proxy = await supervised(store_url, runs={"timeout_s": 1.5, "grace_s": 0.2, "hook": "agent"},
                              hooks__agent={"command": [sys.executable, _script(tmp_path, "t", TALLY),
                                                        str(fired), "0"], "log_dir": str(tmp_path / "logs"),
-                                           "allow_tenants": ["default"]},
+                                           "allow_tenants": ["default"], "watch_exit": False},
                              server={"shutdown_timeout": 1})
     url = f"{proxy.url}/runs/streamer/epochs/0/openai/v1/chat/completions"
     body = {**CHAT, "stream": True}
@@ -251,7 +255,7 @@ async def test_supervise_command_restarts_alone_and_stops_on_sigterm(store_url, 
     sections = proxy_sections("http://127.0.0.1:9", store_url, supervisor={"interval_s": 0.1},
                               runs={"hook": "agent"}, hooks__agent={
                                   "command": [sys.executable, _script(tmp_path, "t", TALLY), str(fired), "0"],
-                                  "log_dir": str(tmp_path / "logs")})
+                                  "log_dir": str(tmp_path / "logs"), "watch_exit": False})
     config = write_config(tmp_path / "supervise.toml", sections)
     check = await asyncio.create_subprocess_exec(sys.executable, "-m", "idemproxy.proxy.cli", "check",
                                                  "--config", str(config), stdout=asyncio.subprocess.PIPE,
@@ -298,7 +302,7 @@ async def test_a_fenced_zombie_does_not_keep_its_run_alive(supervised, store_url
                                               "backoff_base_s": 0.1},
                              hooks__agent={"command": [sys.executable, _script(tmp_path, "t", TALLY),
                                                        str(fired), "0"], "log_dir": str(tmp_path / "logs"),
-                                           "allow_tenants": ["default"]})
+                                           "allow_tenants": ["default"], "watch_exit": False})
     zombie = f"{proxy.url}/runs/haunted/epochs/0/openai/v1/chat/completions"
     async with http.post(zombie, json=CHAT) as resp:
         assert resp.status == 200
@@ -322,7 +326,8 @@ async def lone_supervisor(store_url, tmp_path):
 
     async def make(**runs):
         sections = proxy_sections("http://127.0.0.1:9", store_url, runs={"hook": "agent", **runs},
-                                  hooks__agent={"command": ["true"], "log_dir": str(tmp_path / "logs")})
+                                  hooks__agent={"command": ["true"], "log_dir": str(tmp_path / "logs"),
+                                                "watch_exit": False})
         settings = load_settings(write_config(tmp_path / "lone.toml", sections), env={})
         store = await open_store(settings)
         made.append(Supervisor(RunsService(store, settings, Hooks(settings, store)), settings))
@@ -377,7 +382,8 @@ async def test_a_sqlite_journal_from_before_restart_times_is_upgraded(sqlite_url
 
     path = sqlite_url.removeprefix("sqlite:///")
     with contextlib.closing(sqlite3.connect(path)) as old:  # version 1: runs without restart_times
-        old.executescript(sqlite_store.SCHEMA.replace(", restart_times BLOB", "") + "PRAGMA user_version=1;")
+        old.executescript(sqlite_store.SCHEMA.replace(", restart_times BLOB", "").replace(
+            ", lost_epoch INTEGER, attachments INTEGER NOT NULL DEFAULT 0", "") + "PRAGMA user_version=1;")
         old.execute("INSERT INTO runs (tenant, run_id, state, epoch, last_seen, started_at, timeout_s, "
                     "grace_s, max_restarts, created_at) "
                     "VALUES ('default', 'old', 'running', 2, 1, 1, 60, 30, 5, 1)")

@@ -19,6 +19,9 @@ No token; the run JSON agents get has no ``history``, which is for operators::
     POST /runs/{id}/fail       likewise, as failed                           404, 409, 412
     POST /runs/{id}/attempts   a new attempt: epoch + 1, fencing the last -> 201 (creates
                                the run at epoch 0 if unknown)                409 run-ended
+    POST /runs/{id}/attach     hold this attempt's connection (Idem-Epoch required): JSON
+                               lines while it lives; see .attach       404, 409, 412
+    POST /runs/{id}/detach     let its held connections go on purpose         404, 409, 412
 
 Heartbeat, complete and fail take the caller's epoch (``Idem-Epoch``, or ``{"epoch": n}``
 as the body): from a superseded attempt they change nothing and answer **412**
@@ -40,6 +43,7 @@ from ..appkeys import RUNS, SETTINGS, TENANTS
 from ..identity import parse_run
 from ..problems import Problem
 from ..store.base import Run, RunState
+from .attach import hold
 from .options import attempt_epoch, json_object, run_options
 from .views import run_json
 
@@ -51,6 +55,8 @@ def add_routes(router: web.UrlDispatcher) -> None:
     router.add_post("/runs/{run_id}/complete", complete)
     router.add_post("/runs/{run_id}/fail", fail)
     router.add_post("/runs/{run_id}/attempts", new_attempt)
+    router.add_post("/runs/{run_id}/attach", attach)
+    router.add_post("/runs/{run_id}/detach", detach)
 
 
 async def register(request: web.Request) -> web.Response:
@@ -80,6 +86,17 @@ async def fail(request: web.Request) -> web.Response:
 
 async def new_attempt(request: web.Request) -> web.Response:
     return answer(request, await request.config_dict[RUNS].new_attempt(*_which(request)), 201)
+
+
+async def attach(request: web.Request) -> web.StreamResponse:
+    return await hold(request, *_which(request), await _epoch(request))
+
+
+async def detach(request: web.Request) -> web.Response:
+    epoch = await _epoch(request)
+    if epoch is None:
+        raise Problem("invalid-request", "detach lets one attempt's connections go: send its epoch as Idem-Epoch")
+    return answer(request, await request.config_dict[RUNS].attach(*_which(request), epoch))
 
 
 # -- shared with the admin API -------------------------------------------------------------------

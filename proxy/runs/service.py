@@ -102,6 +102,35 @@ class RunsService:
         if not operator:
             run.hook = self.settings.default_hook(namespace)
         return run
+    async def attach(self, namespace: str, run_id: str, epoch: int) -> Run:
+        """Count a held connection of attempt ``epoch`` (``POST /runs/{id}/attach``): the run,
+        whose ``attachments`` is this connection's number. The same call lets the held
+        connections go on purpose (``/detach``): a drop of any of them then marks nothing."""
+        run = await self.get(namespace, run_id)
+        if epoch > run.epoch:  # the attempt's first word: its epoch is raised as by any request
+            await self.store.runs.observe_epoch(namespace, run_id, epoch, run, time.time())
+        attached = await self.store.runs.attach(namespace, run_id, epoch)
+        if attached is None:
+            raise _no_such_run(run_id)
+        _not_superseded(attached, epoch)
+        if attached.state in ENDED:
+            raise Problem("run-ended", f"run {run_id} has ended ({attached.state})", state=attached.state)
+        if attached.lost:
+            raise Problem("attempt-lost", f"attempt {epoch} of run {run_id} was found lost; the "
+                          "supervisor starts a new one", epoch=epoch)
+        return attached
+
+    async def lose_attachment(self, namespace: str, run_id: str, epoch: int, attachment: int,
+                              grace_s: float) -> bool:
+        """Held connection number ``attachment`` of attempt ``epoch`` stayed gone for ``grace_s``:
+        mark the attempt lost, unless a connection was held after it or the attempt is over."""
+        event = {"event": "attachment-lost", "epoch": epoch, "attachment": attachment, "grace_s": grace_s}
+        lost = await self.store.runs.lose(namespace, run_id, epoch, time.time(), event, attachment=attachment)
+        if lost:
+            log.warning("run %s/%s epoch %d: its held connection stayed gone for %gs; restarting it",
+                        namespace, run_id, epoch, grace_s)
+        return lost
+
 
     # -- operators and the supervisor: any run ------------------------------------------------
 

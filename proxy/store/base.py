@@ -164,6 +164,18 @@ class Run:
     # times of the restarts that count towards max_restarts, within the restart window;
     # kept apart from the history, whose other events would push them out
     restart_times: list[float] = field(default_factory=list)
+    # The epoch of an attempt found lost (its process exited, its held connection stayed
+    # gone): the supervisor restarts it at once, whatever timeout_s says. Older values
+    # mean nothing once the epoch has moved on.
+    lost_epoch: int | None = None
+    # Held connections (POST /runs/{id}/attach) made so far: a connection that drops marks
+    # its attempt lost only if none was made after it, on any replica.
+    attachments: int = 0
+
+    @property
+    def lost(self) -> bool:
+        """Whether the current attempt has been found lost."""
+        return self.lost_epoch == self.epoch
 
     @classmethod
     def new(cls, namespace: str, run_id: str, defaults: RunSettings, now: float) -> "Run":
@@ -209,6 +221,32 @@ def advance_attempt(run: Run, now: float, reason: str, restart: bool, window_s: 
     run.history = remembered(run.history, {"at": now, "epoch": run.epoch, "event": reason})
     if window_s is not None:
         run.restart_times = [t for t in run.restart_times if t > now - window_s] + [now]
+
+
+# The word the postgres and redis stores broadcast on their channel when an attempt is
+# marked lost; never a kid (those are hex), so it needs no channel of its own.
+RUN_LOST = "run-lost"
+
+
+class Bell:
+    """Rung when an attempt is marked lost, by this process or (heard through NOTIFY or
+    pub/sub) another one; a supervisor waiting on it ticks at once. It stays rung until
+    someone has waited on it, so a ring during a tick is not lost."""
+
+    def __init__(self) -> None:
+        self._rung = asyncio.Event()
+
+    def ring(self) -> None:
+        self._rung.set()
+
+    async def wait(self, timeout: float) -> bool:
+        """True once rung (and unrung again), False after ``timeout``."""
+        try:
+            await asyncio.wait_for(self._rung.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        self._rung.clear()
+        return True
 
 
 class Waiters:
@@ -315,7 +353,21 @@ class RunRegistry(Protocol):
                           reason: str, restart: bool, window_s: float | None = None) -> Run | None:
         """Compare-and-set the epoch to epoch+1; None when another caller won. With
         ``window_s``, ``now`` joins ``restart_times``, which keeps the last ``window_s`` seconds."""
-    async def silent(self, now: float) -> list[Run]: """Running runs past timeout and grace."""
+    async def silent(self, now: float) -> list[Run]:
+        """Running runs past timeout and grace, or whose attempt is lost and which have a hook
+        to start them again (without one, something else restarts them: silence decides);
+        none backing off."""
+    async def attach(self, namespace: str, run_id: str, epoch: int) -> Run | None:
+        """Count a held connection of attempt ``epoch`` (``attachments`` + 1), unless the run
+        has ended, is at another epoch or that attempt is lost (then nothing changes). The run
+        afterwards; None if there is none."""
+    async def lose(self, namespace: str, run_id: str, epoch: int, now: float, event: dict[str, Any],
+                   attachment: int | None = None) -> bool:
+        """Mark attempt ``epoch`` lost and remember ``event``: only while the run is at that
+        epoch and not ended, and with ``attachment``, only if no connection was held after
+        that one. True if marked (and the bell rung for every supervisor)."""
+    async def wait_lost(self, timeout: float) -> bool:
+        """True when an attempt was marked lost since the last call, False after ``timeout``."""
     async def set_state(self, namespace: str, run_id: str, state: str | None, now: float,
                         event: dict[str, Any] | None = None, **fields: Any) -> None:
         """Set state (None keeps it), append ``event`` to the history, set ``fields``."""

@@ -23,7 +23,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import asyncpg
 import orjson
 
-from ..base import StoreUnavailable, Waiters
+from ..base import RUN_LOST, Bell, StoreUnavailable, Waiters
 from .schema import migrate
 
 log = logging.getLogger("idemproxy.store")
@@ -110,6 +110,7 @@ class PostgresConnection:
         self.channel = f"idemproxy:{self.schema}"[:63]  # NOTIFY channel names are identifiers
         self.durability = "unknown until the store is open"
         self.waiters = Waiters(POLL_S)
+        self.lost = Bell()  # an attempt marked lost, by any process on this schema
         self._session: dict[str, str] = {}  # extra server settings for our sessions
         self._pool: asyncpg.Pool | None = None
         self._listener: asyncio.Task | None = None
@@ -266,5 +267,8 @@ class PostgresConnection:
                     conn = None
 
     def _on_notify(self, _conn: Any, _pid: int, _channel: str, kids: str) -> None:
+        if kids == RUN_LOST:
+            self.lost.ring()
+            return
         for kid in kids.split(" "):  # a batch of records tells its kids in one notification
             self.waiters.wake(kid)

@@ -31,7 +31,7 @@ class PostgresRuns:
             "upsert_run", sql.UPSERT_RUN, run.namespace, run.run_id, run.state, run.epoch, run.restarts,
             run.last_seen, run.started_at, run.timeout_s, run.grace_s, run.max_restarts, run.hook,
             run.metadata, run.created_at, run.ended_at, run.next_restart_at, run.history[-HISTORY_LIMIT:],
-            run.restart_times))
+            run.restart_times, run.lost_epoch, run.attachments))
 
     async def find(self, namespace: str | None, run_id: str) -> list[Run]:
         rows = await self._db.fetch("get_run", sql.GET_RUN, namespace, run_id)
@@ -99,6 +99,28 @@ class PostgresRuns:
     async def silent(self, now: float) -> list[Run]:
         rows = await self._db.fetch("silent_runs", sql.SILENT_RUNS, now)
         return [_run(r) for r in rows]
+
+    async def attach(self, namespace: str, run_id: str, epoch: int) -> Run | None:
+        async def op(c: asyncpg.Connection) -> Run | None:
+            await c.execute(sql.ATTACH, namespace, run_id, epoch)
+            row = await c.fetchrow(sql.GET_RUN, namespace, run_id)
+            return None if row is None else _run(row)
+        return await self._db.tx("attach", op)
+
+    async def lose(self, namespace: str, run_id: str, epoch: int, now: float, event: dict[str, Any],
+                   attachment: int | None = None) -> bool:
+        async def op(c: asyncpg.Connection) -> bool:
+            run = await self._locked_run(c, namespace, run_id)
+            if (run is None or run.epoch != epoch or run.state in ENDED or run.lost
+                    or attachment not in (None, run.attachments)):
+                return False
+            await c.execute(sql.LOSE, epoch, remembered(run.history, {"at": now, **event}), namespace,
+                            run_id, self._db.channel)
+            return True
+        return await self._db.tx("lose_attempt", op)  # our own listener rings our bell too
+
+    async def wait_lost(self, timeout: float) -> bool:
+        return await self._db.lost.wait(timeout)
 
     async def set_state(self, namespace: str, run_id: str, state: str | None, now: float,
                         event: dict[str, Any] | None = None, **fields: Any) -> None:

@@ -36,6 +36,10 @@ CREATE TABLE secrets (name TEXT PRIMARY KEY, value BYTEA NOT NULL);
 """), (2, """
 -- the restarts that count towards max_restarts, apart from the history that evicts them
 ALTER TABLE runs ADD COLUMN restart_times JSONB NOT NULL DEFAULT '[]';
+"""), (3, """
+-- an attempt found lost (exited, or its held connection gone), and the connections held so far
+ALTER TABLE runs ADD COLUMN lost_epoch BIGINT;
+ALTER TABLE runs ADD COLUMN attachments BIGINT NOT NULL DEFAULT 0;
 """)]
 
 

@@ -8,12 +8,13 @@ each statement.
 
 from __future__ import annotations
 
-from ..base import EntryState, RunState
+from ..base import RUN_LOST, EntryState, RunState
 
 ENTRY_COLUMNS = ("kid, tenant, run, epoch, upstream, key, fingerprint, state, owner, lease_until, "
                  "created_at, completed_at, expires_at, replays, detail, method, path, namespace")
 RUN_COLUMNS = ("tenant, run_id, state, epoch, restarts, last_seen, started_at, timeout_s, grace_s, "
-               "max_restarts, hook, metadata, created_at, ended_at, next_restart_at, history, restart_times")
+               "max_restarts, hook, metadata, created_at, ended_at, next_restart_at, history, restart_times, "
+               "lost_epoch, attachments")
 
 # Claims that arrived together, one element per claim in arrays: $1 kid, $2 tenant,
 # $3 run, $4 epoch, $5 upstream, $6 key, $7 fingerprint, $8 method, $9 path, $10 owner,
@@ -149,10 +150,10 @@ o AS (DELETE FROM occurrences WHERE tenant = $1 AND run = $2),
 j AS (DELETE FROM journal WHERE namespace = $1 AND run = $2 RETURNING kid)
 SELECT count(*) FROM j"""
 
-# $1..$17: the columns of RUN_COLUMNS, in order
+# $1..$19: the columns of RUN_COLUMNS, in order
 UPSERT_RUN = f"""
 INSERT INTO runs ({RUN_COLUMNS})
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19)
 ON CONFLICT (tenant, run_id) DO UPDATE SET timeout_s = excluded.timeout_s, grace_s = excluded.grace_s,
     max_restarts = excluded.max_restarts, hook = excluded.hook, metadata = excluded.metadata
 RETURNING {RUN_COLUMNS}"""
@@ -162,7 +163,7 @@ RETURNING {RUN_COLUMNS}"""
 # existing one moves to the next epoch only. Returns nothing when nothing was written.
 RAISE_EPOCH = f"""
 INSERT INTO runs ({RUN_COLUMNS})
-SELECT $1, $2, '{RunState.RUNNING}', $3::bigint, 0, $4, $4, $5, $6, $7, $8, $9, $4, NULL, 0, '[]', '[]'
+SELECT $1, $2, '{RunState.RUNNING}', $3::bigint, 0, $4, $4, $5, $6, $7, $8, $9, $4, NULL, 0, '[]', '[]', NULL, 0
 WHERE $3::bigint <= 1 OR EXISTS (SELECT 1 FROM runs WHERE tenant = $1 AND run_id = $2)
 ON CONFLICT (tenant, run_id) DO UPDATE SET epoch = excluded.epoch, started_at = excluded.started_at,
     state = CASE WHEN runs.state = '{RunState.RESTARTING}' THEN '{RunState.RUNNING}' ELSE runs.state END
@@ -214,7 +215,9 @@ END_RUN = "UPDATE runs SET state = $1, ended_at = $2, history = $3 WHERE tenant 
 NEW_ATTEMPT = ("UPDATE runs SET epoch = $1, restarts = $2, state = $3, started_at = $4, last_seen = $4, "
                "history = $5, restart_times = $6 WHERE tenant = $7 AND run_id = $8")
 SILENT_RUNS = (f"SELECT {RUN_COLUMNS} FROM runs WHERE state IN ('{RunState.RUNNING}', '{RunState.RESTARTING}') "
-               "AND last_seen + timeout_s < $1 AND started_at + grace_s < $1 AND next_restart_at <= $1")
+               "AND ((last_seen + timeout_s < $1 AND started_at + grace_s < $1) "
+               "OR (lost_epoch = epoch AND hook IS NOT NULL)) "
+               "AND next_restart_at <= $1")
 COUNT_RUNS = "SELECT state, count(*) FROM runs GROUP BY state"
 # $1 before, $2 batch, $3 every state (so runs_by_state (state, last_seen) finds them).
 # Rows a writer holds are skipped, not waited for, as the journal's purge does.
@@ -223,3 +226,9 @@ WITH doomed AS (SELECT tenant, run_id FROM runs WHERE state = ANY($3::text[]) AN
                 AND coalesce(ended_at, 0) < $1 LIMIT $2 FOR UPDATE SKIP LOCKED),
 gone AS (DELETE FROM runs r USING doomed d WHERE r.tenant = d.tenant AND r.run_id = d.run_id RETURNING 1)
 SELECT count(*) FROM gone"""
+# $1 namespace, $2 run_id, $3 epoch: one more held connection of a live, not lost attempt
+ATTACH = (f"UPDATE runs SET attachments = attachments + 1 WHERE tenant = $1 AND run_id = $2 AND epoch = $3 "
+          f"AND state IN ('{RunState.RUNNING}', '{RunState.RESTARTING}') AND lost_epoch IS DISTINCT FROM epoch")
+# $1 epoch, $2 history, $3 namespace, $4 run_id, $5 channel: told at commit, to every supervisor
+LOSE = (f"UPDATE runs SET lost_epoch = $1, history = $2 WHERE tenant = $3 AND run_id = $4 "
+        f"RETURNING pg_notify($5, '{RUN_LOST}')")

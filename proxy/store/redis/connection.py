@@ -22,7 +22,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from ...config import mask_url
-from ..base import StoreUnavailable, Waiters
+from ..base import RUN_LOST, Bell, StoreUnavailable, Waiters
 from .scripts import SCRIPTS
 
 log = logging.getLogger("idemproxy.store")
@@ -106,6 +106,7 @@ class RedisConnection:
         self.channel = self.prefix + "changed"
         self.durability = "unknown until the store is opened"
         self.waiters = Waiters(POLL_S)
+        self.lost = Bell()  # an attempt marked lost, by any process on this prefix
         self._client: redis_asyncio.Redis | None = None
         self._scripts: dict[str, Any] = {}
         self._listener: asyncio.Task | None = None
@@ -242,7 +243,11 @@ class RedisConnection:
                     while True:
                         message = await pubsub.get_message(timeout=LISTEN_S)
                         if message is not None and message["type"] == "message":
-                            self.waiters.wake(message["data"].decode())
+                            said = message["data"].decode()
+                            if said == RUN_LOST:
+                                self.lost.ring()
+                            else:
+                                self.waiters.wake(said)
                 except Exception as exc:  # noqa: BLE001 - the reader must outlive any outage
                     level = logging.WARNING if delay == RECONNECT_S[0] else logging.DEBUG
                     log.log(level, "redis notifications lost (%s); waiters poll meanwhile", exc)

@@ -30,7 +30,8 @@ def _run(raw: dict | list, history: list[bytes], restart_times: list[bytes]) -> 
                text(f.get("hook")), orjson.loads(f.get("metadata") or b"{}"),
                float(f["created_at"]), maybe(float, f.get("ended_at")),
                float(f.get("next_restart_at") or 0), [orjson.loads(h) for h in history],
-               [float(t) for t in restart_times])
+               [float(t) for t in restart_times], maybe(int, f.get("lost_epoch")),
+               int(f.get("attachments") or 0))
 
 
 def _new_run_fields(run: Run) -> dict[str, str | None]:
@@ -39,7 +40,8 @@ def _new_run_fields(run: Run) -> dict[str, str | None]:
               "timeout_s": run.timeout_s, "grace_s": run.grace_s, "max_restarts": run.max_restarts,
               "hook": run.hook, "metadata": orjson.dumps(run.metadata).decode(),
               "created_at": run.created_at, "ended_at": run.ended_at,
-              "next_restart_at": run.next_restart_at}
+              "next_restart_at": run.next_restart_at, "lost_epoch": run.lost_epoch,
+              "attachments": run.attachments}
     return {k: None if v is None else str(v) for k, v in fields.items()}
 
 
@@ -128,7 +130,7 @@ class RedisRuns:
         rks = await self._db.do(self._db.client.zrangebyscore(deadlines, "-inf", f"({now!r}"))
         runs = await self._runs([rk.decode() for rk in rks])
         return [r for r in runs if r.state in (RunState.RUNNING, RunState.RESTARTING)
-                and r.last_seen + r.timeout_s < now and r.started_at + r.grace_s < now
+                and ((r.lost and r.hook) or (r.last_seen + r.timeout_s < now and r.started_at + r.grace_s < now))
                 and r.next_restart_at <= now]
 
     async def purge(self, before: float, batch: int = 1000) -> int:
@@ -138,6 +140,19 @@ class RedisRuns:
             total += n
             if n < batch:
                 return total
+
+    async def attach(self, namespace: str, run_id: str, epoch: int) -> Run | None:
+        reply = await self._script("attach_run", run_ref(namespace, run_id), epoch)
+        return _run(*reply) if reply else None
+
+    async def lose(self, namespace: str, run_id: str, epoch: int, now: float, event: dict[str, Any],
+                   attachment: int | None = None) -> bool:
+        return bool(await self._script("lose_attempt", run_ref(namespace, run_id), epoch,
+                                       orjson.dumps({"at": now, **event}),
+                                       "" if attachment is None else attachment, self._db.channel))
+
+    async def wait_lost(self, timeout: float) -> bool:
+        return await self._db.lost.wait(timeout)
 
     async def set_state(self, namespace: str, run_id: str, state: str | None, now: float,
                         event: dict[str, Any] | None = None, **fields: Any) -> None:

@@ -8,7 +8,7 @@ shared with the other stores (run states, the history's length) are written into
 script text from :mod:`..base`, so they are defined once.
 """
 
-from ..base import ENDED, HISTORY_LIMIT, RUN_STATES
+from ..base import ENDED, HISTORY_LIMIT, RUN_LOST, RUN_STATES
 
 ENTRY_FIELDS = ("kid", "tenant", "run", "epoch", "upstream", "key", "fingerprint", "state", "owner",
                 "lease_until", "created_at", "completed_at", "expires_at", "replays", "detail",
@@ -220,7 +220,7 @@ local function event(at, epoch, name)
 end
 local function reindex(p, rk)  -- after every change: listing by state, silent-run deadline, purge
   local r = redis.call('HMGET', p .. 'run:' .. rk, 'state', 'created_at', 'last_seen', 'timeout_s', 'run_id',
-                       'ended_at')
+                       'ended_at', 'lost_epoch', 'epoch')
   redis.call('ZADD', p .. 'runs', r[2], rk)
   for _, state in ipairs(STATES) do
     if state ~= r[1] then redis.call('ZREM', p .. 'runs:' .. state, rk) end
@@ -228,6 +228,8 @@ local function reindex(p, rk)  -- after every change: listing by state, silent-r
   redis.call('ZADD', p .. 'runs:' .. r[1], r[2], rk)
   if ENDED[r[1]] then
     redis.call('ZREM', p .. 'runs-deadline', rk)
+  elseif r[7] and tonumber(r[7]) == tonumber(r[8]) then  -- its attempt is lost: due now, whatever its timeout
+    redis.call('ZADD', p .. 'runs-deadline', 0, rk)
   else
     redis.call('ZADD', p .. 'runs-deadline', tonumber(r[3]) + tonumber(r[4]), rk)
   end
@@ -360,6 +362,32 @@ end
 return #due
 """
 
+
+ATTACH_RUN = RUN_HELPERS + """
+-- ARGV[3]: epoch. One more held connection of a live attempt that is not lost.
+local r = redis.call('HMGET', run, 'state', 'epoch', 'lost_epoch')
+if not r[1] then return false end
+local epoch = tonumber(ARGV[3])
+if not ENDED[r[1]] and tonumber(r[2]) == epoch and tonumber(r[3]) ~= epoch then
+  redis.call('HINCRBY', run, 'attachments', 1)
+end
+return reply(p, rk)
+"""
+
+LOSE_ATTEMPT = RUN_HELPERS + """
+-- ARGV[3]: epoch, ARGV[4]: the event (JSON), ARGV[5]: attachment ('' = any), ARGV[6]: channel.
+-- Marks the attempt lost while it is current and, with an attachment, not held since.
+local r = redis.call('HMGET', run, 'state', 'epoch', 'lost_epoch', 'attachments')
+local epoch = tonumber(ARGV[3])
+if not r[1] or ENDED[r[1]] or tonumber(r[2]) ~= epoch or tonumber(r[3]) == epoch then return 0 end
+if ARGV[5] ~= '' and tonumber(r[4] or '0') ~= tonumber(ARGV[5]) then return 0 end
+redis.call('HSET', run, 'lost_epoch', ARGV[3])
+remember(p, rk, ARGV[4])
+reindex(p, rk)
+redis.call('PUBLISH', ARGV[6], 'RUN_LOST')
+return 1
+""".replace("RUN_LOST", RUN_LOST)
+
 SCRIPTS = {
     "read": READ, "claim": CLAIM, "renew": RENEW, "complete": COMPLETE, "release": RELEASE, "set_state": SET_STATE,
     "resolve": RESOLVE, "append_partial": APPEND_PARTIAL, "read_partial": READ_PARTIAL,
@@ -367,4 +395,5 @@ SCRIPTS = {
     "upsert_run": UPSERT_RUN, "observe_epoch": OBSERVE_EPOCH, "touch": TOUCH, "heartbeat": HEARTBEAT,
     "end_run": END_RUN,
     "new_attempt": NEW_ATTEMPT, "set_run_state": SET_RUN_STATE, "purge_runs": PURGE_RUNS,
+    "attach_run": ATTACH_RUN, "lose_attempt": LOSE_ATTEMPT,
 }

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from ..base import StoreUnavailable, Waiters
+from ..base import Bell, StoreUnavailable, Waiters
 from .schema import SCHEMA_VERSION, migrate
 
 LOCK_RETRY_S = 0.0002  # how often the writer tries for a write lock another worker holds
@@ -52,6 +52,7 @@ class SQLiteConnection:
         self.path = path
         self.timeout = timeout
         self.waiters = Waiters(POLL_S)  # woken by our own writes; other processes' by the poll
+        self.lost = Bell()  # rung by our own writes only: other processes' supervisors tick on
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._handover = threading.Lock()  # decides, per write, writer-took-it vs caller-gave-up
         self._writer: threading.Thread | None = None

@@ -16,7 +16,8 @@ from ..base import (ENDED, HISTORY_LIMIT, RUN_STATES, Run, RunState, advance_att
 from .connection import SQLiteConnection
 
 RUN_COLUMNS = ("tenant, run_id, state, epoch, restarts, last_seen, started_at, timeout_s, grace_s, "
-               "max_restarts, hook, metadata, created_at, ended_at, next_restart_at, history, restart_times")
+               "max_restarts, hook, metadata, created_at, ended_at, next_restart_at, history, restart_times, "
+               "lost_epoch, attachments")
 
 
 def _run(row: sqlite3.Row) -> Run:
@@ -41,13 +42,14 @@ class SQLiteRuns:
     async def upsert(self, run: Run) -> Run:
         def op(c):
             c.execute(
-                f"INSERT INTO runs ({RUN_COLUMNS}) VALUES ({', '.join('?' * 17)}) "
+                f"INSERT INTO runs ({RUN_COLUMNS}) VALUES ({', '.join('?' * 19)}) "
                 "ON CONFLICT DO UPDATE SET timeout_s = excluded.timeout_s, grace_s = excluded.grace_s, "
                 "max_restarts = excluded.max_restarts, hook = excluded.hook, metadata = excluded.metadata",
                 (run.namespace, run.run_id, run.state, run.epoch, run.restarts, run.last_seen,
                  run.started_at, run.timeout_s, run.grace_s, run.max_restarts, run.hook,
                  orjson.dumps(run.metadata), run.created_at, run.ended_at, run.next_restart_at,
-                 orjson.dumps(run.history[-HISTORY_LIMIT:]), orjson.dumps(run.restart_times)))
+                 orjson.dumps(run.history[-HISTORY_LIMIT:]), orjson.dumps(run.restart_times),
+                 run.lost_epoch, run.attachments))
             return _run_in(c, run.namespace, run.run_id)
         return await self._db.write(op)
 
@@ -81,7 +83,7 @@ class SQLiteRuns:
                     return 0  # an unknown run counts as one at epoch 0
                 c.execute(
                     f"INSERT INTO runs ({RUN_COLUMNS}) "
-                    "VALUES (?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, NULL, 0, ?, ?)",
+                    "VALUES (?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, NULL, 0, ?, ?, NULL, 0)",
                     (namespace, run_id, RunState.RUNNING, epoch or 0, now, now, defaults.timeout_s,
                      defaults.grace_s, defaults.max_restarts, defaults.hook, orjson.dumps(defaults.metadata),
                      now, b"[]", b"[]"))
@@ -144,9 +146,36 @@ class SQLiteRuns:
 
     async def silent(self, now: float) -> list[Run]:
         rows = self._db.read(f"SELECT {RUN_COLUMNS} FROM runs WHERE state IN (?, ?) "
-                          "AND last_seen + timeout_s < ? AND started_at + grace_s < ? "
+                          "AND ((last_seen + timeout_s < ? AND started_at + grace_s < ?) "
+                          "OR (lost_epoch = epoch AND hook IS NOT NULL)) "
                           "AND next_restart_at <= ?", (RunState.RUNNING, RunState.RESTARTING, now, now, now))
         return [_run(r) for r in rows]
+
+    async def attach(self, namespace: str, run_id: str, epoch: int) -> Run | None:
+        def op(c):
+            c.execute("UPDATE runs SET attachments = attachments + 1 WHERE tenant = ? AND run_id = ? "
+                      "AND epoch = ? AND state IN (?, ?) AND lost_epoch IS NOT epoch",
+                      (namespace, run_id, epoch, RunState.RUNNING, RunState.RESTARTING))
+            return _run_in(c, namespace, run_id)
+        return await self._db.write(op)
+
+    async def lose(self, namespace: str, run_id: str, epoch: int, now: float, event: dict[str, Any],
+                   attachment: int | None = None) -> bool:
+        def op(c):
+            run = _run_in(c, namespace, run_id)
+            if (run is None or run.epoch != epoch or run.state in ENDED or run.lost
+                    or attachment not in (None, run.attachments)):
+                return False
+            c.execute("UPDATE runs SET lost_epoch = ?, history = ? WHERE tenant = ? AND run_id = ?",
+                      (epoch, orjson.dumps(remembered(run.history, {"at": now, **event})), namespace, run_id))
+            return True
+        lost = await self._db.write(op)
+        if lost:  # other processes on this file hear of it at their supervisor's next tick
+            self._db.lost.ring()
+        return lost
+
+    async def wait_lost(self, timeout: float) -> bool:
+        return await self._db.lost.wait(timeout)
 
     async def set_state(self, namespace: str, run_id: str, state: str | None, now: float,
                         event: dict[str, Any] | None = None, **fields: Any) -> None:

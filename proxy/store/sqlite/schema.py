@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS journal (
     kid TEXT PRIMARY KEY, tenant TEXT NOT NULL, run TEXT, epoch INTEGER,
@@ -26,12 +26,15 @@ CREATE TABLE IF NOT EXISTS runs (
     restarts INTEGER NOT NULL DEFAULT 0, last_seen REAL NOT NULL, started_at REAL NOT NULL,
     timeout_s REAL NOT NULL, grace_s REAL NOT NULL, max_restarts INTEGER NOT NULL, hook TEXT,
     metadata BLOB, created_at REAL NOT NULL, ended_at REAL, next_restart_at REAL NOT NULL DEFAULT 0,
-    history BLOB, restart_times BLOB, PRIMARY KEY (tenant, run_id));
+    history BLOB, restart_times BLOB, lost_epoch INTEGER, attachments INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (tenant, run_id));
 CREATE INDEX IF NOT EXISTS runs_by_state ON runs (state, last_seen);
 CREATE TABLE IF NOT EXISTS secrets (name TEXT PRIMARY KEY, value BLOB NOT NULL);
 """
 # What takes a file made by version N-1 to version N (SCHEMA above is already the latest).
-UPGRADES = {2: "ALTER TABLE runs ADD COLUMN restart_times BLOB"}
+UPGRADES = {2: "ALTER TABLE runs ADD COLUMN restart_times BLOB",
+            3: "ALTER TABLE runs ADD COLUMN lost_epoch INTEGER; "
+               "ALTER TABLE runs ADD COLUMN attachments INTEGER NOT NULL DEFAULT 0"}
 
 
 def migrate(conn: sqlite3.Connection) -> None:
@@ -43,7 +46,7 @@ def migrate(conn: sqlite3.Connection) -> None:
         if version == 0:
             statements = SCHEMA.split(";")
         else:
-            statements = [UPGRADES[v] for v in range(version + 1, SCHEMA_VERSION + 1)]
+            statements = [s for v in range(version + 1, SCHEMA_VERSION + 1) for s in UPGRADES[v].split(";")]
         for statement in statements:
             if statement.strip():
                 conn.execute(statement)

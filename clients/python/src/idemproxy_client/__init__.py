@@ -15,12 +15,17 @@ asyncio code uses ``AsyncRun`` the same way, with async clients and awaited meth
         async with run.openai() as llm:              # an openai.AsyncOpenAI
             reply = await llm.chat.completions.create(...)
 
+``attach=True`` holds a connection to the proxy for the attempt, so that a supervisor
+restarts the run the moment this process dies (within the proxy's ``attach_grace_s``),
+not after ``timeout_s`` of silence.
+
 A crashed run restarted by the supervisor (or started again by anything else) replays
 its recorded calls from the proxy's journal and goes live where it stopped.
 ``run.info.state`` is a ``RunState`` (running, restarting, completed, failed, dead).
 """
 
 from .async_run import AsyncRun
+from .attach import AsyncAttachment, Attachment
 from .errors import (IdemProxyError, ProblemError, ProxyUnreachable, RunEnded, RunExists,
                      RunNotFound, Superseded)
 from .info import RunInfo, RunState
@@ -31,6 +36,6 @@ from .run import Run
 __version__ = "0.1.0"
 
 __all__ = [
-    "AsyncRun", "IdemProxyError", "Launch", "ProblemError", "ProxyUnreachable", "Run",
+    "AsyncAttachment", "AsyncRun", "Attachment", "IdemProxyError", "Launch", "ProblemError", "ProxyUnreachable", "Run",
     "RunEnded", "RunExists", "RunInfo", "RunNotFound", "RunState", "Superseded", "step_key",
 ]

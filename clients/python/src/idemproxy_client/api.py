@@ -72,6 +72,16 @@ def heartbeat(run_id: str, epoch: int | None) -> Call:
     return Call("POST", f"/runs/{_segment(run_id)}/heartbeat", epoch=epoch)
 
 
+def attach_path(run_id: str) -> str:
+    """Where an attempt's connection is held (streamed, so sent by :mod:`.attach`, not as a Call)."""
+    return f"/runs/{_segment(run_id)}/attach"
+
+
+def detach(run_id: str, epoch: int) -> Call:
+    """Let the attempt's held connections go on purpose: their drop then restarts nothing."""
+    return Call("POST", f"/runs/{_segment(run_id)}/detach", epoch=epoch)
+
+
 def complete(run_id: str, epoch: int | None) -> Call:
     return Call("POST", f"/runs/{_segment(run_id)}/complete", epoch=epoch)
 

@@ -9,6 +9,7 @@ import httpx
 
 from . import plan, sdk
 from .api import AsyncRunsAPI
+from .attach import AsyncAttachment
 from .base import BaseRun
 from .heartbeat import HeartbeatTask
 from .info import RunInfo, RunState
@@ -32,6 +33,7 @@ class AsyncRun(BaseRun):
     # Set by start(), until aclose().
     _api: AsyncRunsAPI | None = None
     _beats: HeartbeatTask | None = None
+    _attachment: AsyncAttachment | None = None
 
     # -- clients on the run-scoped URL ---------------------------------------------------
 
@@ -68,7 +70,15 @@ class AsyncRun(BaseRun):
         if interval:
             self._beats = HeartbeatTask(self.heartbeat, interval, self._attempt_over)
             self._beats.start()
+        if self._attach:
+            self._attachment = AsyncAttachment(self.run_id, self.epoch, proxy_url=self.proxy_url,
+                                               tenant=self.tenant, on_over=self._attempt_over).start()
         return self
+
+    @property
+    def attachment(self) -> AsyncAttachment | None:
+        """The held connection of ``attach=True``, while the run is open."""
+        return self._attachment
 
     async def heartbeat(self) -> RunInfo:
         """Tell the proxy this attempt is alive now; raises :class:`Superseded` if replaced."""
@@ -87,7 +97,9 @@ class AsyncRun(BaseRun):
         return await plan.adrive(self._end_plan(RunState.FAILED), self._connection().send)
 
     async def aclose(self) -> None:
-        """Stop heartbeats and close the connection, leaving the run's state as it is."""
+        """Stop heartbeats and close the connection, leaving the run's state as it is (a held
+        connection is let go on purpose: its end restarts nothing)."""
+        await self._drop_attachment(let_go=True)
         if self._beats is not None:
             await self._beats.stop()
         self._beats = None
@@ -107,7 +119,16 @@ class AsyncRun(BaseRun):
                 await plan.adrive(self._end_plan(plan.outcome_of(exc), quiet=exc is not None),
                                   self._api.send)
         finally:
+            await self._drop_attachment(let_go=exc is None)
             await self.aclose()
+
+    async def _drop_attachment(self, let_go: bool) -> None:
+        attachment, self._attachment = self._attachment, None
+        if attachment is None:
+            return
+        if let_go and self._api is not None:
+            await plan.adrive(self._let_go_plan(), self._api.send)
+        await attachment.stop()
 
     def _connection(self) -> AsyncRunsAPI:
         if self._api is None:

@@ -41,6 +41,13 @@ class BaseRun:
         heartbeat: True for beats at a third of the run's timeout, a number for that
             interval in seconds, False for none.
         finish: mark the run completed/failed when the block ends.
+        attach: hold a connection to the proxy for this attempt (``POST /runs/{id}/attach``,
+            see :mod:`.attach`): if this process dies, the proxy notices within its
+            ``attach_grace_s`` and a supervisor restarts the run at once, whatever
+            ``timeout_s`` says. For agents no command hook started (a hook-started agent is
+            watched as a child already). A block that ends normally, or ``close()``, lets
+            the connection go on purpose; one left by an exception the run was not marked
+            for drops it like a crash.
         tenant: sent as ``Idem-Tenant`` (only honoured from trusted sources). Default:
             ``IDEM_NAMESPACE`` when it names a trusted tenant (not ``default``, nor a
             credential's namespace: ``anonymous``, ``k:…``).
@@ -54,7 +61,7 @@ class BaseRun:
                  max_restarts: int | None = None, hook: str | None = None,
                  metadata: Mapping[str, Any] | None = None, heartbeat: bool | float = True,
                  finish: bool = True, tenant: str | None = None, http_timeout: float = 10.0,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, attach: bool = False) -> None:
         launch = Launch.from_env(env)
         handed = launch.run_id is not None and run_id in (None, launch.run_id)
         self.run_id: str = run_id or launch.run_id or f"run-{uuid.uuid4().hex}"
@@ -70,6 +77,7 @@ class BaseRun:
         self._resume = resume
         self._heartbeat = heartbeat
         self._finish = finish
+        self._attach = attach
         self._http_timeout = http_timeout
         self._info: RunInfo | None = None
         self._started = False
@@ -204,6 +212,18 @@ class BaseRun:
         if run is not None:
             self._info = run
         return run
+
+    def _let_go_plan(self) -> plan.Plan[None]:
+        """Let this attempt's held connection go on purpose, so that its end restarts
+        nothing; not needed once the attempt is over anyway."""
+        if self._ended or self._superseded:
+            return None
+        try:
+            yield api.detach(self.run_id, self.epoch)
+        except IdemProxyError as exc:
+            log.warning("run %s: held connection not let go (%s); its end may restart the run",
+                        self.run_id, exc)
+        return None
 
     def _beat_interval(self) -> float:
         if self._heartbeat is False:

@@ -8,8 +8,9 @@ Exception tree::
         ├── RunNotFound             404: no such run in this namespace
         ├── RunEnded                409 run-ended: completed, failed or dead; never restarted
         ├── RunExists               the run id is taken and ``resume=False`` was asked
-        └── Superseded              412 stale-epoch, or a newer epoch seen: this attempt
-                                    has been replaced (fenced) and must stop
+        └── Superseded              412 stale-epoch, or a newer epoch seen, or 409
+                                    attempt-lost: this attempt has been replaced (fenced),
+                                    or is about to be, and must stop
 
 Match on the classes (or on ``ProblemError.slug``), never on the human ``detail``.
 """
@@ -63,7 +64,7 @@ def problem_from_response(status: int, body: Any) -> ProblemError:
     slug = kind[len(PROBLEM_TYPE_BASE):] if kind.startswith(PROBLEM_TYPE_BASE) else kind
     slug = slug or f"http-{status}"
     detail = str(members.get("detail") or members.get("title") or "")
-    if slug == "stale-epoch" or status == 412:
+    if slug in ("stale-epoch", "attempt-lost") or status == 412:
         return Superseded(status, slug, detail, members)
     if slug == "run-ended":
         return RunEnded(status, slug, detail, members)

@@ -32,6 +32,13 @@ def ends_beating(exc: IdemProxyError) -> bool:
     return isinstance(exc, (Superseded, RunEnded, RunNotFound))
 
 
+async def cancelled(task: asyncio.Task[None] | None) -> None:
+    """Cancel ``task`` (if any) and return once it has ended."""
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 class HeartbeatThread:
     """Calls ``beat()`` every ``interval`` seconds in a daemon thread until stopped."""
 
@@ -78,11 +85,8 @@ class HeartbeatTask:
 
     async def stop(self) -> None:
         """Cancel the task and wait for it to end."""
-        if self._task is None:
-            return
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-        self._task = None
+        task, self._task = self._task, None
+        await cancelled(task)
 
     async def _loop(self) -> None:
         while True:

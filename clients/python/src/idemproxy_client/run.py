@@ -9,6 +9,7 @@ import httpx
 
 from . import plan, sdk
 from .api import RunsAPI
+from .attach import Attachment
 from .base import BaseRun
 from .heartbeat import HeartbeatThread
 from .info import RunInfo, RunState
@@ -47,6 +48,7 @@ class Run(BaseRun):
     _api: RunsAPI | None = None
     _beats_api: RunsAPI | None = None
     _beats: HeartbeatThread | None = None
+    _attachment: Attachment | None = None
 
     # -- clients on the run-scoped URL ---------------------------------------------------
 
@@ -80,7 +82,15 @@ class Run(BaseRun):
             self._beats = HeartbeatThread(lambda: plan.drive(self._beat_plan(), beats_api.send),
                                           interval, self._attempt_over)
             self._beats.start()
+        if self._attach:
+            self._attachment = Attachment(self.run_id, self.epoch, proxy_url=self.proxy_url,
+                                          tenant=self.tenant, on_over=self._attempt_over).start()
         return self
+
+    @property
+    def attachment(self) -> Attachment | None:
+        """The held connection of ``attach=True``, while the run is open."""
+        return self._attachment
 
     def heartbeat(self) -> RunInfo:
         """Tell the proxy this attempt is alive now; raises :class:`Superseded` if replaced."""
@@ -99,7 +109,9 @@ class Run(BaseRun):
         return plan.drive(self._end_plan(RunState.FAILED), self._connection().send)
 
     def close(self) -> None:
-        """Stop heartbeats and close connections, leaving the run's state as it is."""
+        """Stop heartbeats and close connections, leaving the run's state as it is (a held
+        connection is let go on purpose: its end restarts nothing)."""
+        self._drop_attachment(let_go=True)
         if self._beats is not None:
             self._beats.stop()
         self._beats = None
@@ -120,7 +132,16 @@ class Run(BaseRun):
                 plan.drive(self._end_plan(plan.outcome_of(exc), quiet=exc is not None),
                            self._api.send)
         finally:
+            self._drop_attachment(let_go=exc is None)
             self.close()
+
+    def _drop_attachment(self, let_go: bool) -> None:
+        attachment, self._attachment = self._attachment, None
+        if attachment is None:
+            return
+        if let_go and self._api is not None:
+            plan.drive(self._let_go_plan(), self._api.send)
+        attachment.stop()
 
     def _new_api(self) -> RunsAPI:
         return RunsAPI(self.proxy_url, tenant=self.tenant, timeout=self._http_timeout)
