@@ -23,7 +23,7 @@ from .metrics import Metrics
 from .problems import Problem
 from .replay import server_timing
 from .runs import Launcher, RunsService, admin, api, attach
-from .store import Store, StoreUnavailable, open_store
+from .store import Store, StoreUnavailable, open_store, retried
 
 log = logging.getLogger("idemproxy.proxy")
 
@@ -64,7 +64,9 @@ async def _lifecycle(app: web.Application, make_launcher: LauncherFactory) -> As
     settings = app[SETTINGS]
     store = app[STORE] = await open_store(settings)
     t = settings.tenants
-    tenants = app[TENANTS] = TenantResolver(await tenant_secret(settings, store), t.credential_headers,
+    # retried: a store that drops just after opening must not end the start (the fault campaign saw it)
+    secret = await retried(lambda: tenant_secret(settings, store), "tenant secret not readable")
+    tenants = app[TENANTS] = TenantResolver(secret, t.credential_headers,
                                             t.header, t.trusted_sources,
                                             shared_runs=t.runs == RUNS_SHARED)
     launcher = make_launcher(settings, store)

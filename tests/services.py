@@ -38,6 +38,15 @@ def reachable(url: str, timeout: float = 0.5) -> bool:
         return False
 
 
+def children(pid: int) -> list[int]:
+    """The pids of a process's children (a PostgreSQL postmaster's backends)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
 def _wait_port(port: int, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

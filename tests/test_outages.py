@@ -23,7 +23,7 @@ import pytest
 
 from conftest import BACKENDS, backend_url, proxy_sections
 from rawhttp import problem
-from services import PrivatePostgres, PrivateRedis
+from services import PrivatePostgres, PrivateRedis, children
 
 pytestmark = pytest.mark.slow  # private PostgreSQL/Redis taken away under load, real proxy processes, SIGKILL
 
@@ -120,14 +120,6 @@ def forwarded_marks(provider) -> set[str]:
     return marks
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except OSError:
-        return []
-
-
 class PrivateServer:
     """A private PostgreSQL or Redis that the test takes away: ``stopped`` (the server is
     gone, connections are refused) or ``frozen`` (SIGSTOP: it accepts connections and never
@@ -154,7 +146,7 @@ class PrivateServer:
             with open(os.path.join(self.server.data, "postmaster.pid")) as f:
                 main = int(f.readline())
             os.kill(main, signal.SIGSTOP)
-            self._frozen = [main, *_children(main)]
+            self._frozen = [main, *children(main)]
         else:
             self._frozen = [self.server.proc.pid]
         for pid in self._frozen:

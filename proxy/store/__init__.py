@@ -10,14 +10,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from importlib import import_module
+from typing import Awaitable, Callable, TypeVar
 from urllib.parse import unquote, urlsplit
 
 from ..config import Settings, StoreSettings
 from .base import Store, StoreError, StoreUnavailable
 
-__all__ = ["Store", "StoreError", "StoreUnavailable", "make_store", "open_store"]
+__all__ = ["Store", "StoreError", "StoreUnavailable", "make_store", "open_store", "retried"]
 
 log = logging.getLogger("idemproxy.store")
+T = TypeVar("T")
 
 OPEN_ATTEMPTS = 8
 # scheme -> (package, class, extra that installs its driver)
@@ -53,16 +55,21 @@ def make_store(settings: StoreSettings) -> Store:
 async def open_store(settings: Settings) -> Store:
     """Open the configured store, retrying with backoff while it is not reachable yet."""
     store = make_store(settings.store)
+    await retried(store.open, "store not reachable")
+    log.info("store %r open; durability: %s", store, store.durability)
+    return store
+
+
+async def retried(op: Callable[[], Awaitable[T]], what: str) -> T:
+    """``op()``, tried OPEN_ATTEMPTS times with backoff while the store is unavailable: for
+    the steps of starting up, which a store that drops meanwhile must not end."""
     for attempt in range(1, OPEN_ATTEMPTS + 1):
         try:
-            await store.open()
-            log.info("store %r open; durability: %s", store, store.durability)
-            return store
+            return await op()
         except StoreUnavailable as exc:
             if attempt == OPEN_ATTEMPTS:
                 raise
             delay = min(0.25 * 2 ** attempt, 10.0)
-            log.warning("store not reachable (attempt %d/%d, next in %.1fs): %s",
-                        attempt, OPEN_ATTEMPTS, delay, exc)
+            log.warning("%s (attempt %d/%d, next in %.1fs): %s", what, attempt, OPEN_ATTEMPTS, delay, exc)
             await asyncio.sleep(delay)
     raise AssertionError("unreachable")

@@ -202,7 +202,9 @@ class PostgresConnection:
                     # and terminate() then raises.)
                     if isinstance(exc, asyncio.CancelledError) or _unreachable(exc):
                         usable = False
-                        conn.terminate()
+                        # a link asyncpg already gave back raises here: the error to report is exc
+                        with contextlib.suppress(asyncpg.InterfaceError):
+                            conn.terminate()
                     raise
                 finally:
                     if keep and usable:

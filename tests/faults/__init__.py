@@ -1,0 +1,1 @@
+"""The fault campaign's parts: processes, faults, the upstream ledger and the verdict."""
