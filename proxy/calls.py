@@ -218,10 +218,11 @@ class Call:
     async def _broken(self, store: Store, exc: Exception) -> CallResult:
         """The exchange with the upstream failed: nothing happened if the request was never
         sent; otherwise the outcome is ambiguous."""
+        slug = "upstream-timeout" if is_timeout(exc) else "upstream-unavailable"
         if never_sent(exc):
             await store.journal.release(self.kid, self.owner)
-            return CallResult(Fate.RELEASED, ("upstream-unavailable", f"cannot connect to {self.upstream.name}"))
-        slug = "upstream-timeout" if is_timeout(exc) else "upstream-unavailable"
+            return CallResult(Fate.RELEASED, (slug, f"no connection to {self.upstream.name} "
+                                              f"({type(exc).__name__}); nothing was sent, the key is free"))
         return await self._ambiguous(store, slug, f"{type(exc).__name__} talking to {self.upstream.name}")
 
     async def _settle(self, store: Store) -> CallResult:

@@ -90,8 +90,12 @@ def make_session(upstream: UpstreamSettings) -> aiohttp.ClientSession:
 
 
 def never_sent(exc: BaseException) -> bool:
-    """True when the request cannot have reached the upstream (so nothing happened)."""
-    return isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.InvalidURL))
+    """True when the request failed before a byte of it was written, so the upstream cannot
+    have acted: no connection (refused, DNS, TLS: ``ClientConnectorError``), or none within
+    ``connect_timeout`` (``ConnectionTimeoutError``: a full listen backlog, or a pool whose
+    connections all stayed busy; aiohttp raises it only while acquiring a connection).
+    Anything later (a read timeout, a broken connection) is "sent, outcome unknown"."""
+    return isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, aiohttp.InvalidURL))
 
 
 def is_timeout(exc: BaseException) -> bool:

@@ -1,0 +1,92 @@
+"""Upstream edges (issue 10, items 6-8): calls that never left, streams nobody listens to,
+and large passthrough bodies. Each test failed before its fix."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+from aiohttp import web
+
+import fake_provider
+from rawhttp import problem
+
+TOOL = {"Content-Type": "application/json"}
+
+
+@pytest.fixture
+async def refusing_upstream():
+    """A listening socket whose backlog is full and that accepts nothing: a connection
+    attempt hangs, as against a server drowning in connections. ``serve()`` then starts
+    the fake provider on that very socket."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(3):  # backlog 0 takes one; the rest of the handshakes are dropped
+        filler = socket.socket()
+        filler.setblocking(False)
+        try:
+            filler.connect(("127.0.0.1", port))
+        except BlockingIOError:
+            pass
+        fillers.append(filler)
+    runners = []
+
+    async def serve() -> web.Application:
+        for filler in fillers:
+            filler.close()
+        app = fake_provider.create_app()
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.SockSite(runner, listener).start()
+        runners.append(runner)
+        return app
+
+    yield f"http://127.0.0.1:{port}", serve
+    for runner in runners:
+        await runner.cleanup()
+    for filler in fillers:
+        filler.close()
+    listener.close()
+
+
+async def test_a_call_that_could_not_connect_releases_its_key(make_proxy, store_url, refusing_upstream, http):
+    url, serve = refusing_upstream
+    # a tool upstream: an ambiguous outcome would be quarantined
+    proxy = await make_proxy(store_url, upstreams__stuck={"url": url, "kind": "tool", "connect_timeout": "0.5s"})
+    target = proxy.url + "/stuck/tools/send"
+    async with http.post(target, json={"to": "x"}, headers={"Idempotency-Key": "k1"}) as r:
+        body = await problem(r, "upstream-timeout", 504)
+        assert "nothing was sent" in body["detail"]
+    app = await serve()
+    assert app[fake_provider.CALLS]["tool:send"] == 0  # it never reached the upstream
+    async with http.post(target, json={"to": "x"}, headers={"Idempotency-Key": "k1"}) as r:
+        assert r.status == 200 and r.headers["Idempotent-Replayed"] == "false"  # not outcome-unknown
+    assert app[fake_provider.CALLS]["tool:send"] == 1
+
+
+async def test_a_call_that_waited_in_vain_for_a_pooled_connection_releases_its_key(make_proxy, sqlite_url,
+                                                                                   provider, http):
+    proxy = await make_proxy(sqlite_url, upstreams__tools={"max_connections": 2, "connect_timeout": "0.5s"})
+
+    async def hold(key: str) -> int:
+        async with http.post(proxy.url + "/tools/hold", json={}, headers={
+                "Idempotency-Key": key, "X-Fake-Delay": "1.5"}) as r:
+            return r.status
+    held = [asyncio.create_task(hold(f"hold-{i}")) for i in range(2)]
+    for _ in range(100):  # until both pooled connections are taken
+        if provider.calls["tool:hold"] == 2:
+            break
+        await asyncio.sleep(0.02)
+    started = time.monotonic()
+    async with http.post(proxy.url + "/tools/send", json={}, headers={"Idempotency-Key": "third"}) as r:
+        await problem(r, "upstream-timeout", 504)
+    assert time.monotonic() - started < 1.4 and provider.calls["tool:send"] == 0
+    assert await asyncio.gather(*held) == [200, 200]
+    async with http.post(proxy.url + "/tools/send", json={}, headers={"Idempotency-Key": "third"}) as r:
+        assert r.status == 200 and r.headers["Idempotent-Replayed"] == "false"
+    assert provider.calls["tool:send"] == 1
