@@ -94,6 +94,9 @@ class ServerSettings:
     workers: int = 1
     max_request_bytes: int = 10 * 1024 * 1024
     max_record_bytes: int = 32 * 1024 * 1024
+    # A recorded call still streaming this long after it was sent is unrecordable; it goes
+    # on only while an agent listens (an hour covers the longest model answers).
+    max_record_seconds: float = 3600.0
     in_flight_wait: float = 30.0
     shutdown_timeout: float = 30.0
     access_log: bool = True

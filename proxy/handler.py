@@ -278,7 +278,8 @@ class Proxy:
         upstream: UpstreamSettings = route.upstream
         call = Call(kid=entry.kid, owner=entry.owner, fingerprint=entry.fingerprint, upstream=upstream,
                     on_ambiguous=self.on_ambiguous[upstream.name],
-                    max_record_bytes=self.settings.server.max_record_bytes)
+                    max_record_bytes=self.settings.server.max_record_bytes,
+                    max_record_seconds=self.settings.server.max_record_seconds)
         headers = request_headers(request.headers, upstream, self.settings.tenants.header,
                                   forwarded_key(entry.kid) if upstream.idempotency_header else None)
         beat = (lambda: self.heartbeats.beat(namespace, entry.run)) if entry.run else (lambda: None)

@@ -90,3 +90,50 @@ async def test_a_call_that_waited_in_vain_for_a_pooled_connection_releases_its_k
     async with http.post(proxy.url + "/tools/send", json={}, headers={"Idempotency-Key": "third"}) as r:
         assert r.status == 200 and r.headers["Idempotent-Replayed"] == "false"
     assert provider.calls["tool:send"] == 1
+
+
+async def leave_a_stream(http, url: str, key: str, delay: str = "0") -> None:
+    """An agent that reads the start of an answer, then goes away."""
+    resp = await http.post(url, headers={"Idempotency-Key": key, "X-Fake-Chunk-Delay": delay})
+    assert resp.status == 200
+    await resp.content.readexactly(1000)
+    resp.close()
+
+
+async def until(check, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "not within the time allowed"
+        await asyncio.sleep(0.02)
+
+
+async def test_abandoned_endless_streams_free_their_connections(make_proxy, sqlite_url, provider, http):
+    proxy = await make_proxy(sqlite_url, server={"max_record_bytes": 200_000},
+                             upstreams__raw={"max_connections": 2, "connect_timeout": "2s"})
+    for key in ("a", "b"):
+        await leave_a_stream(http, proxy.url + "/raw/flood", key)
+    # the proxy let go of both, and settled them
+    await until(lambda: provider.app[fake_provider.OPEN]["flood"] == 0 and not proxy.proxy.calls)
+    started = time.monotonic()
+    async with http.post(proxy.url + "/raw/tools/send", json={}, headers={"Idempotency-Key": "c"}) as r:
+        assert r.status == 200  # a third call is not stuck behind them
+    assert time.monotonic() - started < 1.0
+    async with http.post(proxy.url + "/raw/flood", headers={"Idempotency-Key": "a"}) as r:
+        body = await problem(r, "not-replayable", 409)  # the existing rule for answers too large to keep
+        assert "nobody was listening" in body["detail"]
+    assert provider.calls["flood"] == 2
+
+
+async def test_a_recording_ends_after_max_record_seconds_once_nobody_listens(make_proxy, sqlite_url, provider, http):
+    proxy = await make_proxy(sqlite_url, server={"max_record_seconds": "0.5s"})
+    url = proxy.url + "/raw/flood"
+    async with http.post(url, headers={"Idempotency-Key": "slow", "X-Fake-Chunk-Delay": "0.05"}) as r:
+        await r.content.readexactly(1000)
+        await asyncio.sleep(0.8)  # past the bound, but listened to: it flows on, unrecorded
+        before = provider.app[fake_provider.OPEN]["flood"]
+        more = len(await r.content.read(200_000))
+    assert before == 1 and more > 0
+    await until(lambda: provider.app[fake_provider.OPEN]["flood"] == 0 and not proxy.proxy.calls, timeout=2.0)
+    async with http.post(url, headers={"Idempotency-Key": "slow"}) as r:
+        body = await problem(r, "not-replayable", 409)
+        assert "max_record_seconds" in body["detail"]
