@@ -30,6 +30,8 @@ from .store.base import Claim, ClaimResult, Entry, EntryState, Run, Scope
 
 log = logging.getLogger("idemproxy.proxy")
 
+PASSED_WHOLE_BYTES = 1 << 20  # passthrough bodies up to this size go in one write; larger ones stream
+
 
 @dataclass
 class Proxy:
@@ -145,8 +147,11 @@ class Proxy:
                 out = response_headers(resp.headers)
                 out.append(("Server-Timing", server_timing(time.perf_counter() - started - upstream_s,
                                                            upstream_s)))
-                if not is_stream(resp.headers):
+                length = resp.content_length
+                if not is_stream(resp.headers) and length <= PASSED_WHOLE_BYTES:
                     return web.Response(status=resp.status, body=await resp.read(), headers=out)
+                if length is not None:  # streamed as it comes, still with its length
+                    out.append(("Content-Length", str(length)))
                 stream = await start_stream(request, resp.status, out)
                 async for chunk in resp.content.iter_any():
                     await stream.write(chunk)

@@ -161,10 +161,11 @@ async def flood(request: web.Request) -> web.StreamResponse:
     request.app[OPEN]["flood"] += 1
     try:
         while size < 0 or sent < size:
+            if sent:
+                await asyncio.sleep(gap)
             n = len(block) if size < 0 else min(len(block), size - sent)
             await resp.write(block[:n])
             sent += n
-            await asyncio.sleep(gap)
         await resp.write_eof()
     except ConnectionError:
         pass  # the reader left

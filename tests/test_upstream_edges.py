@@ -11,6 +11,7 @@ import pytest
 from aiohttp import web
 
 import fake_provider
+from conftest import proxy_sections
 from rawhttp import problem
 
 TOOL = {"Content-Type": "application/json"}
@@ -137,3 +138,35 @@ async def test_a_recording_ends_after_max_record_seconds_once_nobody_listens(mak
     async with http.post(url, headers={"Idempotency-Key": "slow"}) as r:
         body = await problem(r, "not-replayable", 409)
         assert "max_record_seconds" in body["detail"]
+
+
+async def test_a_large_passthrough_body_streams_as_it_comes(make_proxy, sqlite_url, provider, http):
+    proxy = await make_proxy(sqlite_url)
+    size = 20 * 65536  # over PASSED_WHOLE_BYTES
+    async with http.get(proxy.url + "/raw/flood", headers={"X-Fake-Size": str(size), "X-Fake-Chunk-Delay": "0.05"}) as r:
+        assert r.status == 200 and r.headers["Content-Length"] == str(size)  # not rechunked
+        first = await r.content.readexactly(65536)
+        assert provider.app[fake_provider.OPEN]["flood"] == 1  # the upstream is still sending
+        rest = await r.read()
+    assert len(first) + len(rest) == size
+
+
+def peak_rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+
+
+@pytest.mark.slow  # a proxy process and 200 MiB through it
+async def test_a_200_mib_passthrough_keeps_the_proxy_small(proxy_process, provider, sqlite_url, http):
+    proc = proxy_process(proxy_sections(provider.url, sqlite_url))
+    url = proc.url + "/raw/flood"
+    async with http.get(url, headers={"X-Fake-Size": str(2 << 20)}) as r:  # warm up
+        assert len(await r.read()) == 2 << 20
+    before = peak_rss_kib(proc.proc.pid)
+    received = 0
+    async with http.get(url, headers={"X-Fake-Size": str(200 << 20)}) as r:
+        async for chunk in r.content.iter_chunked(1 << 20):
+            received += len(chunk)
+    grown_mib = (peak_rss_kib(proc.proc.pid) - before) / 1024
+    print(f"peak RSS grew {grown_mib:.1f} MiB passing 200 MiB")
+    assert received == 200 << 20 and grown_mib < 32
