@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import ipaddress
 import os
 import re
 import tomllib
@@ -100,6 +101,9 @@ class ServerSettings:
     in_flight_wait: float = 30.0
     shutdown_timeout: float = 30.0
     access_log: bool = True
+    # CIDRs of proxies in front of us whose X-Forwarded-For / Forwarded claims are kept
+    # (the peer is appended); from any other peer they are replaced (forwarded.py).
+    trusted_proxies: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -370,6 +374,11 @@ def _validate(s: Settings) -> None:
             raise ConfigError(f"runs: hook {name!r} is not defined under [hooks]")
     if s.server.workers < 1:
         raise ConfigError("server.workers must be at least 1")
+    for cidr in s.server.trusted_proxies:
+        try:
+            ipaddress.ip_network(cidr, strict=False)
+        except ValueError:
+            raise ConfigError(f"server.trusted_proxies: {cidr!r} is not an address or CIDR") from None
 
 
 def upstream_kind(up: UpstreamSettings) -> str:

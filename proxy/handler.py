@@ -17,6 +17,7 @@ from .config import Settings, UpstreamSettings
 from .errors import OUTCOME, STARTED, UPSTREAM_S
 from .fingerprint import fingerprint
 from .forward import forwarded_key, is_stream, request_headers, response_headers
+from .forwarded import Forwarding
 from .heartbeats import Heartbeats
 from .identity import Identity, TenantResolver, parse_epoch, parse_key, parse_policy, parse_run
 from .metrics import Metrics
@@ -45,10 +46,12 @@ class Proxy:
     tasks: set[asyncio.Task] = field(default_factory=set)
     replays: dict[str, int] = field(default_factory=dict)  # replay counts not yet stored
     on_ambiguous: dict[str, OnAmbiguous] = field(init=False)  # per upstream, worked out once
+    forwarding: Forwarding = field(init=False)
     _epoch_reads: dict[tuple, asyncio.Future] = field(default_factory=dict)  # shared fence reads
 
     def __post_init__(self) -> None:
         self.on_ambiguous = {name: policy.on_ambiguous(up) for name, up in self.settings.upstreams.items()}
+        self.forwarding = Forwarding(self.settings.server.trusted_proxies)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """Refusals and store failures are raised: ``errors.problem_middleware`` answers them
@@ -137,7 +140,8 @@ class Proxy:
     async def _passthrough(self, request: web.Request, route: Route, body: bytes,
                            started: float) -> web.StreamResponse:
         upstream = route.upstream
-        headers = request_headers(request.headers, upstream, self.settings.tenants.header, None)
+        headers = request_headers(request.headers, upstream, self.settings.tenants.header, None,
+                                  self.forwarding.headers(request.headers, request.remote))
         session = self.sessions[upstream.name]
         sent = time.perf_counter()
         try:
@@ -286,7 +290,8 @@ class Proxy:
                     max_record_bytes=self.settings.server.max_record_bytes,
                     max_record_seconds=self.settings.server.max_record_seconds)
         headers = request_headers(request.headers, upstream, self.settings.tenants.header,
-                                  forwarded_key(entry.kid) if upstream.idempotency_header else None)
+                                  forwarded_key(entry.kid) if upstream.idempotency_header else None,
+                                  self.forwarding.headers(request.headers, request.remote))
         beat = (lambda: self.heartbeats.beat(namespace, entry.run)) if entry.run else (lambda: None)
         task = asyncio.create_task(call.run(self.sessions[upstream.name], self.store, request.method,
                                             upstream_url(upstream, route), headers, body, beat))
