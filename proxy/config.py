@@ -101,6 +101,14 @@ class ServerSettings:
     in_flight_wait: float = 30.0
     shutdown_timeout: float = 30.0
     access_log: bool = True
+    # Client connections (connections.py): a request head must arrive whole within
+    # header_timeout, a body may fall silent for body_timeout, a connection idle between
+    # requests closes after idle_timeout; past max_connections (0: half the open-file
+    # limit) new connections get 503.
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    idle_timeout: float = 75.0
+    max_connections: int = 0
     # CIDRs of proxies in front of us whose X-Forwarded-For / Forwarded claims are kept
     # (the peer is appended); from any other peer they are replaced (forwarded.py).
     trusted_proxies: tuple[str, ...] = ()
@@ -374,6 +382,11 @@ def _validate(s: Settings) -> None:
             raise ConfigError(f"runs: hook {name!r} is not defined under [hooks]")
     if s.server.workers < 1:
         raise ConfigError("server.workers must be at least 1")
+    for name in ("header_timeout", "body_timeout", "idle_timeout"):
+        if getattr(s.server, name) <= 0:
+            raise ConfigError(f"server.{name} must be more than 0")
+    if s.server.max_connections < 0:
+        raise ConfigError("server.max_connections must be 0 (automatic) or more")
     for cidr in s.server.trusted_proxies:
         try:
             ipaddress.ip_network(cidr, strict=False)
