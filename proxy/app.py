@@ -123,10 +123,11 @@ async def _origin_form_only(request: web.Request, handler) -> web.StreamResponse
 
 @web.middleware
 async def _bounded_body(request: web.Request, handler) -> web.StreamResponse:
-    # A body announced over the limit is refused before a byte of it is read, on every
-    # route (the runs and admin APIs too), as problem+json.
+    # A body announced over the limit is refused before a byte of it is read, on the runs
+    # and admin APIs too, as problem+json. The proxy route refuses (and counts) its own.
     limit = request.config_dict[SETTINGS].server.max_request_bytes
-    if request.content_length is not None and request.content_length > limit:
+    if (request.content_length is not None and request.content_length > limit
+            and request.match_info.handler is not _proxy):
         raise Problem("too-large", f"request body over {limit} bytes", max_request_bytes=limit)
     return await handler(request)
 

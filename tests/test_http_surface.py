@@ -113,6 +113,10 @@ async def test_a_runs_api_body_over_the_limit_is_problem_json(make_proxy, sqlite
             yield big[i:i + 500]
     async with http.post(proxy.url + "/runs/r2", data=chunked(), headers={"Content-Type": "application/json"}) as r:
         await problem(r, "too-large", 413)
+    async with http.post(proxy.url + "/tools/send", data=big, headers={"Idempotency-Key": "k"}) as r:
+        await problem(r, "too-large", 413)
+    async with http.get(proxy.url + "/metrics") as r:  # a proxied request is still counted
+        assert 'idemproxy_requests_total{outcome="rejected"} 1.0' in await r.text()
 
 
 async def test_connections_over_the_cap_get_503_until_some_close(serve):
