@@ -4,8 +4,8 @@ problem+json with one log line for what aiohttp's parser refuses.
 aiohttp's server closes idle keep-alive connections (``keepalive_timeout``, our
 ``idle_timeout``) but has no header or body read timeout and no connection cap (its old
 ``slow_request_timeout`` is gone), so a client sending half a request held a connection
-and a descriptor for as long as it liked. Three parts add them, on public aiohttp
-surfaces only:
+and a descriptor for as long as it liked. Three parts add them, through aiohttp's own
+extension points (a RequestHandler subclass, a protocol factory, a BaseSite):
 
     Connection   aiohttp's RequestHandler plus one timer: a request's head must arrive
                  whole within ``header_timeout`` (from the connection, or from its first
@@ -13,7 +13,8 @@ surfaces only:
                  ``body_timeout``. Time the proxy itself stops reading (flow control) is
                  not held against the client.
     Gate         the protocol factory: past ``max_connections`` a new connection is
-                 answered 503 problem+json and closed, before anything is parsed.
+                 answered 503 problem+json and closed, before anything is parsed (and
+                 reported in one log line per ``REPORT_EVERY_S``, not one per refusal).
     ProxySite    a TCP site that listens through the Gate.
 
 ``started`` (a middleware) tells a Connection that its request's head arrived whole;
@@ -39,6 +40,7 @@ log = logging.getLogger("idemproxy.access")
 
 REFUSAL = web.RequestKey("refusal", str)  # why aiohttp's parser refused a request (access log)
 LINGER_S = 1.0  # how long a refused connection is read (and ignored) before it closes
+REPORT_EVERY_S = 10.0  # connections refused at the cap are logged at most this often
 ECHO = re.compile(r":\s*(?:b'|b\"|bytearray\()")  # where aiohttp's parser quotes the bytes it refused
 
 
@@ -126,7 +128,8 @@ class Connection(web.RequestHandler):
         if self._request is not None:
             if self._request.content.is_eof():
                 return  # the whole body is in: nothing is owed until the answer is out
-            due, why = self._last_read + settings.body_timeout, f"request body silent for {settings.body_timeout:g}s"
+            due = self._last_read + settings.body_timeout
+            why = f"request body silent for {settings.body_timeout:g}s"
         elif self._head_since is not None:
             due, why = (self._head_since + settings.header_timeout,
                         f"request head not complete within {settings.header_timeout:g}s")
@@ -149,23 +152,24 @@ class Gate:
         self.server, self.settings = server, settings
         self.limit = max_connections(settings)
         self.open = 0
-        self.refused = 0  # since the cap was last reached
+        self.refused = 0  # since the last report
+        self._reported_at = float("-inf")
         self._options = handler_options
 
     def __call__(self) -> asyncio.Protocol:
+        loop = asyncio.get_running_loop()
         if self.open >= self.limit:
-            if not self.refused:
-                log.warning("connection cap reached (%d open): new connections get 503", self.open)
             self.refused += 1
+            if loop.time() - self._reported_at >= REPORT_EVERY_S:
+                log.warning("at the connection cap (%d): %d connection(s) refused with 503", self.limit,
+                            self.refused)
+                self._reported_at, self.refused = loop.time(), 0
             return Refusal()
         self.open += 1  # counted here, not in connection_made: accepts come in batches
-        return Connection(self.server, self, loop=asyncio.get_running_loop(), **self._options)
+        return Connection(self.server, self, loop=loop, **self._options)
 
     def closed(self) -> None:
         self.open -= 1
-        if self.refused and self.open < self.limit:
-            log.warning("below the connection cap again; %d connection(s) were refused", self.refused)
-            self.refused = 0
 
 
 def _over_the_cap() -> bytes:

@@ -125,7 +125,8 @@ async def test_abandoned_endless_streams_free_their_connections(make_proxy, sqli
     assert provider.calls["flood"] == 2
 
 
-async def test_a_recording_ends_after_max_record_seconds_once_nobody_listens(make_proxy, sqlite_url, provider, http):
+async def test_a_recording_ends_after_max_record_seconds_once_nobody_listens(make_proxy, sqlite_url, provider,
+                                                                            http):
     proxy = await make_proxy(sqlite_url, server={"max_record_seconds": "0.5s"})
     url = proxy.url + "/raw/flood"
     async with http.post(url, headers={"Idempotency-Key": "slow", "X-Fake-Chunk-Delay": "0.05"}) as r:
@@ -143,7 +144,8 @@ async def test_a_recording_ends_after_max_record_seconds_once_nobody_listens(mak
 async def test_a_large_passthrough_body_streams_as_it_comes(make_proxy, sqlite_url, provider, http):
     proxy = await make_proxy(sqlite_url)
     size = 20 * 65536  # over PASSED_WHOLE_BYTES
-    async with http.get(proxy.url + "/raw/flood", headers={"X-Fake-Size": str(size), "X-Fake-Chunk-Delay": "0.05"}) as r:
+    paced = {"X-Fake-Size": str(size), "X-Fake-Chunk-Delay": "0.05"}
+    async with http.get(proxy.url + "/raw/flood", headers=paced) as r:
         assert r.status == 200 and r.headers["Content-Length"] == str(size)  # not rechunked
         first = await r.content.readexactly(65536)
         assert provider.app[fake_provider.OPEN]["flood"] == 1  # the upstream is still sending
