@@ -14,6 +14,7 @@ from aiohttp import web
 
 from .appkeys import METRICS, PROXY, RUNS, SETTINGS, STORE, TENANTS
 from .config import RUNS_SHARED, Settings
+from .connections import request_started
 from .errors import problem_middleware
 from .forward import make_session
 from .handler import Proxy
@@ -38,7 +39,8 @@ def create_app(settings: Settings, launcher: LauncherFactory) -> web.Application
     counters = Metrics()  # not `metrics`: that is the /metrics route below
     # We read bodies ourselves to answer 413 as problem+json; aiohttp's own cap sits above ours.
     app = web.Application(client_max_size=settings.server.max_request_bytes + 1024,
-                          middlewares=[problem_middleware(counters), _origin_form_only])
+                          middlewares=[request_started, problem_middleware(counters), _origin_form_only,
+                                       _bounded_body])
     app[SETTINGS] = settings
     app[METRICS] = counters
     app.cleanup_ctx.append(lambda app: _lifecycle(app, launcher))
@@ -120,6 +122,17 @@ async def _origin_form_only(request: web.Request, handler) -> web.StreamResponse
     if request.match_info.http_exception is not None:
         raise Problem("invalid-request", "only origin-form request targets are accepted; this is "
                       "not an open proxy", headers={"Server-Timing": server_timing(0.0)})
+    return await handler(request)
+
+
+@web.middleware
+async def _bounded_body(request: web.Request, handler) -> web.StreamResponse:
+    # A body announced over the limit is refused before a byte of it is read, on the runs
+    # and admin APIs too, as problem+json. The proxy route refuses (and counts) its own.
+    limit = request.config_dict[SETTINGS].server.max_request_bytes
+    if (request.content_length is not None and request.content_length > limit
+            and request.match_info.handler is not _proxy):
+        raise Problem("too-large", f"request body over {limit} bytes", max_request_bytes=limit)
     return await handler(request)
 
 

@@ -5,6 +5,11 @@ goes away mid-stream, the call still reads the upstream to the end and records i
 (those tokens are paid for). The request that started it, and any duplicate that
 arrives meanwhile, are just listeners: they get the bytes so far, then the rest live.
 
+Unless nothing can be recorded any more: once an answer is over ``max_record_bytes``, or
+still coming ``max_record_seconds`` after the request was sent, it is unrecordable, and
+when no listener is left the call stops reading and drops the upstream connection (an
+endless stream nobody hears would otherwise hold a pooled connection forever).
+
 The last bytes are published only after the record is durable, so no agent sees the
 end of an answer that a crash could lose.
 """
@@ -45,7 +50,7 @@ class Fate(StrEnum):
     RELEASED = "released"          # nothing happened upstream: the key is free again
     AMBIGUOUS = "ambiguous"        # the upstream may have acted; on_ambiguous=retry freed the key
     QUARANTINED = "quarantined"    # ... on_ambiguous=quarantine kept it as outcome-unknown
-    UNRECORDABLE = "unrecordable"  # answered, but over max_record_bytes: replays get 409
+    UNRECORDABLE = "unrecordable"  # answered, but over max_record_bytes/seconds: replays get 409
     UNSAVED = "unsaved"            # answered, but the journal could not take it: withheld (rule 1)
     FAILED = "failed"              # the proxy failed (or shut down) before an outcome
 
@@ -81,12 +86,14 @@ class Call:
     on_ambiguous: OnAmbiguous
     max_record_bytes: int
     reader: AnswerReader | None = None  # None: the HTTP status decides (SPEC §4)
+    max_record_seconds: float = float("inf")
     status: int = 0
     headers: list[tuple[str, str]] = field(default_factory=list)
     streamed: bool = False
     chunks: list[bytes] = field(default_factory=list)  # published so far
     result: CallResult | None = None
     upstream_s: float = 0.0  # time until the upstream's headers
+    listeners: int = 0  # requests being answered from this call now (replay.listen)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _held: list[bytes] = field(default_factory=list)  # the last bytes, until the commit
     _gone: int = 0  # chunks let go from the front of ``chunks``
@@ -95,7 +102,10 @@ class Call:
     _recorded: bytearray = field(default_factory=bytearray)
     _timing: list[tuple[int, float]] = field(default_factory=list)  # see Recorded.timing
     _first_byte: float = 0.0  # time.perf_counter() at the first byte
-    _too_large: bool = False  # over max_record_bytes: nothing more is kept
+    _too_large: bool = False  # over max_record_bytes or max_record_seconds: nothing more is kept
+    _unrecordable: str = ""  # why, for the journal entry
+    _record_until: float = float("inf")  # time.perf_counter() past which the record is given up
+    _cut_off: bool = False  # unrecordable and unheard: we stopped reading before the end
     _line_start: bytes = b""  # the unfinished last line passed so far, while it is short
     _sharing: asyncio.Event | None = None  # streams: set when copying to the store must stop
 
@@ -162,6 +172,7 @@ class Call:
 
     async def _run(self, session, store: Store, method, url, headers, body, heartbeat) -> CallResult:
         sent = time.perf_counter()
+        self._record_until = sent + self.max_record_seconds
         try:
             async with session.request(method, url, headers=headers, data=body,
                                        allow_redirects=False) as resp:
@@ -171,6 +182,10 @@ class Call:
                     while chunk := await resp.content.readany():
                         heartbeat()
                         self._take(chunk, resp.content)
+                        if self._too_large and not self.listeners:
+                            self._cut_off = True
+                            resp.close()  # drops the connection: its pool slot is free again
+                            break
                 finally:
                     if flusher is not None:
                         self._sharing.set()  # stopped before the record: no shared bytes land after it
@@ -205,13 +220,20 @@ class Call:
         now = time.perf_counter()
         self._first_byte = self._first_byte or now
         if len(self._recorded) + len(chunk) > self.max_record_bytes:
-            self._too_large = True
-            self._recorded.clear()
-            if self._sharing is not None:
-                self._sharing.set()  # it will be unrecordable: nothing to join
+            self._give_up(f"response over {self.max_record_bytes} bytes")
+        elif now > self._record_until:
+            self._give_up(f"response not finished within max_record_seconds ({self.max_record_seconds:g} s)")
         else:
             self._timing.append((len(self._recorded), round(now - self._first_byte, 4)))
             self._recorded += chunk
+
+    def _give_up(self, why: str) -> None:
+        """The answer cannot be recorded: it still passes to listeners, in bounded memory."""
+        self._too_large = True
+        self._unrecordable = why
+        self._recorded.clear()
+        if self._sharing is not None:
+            self._sharing.set()  # it will be unrecordable: nothing to join
 
     def _ends_stream(self, chunk: bytes) -> bool:
         """Whether the chunk completes a terminal event, looking across reads:
@@ -233,10 +255,11 @@ class Call:
     async def _broken(self, store: Store, exc: Exception) -> CallResult:
         """The exchange with the upstream failed: nothing happened if the request was never
         sent; otherwise the outcome is ambiguous."""
+        slug = "upstream-timeout" if is_timeout(exc) else "upstream-unavailable"
         if never_sent(exc):
             await store.journal.release(self.kid, self.owner)
-            return CallResult(Fate.RELEASED, ("upstream-unavailable", f"cannot connect to {self.upstream.name}"))
-        slug = "upstream-timeout" if is_timeout(exc) else "upstream-unavailable"
+            return CallResult(Fate.RELEASED, (slug, f"no connection to {self.upstream.name} "
+                                              f"({type(exc).__name__}); nothing was sent, the key is free"))
         return await self._ambiguous(store, slug, f"{type(exc).__name__} talking to {self.upstream.name}")
 
     async def _settle(self, store: Store) -> CallResult:
@@ -253,8 +276,13 @@ class Call:
             result = await self._ambiguous(store, None, f"upstream answered {self.status}")
             self._release_held(result.fate)
             return result
+        if self._cut_off:  # a joiner must not take what was read for the whole answer
+            why = f"{self._unrecordable}; nobody was listening, so it was not read to the end"
+            await store.journal.mark_unrecordable(self.kid, self.owner, why)
+            self._release_held(Fate.UNRECORDABLE)
+            return CallResult(Fate.UNRECORDABLE, ("not-replayable", why))
         if self._too_large:
-            await store.journal.mark_unrecordable(self.kid, self.owner, f"response over {self.max_record_bytes} bytes")
+            await store.journal.mark_unrecordable(self.kid, self.owner, self._unrecordable)
             return self._release_held(Fate.UNRECORDABLE)
         return await self._commit(store)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import ipaddress
 import os
 import re
 import tomllib
@@ -97,9 +98,23 @@ class ServerSettings:
     workers: int = 1
     max_request_bytes: int = 10 * 1024 * 1024
     max_record_bytes: int = 32 * 1024 * 1024
+    # A recorded call still streaming this long after it was sent is unrecordable; it goes
+    # on only while an agent listens (an hour covers the longest model answers).
+    max_record_seconds: float = 3600.0
     in_flight_wait: float = 30.0
     shutdown_timeout: float = 30.0
     access_log: bool = True
+    # Client connections (connections.py): a request head must arrive whole within
+    # header_timeout, a body may fall silent for body_timeout, a connection idle between
+    # requests closes after idle_timeout; past max_connections (0: half the open-file
+    # limit) new connections get 503.
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    idle_timeout: float = 75.0
+    max_connections: int = 0
+    # CIDRs of proxies in front of us whose X-Forwarded-For / Forwarded claims are kept
+    # (the peer is appended); from any other peer they are replaced (forwarded.py).
+    trusted_proxies: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -415,6 +430,16 @@ def _validate(s: Settings) -> None:
     for name in ("max_hook_processes", "max_restarts_per_minute"):
         if getattr(s.supervisor, name) < 1:
             raise ConfigError(f"supervisor.{name} must be at least 1")
+    for name in ("header_timeout", "body_timeout", "idle_timeout"):
+        if getattr(s.server, name) <= 0:
+            raise ConfigError(f"server.{name} must be more than 0")
+    if s.server.max_connections < 0:
+        raise ConfigError("server.max_connections must be 0 (automatic) or more")
+    for cidr in s.server.trusted_proxies:
+        try:
+            ipaddress.ip_network(cidr, strict=False)
+        except ValueError:
+            raise ConfigError(f"server.trusted_proxies: {cidr!r} is not an address or CIDR") from None
 
 
 def upstream_kind(up: UpstreamSettings) -> str:

@@ -5,7 +5,12 @@ Handlers raise; none of them builds an error answer::
     Problem            a refusal with a stable type slug (problems.py): its status, title
                        and outcome come from the PROBLEMS table
     StoreUnavailable   the store did not answer: 503 store-unavailable
-    anything else      a bug: aiohttp answers 500 and logs it
+    HTTPRequestEntityTooLarge
+                       aiohttp's own body cap (``client_max_size``): 413 too-large
+    ConnectionResetError
+                       the client went away mid-request: 499, logged by the access line only
+    anything else      a bug: 500 internal-error, logged with its traceback
+                       (``connections.Connection.handle_error``)
 
 A request the proxy handler took (it set STARTED) is also counted here, in metrics: its
 outcome is final only once its error, if any, has been answered.
@@ -49,6 +54,12 @@ def problem_middleware(metrics: Metrics) -> Middleware:
             if STARTED in request:  # SPEC §7: a record request fails closed
                 detail += "; nothing was forwarded"
             return answer(request, Problem("store-unavailable", detail))
+        except web.HTTPRequestEntityTooLarge:  # a chunked body past client_max_size
+            return answer(request, Problem("too-large", "request body over max_request_bytes"))
+        except ConnectionResetError:
+            if request.transport is not None and not request.transport.is_closing():
+                raise  # not the client's connection: a bug
+            return web.Response(status=499)  # nginx's "client closed request"; never sent
         finally:
             started = request.get(STARTED)
             if started is not None:
@@ -64,12 +75,19 @@ def answer(request: web.Request, problem: Problem) -> web.StreamResponse:
     if kind.outcome is not None:
         request[OUTCOME] = kind.outcome
     path = request.path  # `OPTIONS *` and `CONNECT host:port` have none to name
-    body = problem.body(instance=path if path[:1] == "/" else None)
     render = request.get(RENDER_PROBLEM)
-    response = web.Response(status=kind.status, body=orjson.dumps(body) if render is None else render(body),
-                            content_type="application/problem+json" if render is None else "application/json",
-                            headers=problem.headers)
+    response = problem_response(problem, instance=path if path[:1] == "/" else None, render=render)
     started = request.get(STARTED)
     if started is not None:  # the proxy's answers carry its own time (SPEC §5)
         response.headers["Server-Timing"] = server_timing(time.perf_counter() - started)
     return response
+
+
+def problem_response(problem: Problem, instance: str | None = None, render=None) -> web.Response:
+    """The problem as problem+json; ``render`` (an MCP upstream's) wraps it in another body."""
+    body = problem.body(instance=instance)
+    if render is not None:
+        return web.Response(status=problem.status, body=render(body), content_type="application/json",
+                            headers=problem.headers)
+    return web.Response(status=problem.status, body=orjson.dumps(body), content_type="application/problem+json",
+                        headers=problem.headers)

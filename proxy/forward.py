@@ -10,6 +10,7 @@ import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from .config import UpstreamSettings
+from .forwarded import FORWARDING
 
 # RFC 9110 §7.6.1: meaningful for one connection only, never forwarded.
 HOP_BY_HOP = frozenset({"connection", "proxy-connection", "keep-alive", "te", "trailer",
@@ -30,19 +31,23 @@ def _dropped(headers: CIMultiDictProxy[str], always: frozenset[str]) -> frozense
 
 @functools.lru_cache(maxsize=8)
 def _not_forwarded(tenant_header: str) -> frozenset[str]:
-    return NOT_FORWARDED | {tenant_header.lower(), *OUR_HEADERS}
+    return NOT_FORWARDED | FORWARDING | {tenant_header.lower(), *OUR_HEADERS}
 
 
 def request_headers(incoming: CIMultiDictProxy[str], upstream: UpstreamSettings,
-                    tenant_header: str, forwarded_key: str | None) -> list[tuple[str, str]]:
-    """What the upstream sees: the agent's headers minus hop-by-hop and ours, plus config."""
+                    tenant_header: str, forwarded_key: str | None,
+                    forwarding: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """What the upstream sees: the agent's headers minus hop-by-hop and ours, then
+    ``forwarding`` (X-Forwarded-For and friends, worked out in forwarded.py), then config."""
     drop = _dropped(incoming, _not_forwarded(tenant_header))
     added = [(name, str(value)) for name, value in upstream.set_headers.items()]
     if upstream.idempotency_header and forwarded_key:
         added.append((upstream.idempotency_header, forwarded_key))
-    if added:  # configured headers replace the agent's
-        drop = drop | {name.lower() for name, _ in added}
-    return [(k, v) for k, v in incoming.items() if k.lower() not in drop] + added
+    if added:  # configured headers replace the agent's, and ours
+        configured = {name.lower() for name, _ in added}
+        drop = drop | configured
+        forwarding = [(k, v) for k, v in forwarding if k.lower() not in configured]
+    return [(k, v) for k, v in incoming.items() if k.lower() not in drop] + forwarding + added
 
 
 def response_headers(incoming: CIMultiDictProxy[str]) -> list[tuple[str, str]]:
@@ -90,8 +95,12 @@ def make_session(upstream: UpstreamSettings) -> aiohttp.ClientSession:
 
 
 def never_sent(exc: BaseException) -> bool:
-    """True when the request cannot have reached the upstream (so nothing happened)."""
-    return isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.InvalidURL))
+    """True when the request failed before a byte of it was written, so the upstream cannot
+    have acted: no connection (refused, DNS, TLS: ``ClientConnectorError``), or none within
+    ``connect_timeout`` (``ConnectionTimeoutError``: a full listen backlog, or a pool whose
+    connections all stayed busy; aiohttp raises it only while acquiring a connection).
+    Anything later (a read timeout, a broken connection) is "sent, outcome unknown"."""
+    return isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, aiohttp.InvalidURL))
 
 
 def is_timeout(exc: BaseException) -> bool:

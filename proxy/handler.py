@@ -19,6 +19,7 @@ from .config import Settings, UpstreamSettings
 from .errors import OUTCOME, STARTED, UPSTREAM_S
 from .fingerprint import fingerprint
 from .forward import forwarded_key, is_stream, request_headers, response_headers
+from .forwarded import Forwarding
 from .heartbeats import Heartbeats
 from .identity import Identity, TenantResolver, parse_epoch, parse_key, parse_policy, parse_run
 from .mcp import McpUpstreams, ToolAnswer
@@ -36,6 +37,8 @@ log = logging.getLogger("idemproxy.proxy")
 # Counts a derived key's occurrence, given the store's count of it (see Proxy._scope)
 Occurrence = Callable[[Callable[[], Awaitable[int]]], Awaitable[int]]
 
+PASSED_WHOLE_BYTES = 1 << 20  # passthrough bodies up to this size go in one write; larger ones stream
+
 
 @dataclass
 class Proxy:
@@ -49,11 +52,13 @@ class Proxy:
     tasks: set[asyncio.Task] = field(default_factory=set)
     replays: dict[str, int] = field(default_factory=dict)  # replay counts not yet stored
     on_ambiguous: dict[str, OnAmbiguous] = field(init=False)  # per upstream, worked out once
+    forwarding: Forwarding = field(init=False)
     _epoch_reads: dict[tuple, asyncio.Future] = field(default_factory=dict)  # shared fence reads
     mcp: McpUpstreams = field(default_factory=McpUpstreams)  # kind = "mcp" upstreams' state
 
     def __post_init__(self) -> None:
         self.on_ambiguous = {name: policy.on_ambiguous(up) for name, up in self.settings.upstreams.items()}
+        self.forwarding = Forwarding(self.settings.server.trusted_proxies)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """Refusals and store failures are raised: ``errors.problem_middleware`` answers them
@@ -150,7 +155,8 @@ class Proxy:
                            tap: Callable[[bytes], None] | None = None) -> web.StreamResponse:
         """Forward, record nothing; ``tap`` sees the answer's bytes as they pass."""
         upstream = route.upstream
-        headers = request_headers(request.headers, upstream, self.settings.tenants.header, None)
+        headers = request_headers(request.headers, upstream, self.settings.tenants.header, None,
+                                  self.forwarding.headers(request.headers, request.remote))
         session = self.sessions[upstream.name]
         sent = time.perf_counter()
         try:
@@ -160,11 +166,14 @@ class Proxy:
                 out = response_headers(resp.headers)
                 out.append(("Server-Timing", server_timing(time.perf_counter() - started - upstream_s,
                                                            upstream_s)))
-                if not is_stream(resp.headers):
+                length = resp.content_length
+                if not is_stream(resp.headers) and length <= PASSED_WHOLE_BYTES:
                     answer = await resp.read()
                     if tap is not None:
                         tap(answer)
                     return web.Response(status=resp.status, body=answer, headers=out)
+                if length is not None:  # streamed as it comes, still with its length
+                    out.append(("Content-Length", str(length)))
                 stream = await start_stream(request, resp.status, out)
                 async for chunk in resp.content.iter_any():
                     if tap is not None:
@@ -307,9 +316,11 @@ class Proxy:
         call = Call(kid=entry.kid, owner=entry.owner, fingerprint=entry.fingerprint, upstream=upstream,
                     on_ambiguous=self.on_ambiguous[upstream.name],
                     max_record_bytes=self.settings.server.max_record_bytes,
+                    max_record_seconds=self.settings.server.max_record_seconds,
                     reader=ToolAnswer() if upstream.kind == "mcp" else None)
         headers = request_headers(request.headers, upstream, self.settings.tenants.header,
-                                  forwarded_key(entry.kid) if upstream.idempotency_header else None)
+                                  forwarded_key(entry.kid) if upstream.idempotency_header else None,
+                                  self.forwarding.headers(request.headers, request.remote))
         beat = (lambda: self.heartbeats.beat(namespace, entry.run)) if entry.run else (lambda: None)
         task = asyncio.create_task(call.run(self.sessions[upstream.name], self.store, request.method,
                                             upstream_url(upstream, route), headers, body, beat))

@@ -48,6 +48,8 @@ PROBLEMS: dict[str, ProblemType] = {
     "outcome-unknown": ProblemType(502, "Outcome of the first call is unknown", _CONFLICT),
     "upstream-unavailable": ProblemType(502, "Upstream unreachable", None),
     "store-unavailable": ProblemType(503, "Journal store unavailable", None),
+    "too-many-connections": ProblemType(503, "Too many connections", _REJECTED),
+    "internal-error": ProblemType(500, "Internal error", None),
     "upstream-timeout": ProblemType(504, "Upstream timed out", None),
 }
 

@@ -104,7 +104,16 @@ async def send_record(request: web.Request, recorded: Recorded, started: float,
 
 
 async def listen(request: web.Request, call: Call, started: float, replayed: bool) -> web.StreamResponse:
-    """Answer from a call in flight in this process: bytes so far, then the rest live."""
+    """Answer from a call in flight in this process: bytes so far, then the rest live.
+    While anyone listens, the call reads on even when it can record nothing (calls.py)."""
+    call.listeners += 1
+    try:
+        return await _listen(request, call, started, replayed)
+    finally:
+        call.listeners -= 1
+
+
+async def _listen(request: web.Request, call: Call, started: float, replayed: bool) -> web.StreamResponse:
     await call.headers_ready()
     if not call.status:  # failed before the upstream answered
         result = await call.finished()
