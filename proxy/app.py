@@ -62,9 +62,7 @@ async def tenant_secret(settings: Settings, store: Store) -> bytes:
 async def _lifecycle(app: web.Application, make_launcher: LauncherFactory) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     store = app[STORE] = await open_store(settings)
-    t = settings.tenants
-    tenants = app[TENANTS] = TenantResolver(await tenant_secret(settings, store), t.credential_headers,
-                                            t.header, t.trusted_sources)
+    tenants = app[TENANTS] = TenantResolver.from_settings(await tenant_secret(settings, store), settings)
     launcher = make_launcher(settings, store)
     app[RUNS] = RunsService(store, settings, launcher)
     proxy = app[PROXY] = Proxy(

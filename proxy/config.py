@@ -34,6 +34,8 @@ class Policy(StrEnum):
     PASSTHROUGH = "passthrough"  # forward, record nothing
 
 
+ANONYMOUS_CHOICES = ("refuse", "shared")  # [tenants] and [upstreams.*] anonymous
+
 # Path words with a meaning of their own in the proxy's routes; no upstream may take these names.
 RESERVED_NAMES = frozenset({"runs", "admin", "healthz", "readyz", "metrics", "epochs",
                             "heartbeat", "complete", "fail", "attempts"})
@@ -120,6 +122,10 @@ class TenantSettings:
     header: str = "Idem-Tenant"
     trusted_sources: tuple[str, ...] = ()  # CIDRs allowed to name a tenant by header
     credential_headers: tuple[str, ...] = ("authorization", "x-api-key", "api-key", "x-goog-api-key")
+    credential_cookies: tuple[str, ...] = ()  # cookie names whose values are credentials too
+    # A recorded call with no credential: "refuse" it (401 credential-required), or let all
+    # such callers share one tenant, "shared" (they see each other's records). Per upstream too.
+    anonymous: str = "refuse"
 
 
 @dataclass(frozen=True)
@@ -133,6 +139,7 @@ class UpstreamSettings:
     ignore_fields: tuple[IgnoreFields, ...] = ()
     set_headers: Mapping[str, Secret] = field(default_factory=dict)  # e.g. injected credentials
     redact_headers: tuple[str, ...] = ()  # response headers never stored
+    anonymous: str = ""  # "refuse" or "shared" (see TenantSettings); [tenants] anonymous when empty
     connect_timeout: float = 10.0
     read_timeout: float = 300.0  # longest silence between two bytes of the response
     max_connections: int = 256
@@ -349,6 +356,8 @@ def _validate(s: Settings) -> None:
             raise ConfigError(f"upstreams.{up.name}.kind must be 'model' or 'tool'")
         if up.on_ambiguous not in ("", "retry", "quarantine"):
             raise ConfigError(f"upstreams.{up.name}.on_ambiguous must be 'retry' or 'quarantine'")
+        if up.anonymous not in ("", *ANONYMOUS_CHOICES):
+            raise ConfigError(f"upstreams.{up.name}.anonymous must be 'refuse' or 'shared'")
         for model, price in up.prices.items():
             if len(price) != 2:
                 raise ConfigError(f"upstreams.{up.name}.prices.{model} must be [input, output] USD per "
@@ -359,6 +368,8 @@ def _validate(s: Settings) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.~-]+", up.name) or up.name in RESERVED_NAMES:
             raise ConfigError(f"upstream name {up.name!r} is not usable in a path "
                               f"(reserved: {', '.join(sorted(RESERVED_NAMES))})")
+    if s.tenants.anonymous not in ANONYMOUS_CHOICES:
+        raise ConfigError("tenants.anonymous must be 'refuse' or 'shared'")
     for hook in s.hooks.values():
         if bool(hook.command) == bool(hook.url):
             raise ConfigError(f"hooks.{hook.name}: set exactly one of command or url")
@@ -374,6 +385,11 @@ def upstream_kind(up: UpstreamSettings) -> str:
         return up.kind
     host = urlsplit(up.url).hostname or ""
     return "model" if host in MODEL_PROVIDERS or up.name in ("openai", "anthropic") else "tool"
+
+
+def shares_anonymous(up: UpstreamSettings, tenants: TenantSettings) -> bool:
+    """Whether callers with no credential may record through ``up``, sharing one tenant."""
+    return (up.anonymous or tenants.anonymous) == "shared"
 
 
 def ambiguous_policy(up: UpstreamSettings) -> str:

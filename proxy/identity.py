@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from multidict import CIMultiDictProxy
 
+from .config import Settings, shares_anonymous
 from .policy import Policy
 from .problems import Problem
 
@@ -23,6 +24,7 @@ RUN_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 EPOCH = re.compile(r"[0-9]{1,15}")  # exact in every store, Redis's Lua doubles included
 TENANT_NAME = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")
 BARE_KEY = re.compile(r"[\x21-\x7e]+")  # visible ASCII; a comma means a list, refused below
+CHALLENGE = {"WWW-Authenticate": 'Bearer realm="idemproxy"'}  # a 401 names a scheme (RFC 9110 §15.5.2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,13 +106,17 @@ def parse_policy(value: str | None) -> Policy | None:
 
 
 DEFAULT_NAMESPACE = "default"
+ANONYMOUS = "anonymous"  # the one tenant of every caller without a credential, where allowed
 
 
 class TenantResolver:
     """Tenant = HMAC(secret, credential), or a trusted header from a trusted source.
 
     Hashing the credential means two API keys never share journal entries, and that
-    the store never holds the credential itself.
+    the store never holds the credential itself. The credential is the values of
+    ``credential_headers`` and of the cookies in ``credential_cookies``. A caller with
+    none would share the tenant ``anonymous`` with every other such caller, so it may
+    record only through upstreams that allow that (``anonymous = "shared"``).
 
     Runs live in a *namespace*, not under a credential: one run calls several upstreams
     with several credentials (an OpenAI key, an Anthropic key, none for a tool), and must
@@ -119,11 +125,22 @@ class TenantResolver:
     """
 
     def __init__(self, secret: bytes, credential_headers: tuple[str, ...], header: str,
-                 trusted_sources: tuple[str, ...]):
+                 trusted_sources: tuple[str, ...], *, credential_cookies: tuple[str, ...] = (),
+                 shared_anonymous: frozenset[str] = frozenset()):
         self._secret = secret
         self._credential_headers = credential_headers
+        self._credential_cookies = frozenset(credential_cookies)
+        self._shared_anonymous = shared_anonymous  # names of upstreams anonymous callers may record through
         self._header = header
         self._trusted = tuple(ipaddress.ip_network(s, strict=False) for s in trusted_sources)
+
+    @classmethod
+    def from_settings(cls, secret: bytes, settings: Settings) -> TenantResolver:
+        t = settings.tenants
+        return cls(secret, t.credential_headers, t.header, t.trusted_sources,
+                   credential_cookies=t.credential_cookies,
+                   shared_anonymous=frozenset(name for name, up in settings.upstreams.items()
+                                              if shares_anonymous(up, t)))
 
     def tenant(self, headers: CIMultiDictProxy[str], namespace: str) -> str:
         """Whose journal entries a request's are: its trusted tenant, else its credential's."""
@@ -142,11 +159,34 @@ class TenantResolver:
             raise Problem("invalid-header", f"{self._header} must be 1-128 of [A-Za-z0-9._:@/-]")
         return named
 
+    def check_recordable(self, headers: CIMultiDictProxy[str], namespace: str, upstream: str) -> None:
+        """Refuse to record a call whose tenant would be ``anonymous`` (see :meth:`tenant`)
+        unless ``upstream`` lets credential-less callers share it: raises ``credential-required``."""
+        if namespace != DEFAULT_NAMESPACE or upstream in self._shared_anonymous or self._material(headers):
+            return
+        wanted = ", ".join(self._credential_headers) or "none configured"
+        if self._credential_cookies:
+            wanted += "; cookies: " + ", ".join(sorted(self._credential_cookies))
+        raise Problem("credential-required", f"a recorded call needs a credential ({wanted}): callers "
+                      "without one would see each other's records. Send one, or let such callers "
+                      f"share records with anonymous = \"shared\" under [upstreams.{upstream}] or [tenants]",
+                      headers=CHALLENGE)
+
     def of_credential(self, headers: CIMultiDictProxy[str]) -> str:
-        material = "\n".join(f"{h}={headers[h]}" for h in self._credential_headers if h in headers)
+        material = self._material(headers)
         if not material:
-            return "anonymous"
+            return ANONYMOUS
         return "k:" + hmac.new(self._secret, material.encode(), hashlib.sha256).hexdigest()[:32]
+
+    def _material(self, headers: CIMultiDictProxy[str]) -> str:
+        """What identifies the caller: its credential headers and cookies, "" for none."""
+        material = "\n".join(f"{h}={headers[h]}" for h in self._credential_headers
+                             if headers.get(h, "").strip())  # an empty value is no credential
+        if self._credential_cookies and "Cookie" in headers:
+            # every value of a named cookie, in order: `s=A; s=B` is not the caller `s=A`
+            material += "".join(f"\ncookie:{name}={value}" for name, value in _cookies(headers)
+                                if name in self._credential_cookies and value)
+        return material
 
     def _is_trusted(self, peer: str | None) -> bool:
         if not peer or not self._trusted:
@@ -156,3 +196,14 @@ class TenantResolver:
         except ValueError:
             return False
         return any(addr in net for net in self._trusted)
+
+
+def _cookies(headers: CIMultiDictProxy[str]) -> list[tuple[str, str]]:
+    """The (name, value) pairs of every Cookie line (RFC 6265 §5.4: ``a=1; b=2``)."""
+    pairs = []
+    for line in headers.getall("Cookie"):
+        for pair in line.split(";"):
+            name, eq, value = pair.strip().partition("=")
+            if eq:
+                pairs.append((name.strip(), value.strip()))
+    return pairs
