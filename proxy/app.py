@@ -9,6 +9,7 @@ import logging
 import os
 import time
 from typing import AsyncIterator, Awaitable, Callable
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -121,17 +122,22 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     return await request.app[PROXY].handle(request)
 
 
+# /healthz, /readyz and /metrics answer anyone: they name no path, URL or host (SPEC §11).
+# Why the store failed goes to the log, through errors.problem_middleware.
+
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
 async def readyz(request: web.Request) -> web.Response:
+    settings = request.app[SETTINGS]
     store = request.app[STORE]
     try:
-        await asyncio.wait_for(store.ping(), request.app[SETTINGS].store.timeout)
-    except (StoreUnavailable, asyncio.TimeoutError) as exc:
-        raise Problem("store-unavailable", f"store not reachable: {exc}") from None
-    return web.json_response({"status": "ready", "store": repr(store), "durability": store.durability})
+        await asyncio.wait_for(store.ping(), settings.store.timeout)
+    except asyncio.TimeoutError:
+        raise StoreUnavailable(f"readyz: no answer to a ping within {settings.store.timeout}s") from None
+    return web.json_response({"status": "ready", "store": urlsplit(settings.store.url).scheme,
+                              "durability": store.durability})
 
 
 async def metrics(request: web.Request) -> web.Response:
