@@ -27,14 +27,14 @@ from typing import Any, Iterable
 
 import orjson
 
-MAX_DEPTH = 254  # orjson serialises no deeper; the exact path enforces the same bound
+MAX_DEPTH = 254  # orjson serialises no deeper; _dump holds json.dumps to the same bound
 SORTED = orjson.OPT_SORT_KEYS
 
-# Which bodies need the exact path: a run of 16 digits (a number past a double's 15
-# exact digits, or an integer past 64 bits), a three-digit negative exponent (into a
-# double's subnormals, or to zero; a positive one past its range orjson refuses), or a
-# \u003a-style escape (it would hide a colon from the duplicate-key count). A byte
-# table and `in` do this ~6x faster than a regex (measured on a 2.8 KB chat body).
+# Which bodies go through the standard library's exact hooks rather than orjson: those with
+# a run of 16 digits (a number past a double's 15 exact digits, or an integer past 64 bits)
+# or a three-digit negative exponent (into a double's subnormals, or to zero; a positive
+# one past its range orjson refuses). A byte table and `in` find them ~6x faster than a
+# regex (measured on a 2.8 KB chat body).
 _SHAPES = bytes(ord("0") if chr(b) in "0123456789." else ord("e") if chr(b) in "eE"
                 else ord("-") if chr(b) == "-" else ord(" ") for b in range(256))
 _LONG_DIGITS, _TINY_EXPONENT = b"0" * 16, b"0e-000"
@@ -49,10 +49,17 @@ def is_json(content_type: str) -> bool:
 def canonical_json(body: bytes, ignore: Iterable[str] = ()) -> bytes | None:
     """Canonical bytes of a JSON body with ``ignore`` paths removed; None unless the body
     follows the rule in the module docstring."""
-    parsed = _read_exact(body) if _needs_exact(body) else _read_fast(body)
-    if parsed is None:
+    escaped_colon = b"\\u003" in body  # \u003a: a colon the count below cannot see
+    try:
+        value = _parse(body, escaped_colon)
+    except (ValueError, RecursionError):  # orjson's, json's, UnicodeDecodeError: all ValueErrors
         return None
-    value, canonical = parsed
+    canonical = _dump(value)
+    # Outside strings every colon follows a key; inside them each is written as it came. So
+    # a key given twice, which both parsers fold into one, leaves the body with more colons
+    # than its canonical form (an escaped colon would hide one: _parse checks keys then).
+    if canonical is None or (not escaped_colon and body.count(b":") != canonical.count(b":")):
+        return None
     ignore = tuple(ignore)
     if not ignore:
         return canonical
@@ -66,7 +73,7 @@ def fingerprint(method: str, upstream: str, path_qs: str, body: bytes, content_t
     method_field = method.upper().encode()
     if body and is_json(content_type):
         body = canonical_json(body, ignore) or body
-    elif body and canonical_json(body) == body:
+    elif body and _looks_canonical(body):
         # \x01 cannot occur in a method token, so no raw body can forge this tag
         method_field += b"\x01"
     h = hashlib.sha256()
@@ -77,45 +84,30 @@ def fingerprint(method: str, upstream: str, path_qs: str, body: bytes, content_t
     return h.hexdigest()
 
 
-# -- the fast path: orjson ------------------------------------------------------------
-
-def _needs_exact(body: bytes) -> bool:
-    if b"\\u003" in body:
-        return True
-    shapes = body.translate(_SHAPES)
-    return _LONG_DIGITS in shapes or _TINY_EXPONENT in shapes
-
-
-def _read_fast(body: bytes) -> tuple[Any, bytes] | None:
+def _looks_canonical(body: bytes) -> bool:
+    """Whether a body not sent as JSON is byte for byte some canonical form."""
     try:
-        value = orjson.loads(body)
-        canonical = orjson.dumps(value, option=SORTED)  # raises past MAX_DEPTH
-    except (orjson.JSONDecodeError, orjson.JSONEncodeError):
-        return None
-    # Outside strings every colon follows a key; inside them orjson writes each colon as
-    # it came (none is escaped: _needs_exact sent \u003a away). So a key given twice,
-    # which orjson folds into one, leaves the body with more colons than its canonical form.
-    if body.count(b":") != canonical.count(b":"):
-        return None
-    return value, canonical
+        orjson.loads(body)  # fails at the first byte that is not JSON: cheap for other bodies
+    except orjson.JSONDecodeError:
+        return False
+    return canonical_json(body) == body
 
 
-# -- the exact path: the standard library with hooks that refuse what is not exact ----
+# -- parsing: orjson, or the standard library with hooks that refuse what is not exact --
 
 class _NotCanonical(ValueError):
     pass
 
 
-def _read_exact(body: bytes) -> tuple[Any, bytes] | None:
-    try:
-        value = json.loads(body.decode("utf-8"), object_pairs_hook=_unique_keys,
-                           parse_float=_exact_float, parse_constant=_no_constant)
-    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        return None
-    if _deeper_than(value, MAX_DEPTH):
-        return None
-    canonical = _dump(value)
-    return None if canonical is None else (value, canonical)
+def _parse(body: bytes, escaped_colon: bool) -> Any:
+    """The body's value; raises ValueError or RecursionError unless it is strict JSON with
+    exact numbers (and, when ``escaped_colon``, no key given twice)."""
+    if not escaped_colon:
+        shapes = body.translate(_SHAPES)
+        if _LONG_DIGITS not in shapes and _TINY_EXPONENT not in shapes:
+            return orjson.loads(body)
+    return json.loads(body.decode("utf-8"), parse_float=_exact_float, parse_constant=_no_constant,
+                      object_pairs_hook=_unique_keys if escaped_colon else None)
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -144,14 +136,17 @@ def _deeper_than(node: Any, limit: int) -> bool:
         return False
     if limit == 0:
         return True
-    return any(_deeper_than(child, limit - 1) for child in (node.values() if isinstance(node, dict) else node))
+    children = node.values() if isinstance(node, dict) else node
+    return any(_deeper_than(child, limit - 1) for child in children)
 
 
 def _dump(value: Any) -> bytes | None:
     try:
         return orjson.dumps(value, option=SORTED)
-    except orjson.JSONEncodeError:  # an integer past 64 bits, or a lone surrogate
+    except orjson.JSONEncodeError:  # an integer past 64 bits, a lone surrogate, or too deep
         pass
+    if _deeper_than(value, MAX_DEPTH):
+        return None
     try:
         return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
                           allow_nan=False).encode()

@@ -162,7 +162,7 @@ class TenantResolver:
     def check_recordable(self, headers: CIMultiDictProxy[str], namespace: str, upstream: str) -> None:
         """Refuse to record a call whose tenant would be ``anonymous`` (see :meth:`tenant`)
         unless ``upstream`` lets credential-less callers share it: raises ``credential-required``."""
-        if namespace != DEFAULT_NAMESPACE or upstream in self._shared_anonymous or self._material(headers):
+        if upstream in self._shared_anonymous or self.tenant(headers, namespace) != ANONYMOUS:
             return
         wanted = ", ".join(self._credential_headers) or "none configured"
         if self._credential_cookies:
@@ -176,7 +176,9 @@ class TenantResolver:
         material = self._material(headers)
         if not material:
             return ANONYMOUS
-        return "k:" + hmac.new(self._secret, material.encode(), hashlib.sha256).hexdigest()[:32]
+        # surrogateescape: aiohttp reads header bytes that are not UTF-8 as lone surrogates
+        raw = material.encode("utf-8", "surrogateescape")
+        return "k:" + hmac.new(self._secret, raw, hashlib.sha256).hexdigest()[:32]
 
     def _material(self, headers: CIMultiDictProxy[str]) -> str:
         """What identifies the caller: its credential headers and cookies, "" for none."""

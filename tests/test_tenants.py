@@ -6,7 +6,7 @@ import pytest
 
 from conftest import write_config
 from idemproxy.proxy.config import ConfigError, TenantSettings, UpstreamSettings, load_settings
-from rawhttp import problem
+from rawhttp import problem, raw_request
 
 CHAT = "/openai/v1/chat/completions"
 
@@ -176,3 +176,15 @@ async def test_a_trusted_tenant_header_is_a_credential(make_proxy, store_url, pr
     proxy = await make_proxy(store_url, tenants={"anonymous": "refuse", "trusted_sources": ["127.0.0.0/8"]})
     status, _, _ = await call(http, proxy.url + CHAT, "x", **{"Idem-Tenant": "acme", "Idempotency-Key": "t"})
     assert status == 200 and provider.calls["chat"] == 1
+
+
+async def test_a_credential_that_is_not_utf8_names_a_tenant_of_its_own(make_proxy, store_url, provider):
+    # found by tests/test_fuzz.py: a latin-1 byte in Authorization made the tenant's HMAC raise (500)
+    proxy = await make_proxy(store_url, **REFUSE)
+    answers = []
+    for credential in ("Bearer caf\xe9", "Bearer caf\xe9", "Bearer caf\xe8"):
+        resp = await raw_request(proxy.url, f"POST /raw/echo/x HTTP/1.1\nHost: x\nAuthorization: {credential}\n"
+                                            "Idempotency-Key: latin\nContent-Length: 2", b"{}")
+        answers.append((resp.status, resp.headers["Idempotent-Replayed"]))
+    assert answers == [(200, "false"), (200, "true"), (200, "false")]
+    assert provider.calls["echo"] == 2
