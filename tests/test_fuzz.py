@@ -3,8 +3,8 @@
 Whatever comes in, the proxy never answers 500, never logs a traceback or an error,
 never forwards a request it refused, and never replays a record for a different request.
 "Different" is judged here, independently of the proxy's fingerprint: two bodies are the
-same request only if their bytes are equal, or both are JSON-typed strict JSON (no key
-given twice, no NaN, at most 254 deep) with equal values, numbers compared exactly.
+same request only if their bytes are equal, or both are JSON-typed JSON (no key given
+twice, no NaN or Infinity) with equal values, numbers compared exactly.
 
 Every request goes over a raw socket (so header bytes are ours) to a proxy on the product
 default (credential-less calls are refused), and every forwarded one reaches the fake
@@ -250,21 +250,6 @@ def same_body(a: bytes, a_type: str | None, b: bytes, b_type: str | None) -> boo
         return False
 
 
-def scope(req: Request) -> tuple | None:
-    """Whose record a request may be answered from: credential, run, upstream and path, key."""
-    try:
-        route = parse_route(req.target.split("#")[0], UPSTREAMS)
-        key = parse_key([v for k, v in req.headers if k.lower() == "idempotency-key"])
-    except Problem:
-        return None
-    run = route.run or req.header("Idem-Run")
-    return req.header("Authorization"), run, route.upstream.name, route.path_qs, key, req.method
-
-
-def same_request(a: Request, b: Request) -> bool:
-    return scope(a) == scope(b) and same_body(a.body, a.header("Content-Type"), b.body, b.header("Content-Type"))
-
-
 # -- the checks ----------------------------------------------------------------------------------
 
 class Logged(logging.Handler):
@@ -284,9 +269,6 @@ def logged():
     logging.getLogger().addHandler(handler)
     yield handler.records
     logging.getLogger().removeHandler(handler)
-
-
-UPSTREAMS: dict = {}
 
 
 class Journal:
@@ -317,17 +299,32 @@ class Journal:
         try:
             seq = int(orjson.loads(answer.body)["headers"]["X-Fuzz-Seq"])
         except (ValueError, KeyError, TypeError):  # not an echo: some earlier request must match
-            assert any(same_request(earlier, req) for earlier in self.sent.values() if earlier is not req), req
+            earlier = [r for r in self.sent.values() if r is not req]
+            assert any(self.same_request(r, req) for r in earlier), req
             return
-        assert seq != req.seq and same_request(self.sent[seq], req), ("replayed another request's record",
-                                                                       self.sent[seq], req)
+        assert seq != req.seq and self.same_request(self.sent[seq], req), ("replayed another request's record",
+                                                                            self.sent[seq], req)
+
+    def same_request(self, a: Request, b: Request) -> bool:
+        scope = self.scope(a)
+        return scope is not None and scope == self.scope(b) and same_body(
+            a.body, a.header("Content-Type"), b.body, b.header("Content-Type"))
+
+    def scope(self, req: Request) -> tuple | None:
+        """Whose record a request may be answered from: credential, run, upstream, path, key."""
+        settings = self.proxy.settings
+        try:
+            route = parse_route(req.target.partition("#")[0], settings.upstreams)  # as aiohttp's raw_path
+            key = parse_key([v for k, v in req.headers if k.lower() == "idempotency-key"])
+        except Problem:
+            return None
+        credential = tuple(req.header(h) for h in settings.tenants.credential_headers)
+        return credential, route.run or req.header("Idem-Run"), route.upstream.name, route.path_qs, key, req.method
 
 
 @pytest.fixture
 async def journal(make_proxy, sqlite_url, provider, logged) -> Journal:
     proxy = await make_proxy(sqlite_url, tenants={"anonymous": "refuse"}, server={"max_request_bytes": LIMIT})
-    UPSTREAMS.clear()
-    UPSTREAMS.update(proxy.settings.upstreams)
     return Journal(proxy, provider, logged)
 
 
