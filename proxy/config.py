@@ -22,7 +22,7 @@ from enum import StrEnum
 from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit
 
 ENV_PREFIX = "IDEMPROXY_"
 MODEL_PROVIDERS = {"api.openai.com", "api.anthropic.com", "generativelanguage.googleapis.com",
@@ -34,6 +34,8 @@ class Policy(StrEnum):
     RECORD = "record"            # claim the key, forward, record the outcome, then answer
     PASSTHROUGH = "passthrough"  # forward, record nothing
 
+
+ANONYMOUS_CHOICES = ("refuse", "shared")  # [tenants] and [upstreams.*] anonymous
 
 # Path words with a meaning of their own in the proxy's routes; no upstream may take these names.
 RESERVED_NAMES = frozenset({"runs", "admin", "healthz", "readyz", "metrics", "epochs",
@@ -65,16 +67,42 @@ def parse_duration(value: Any) -> float:
     return float(m.group(1)) * unit
 
 
-SECRET_QUERY = re.compile(r"(?i)((?:^|&)(?:password|passwd|pass|token|secret|key|api[_-]?key)=)[^&]*")
+# Query parameters shown as *** by a part of their name: secrets, and where to find them
+# (libpq's password, sslpassword, passfile, sslkey; its options, which may carry
+# `-c password=…`; api_key, access_token, client_secret, sig, …).
+SECRET_PARAM = re.compile(r"(?i)pass|secret|token|key|auth|cred|sig|options")
+QUERY_PARAM = re.compile(r"(^|[&;])([^=&;]*)=([^&;]*)")
 
 
 def mask_url(url: str) -> str:
-    """The URL with its password and secret-looking query values replaced by ``***``."""
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if parts.password is not None:
-        netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc, query=SECRET_QUERY.sub(r"\1***", parts.query)))
+    """The URL with its password and every secret-looking query value replaced by ``***``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # not a URL we can take apart: show none of it
+        return "***"
+    # Edited in place, not rebuilt: urlunsplit would drop the `//` of sqlite:///path.
+    masked = url
+    userinfo, at, hostport = parts.netloc.rpartition("@")
+    if at and ":" in userinfo:
+        masked = masked.replace(parts.netloc, f"{userinfo.partition(':')[0]}:***@{hostport}", 1)
+    if parts.query or parts.fragment:  # a fragment may carry one too (#access_token=…)
+        before = masked.partition("?" if parts.query else "#")[0]
+        query = f"?{QUERY_PARAM.sub(_mask_param, parts.query)}" if parts.query else ""
+        fragment = f"#{QUERY_PARAM.sub(_mask_param, parts.fragment)}" if parts.fragment else ""
+        masked = before + query + fragment
+    return masked
+
+
+def _mask_param(m: re.Match) -> str:
+    name = m.group(2)
+    return m.group(0) if not SECRET_PARAM.search(unquote(name)) else f"{m.group(1)}{name}=***"
+
+
+def _repr_masking_urls(self) -> str:
+    """A dataclass's repr with its ``*url`` fields masked (a Secret masks itself)."""
+    shown = (f"{f.name}={(mask_url(v) if f.name.endswith('url') and isinstance(v, str) else v)!r}"
+             for f in dataclasses.fields(self) if f.repr for v in (getattr(self, f.name),))
+    return f"{type(self).__name__}({', '.join(shown)})"
 
 
 @dataclass(frozen=True)
@@ -142,6 +170,10 @@ class TenantSettings:
     # credential (or of the trusted tenant header); "shared", one namespace ("default") for every
     # caller without a trusted tenant header: a deliberate choice, for one trusted agent.
     runs: str = RUNS_PER_CREDENTIAL
+    credential_cookies: tuple[str, ...] = ()  # cookie names whose values are credentials too
+    # A recorded call with no credential: "refuse" it (401 credential-required), or let all
+    # such callers share one tenant, "shared" (they see each other's records). Per upstream too.
+    anonymous: str = "refuse"
 
 
 @dataclass(frozen=True)
@@ -155,6 +187,7 @@ class UpstreamSettings:
     ignore_fields: tuple[IgnoreFields, ...] = ()
     set_headers: Mapping[str, Secret] = field(default_factory=dict)  # e.g. injected credentials
     redact_headers: tuple[str, ...] = ()  # response headers never stored
+    anonymous: str = ""  # "refuse" or "shared" (see TenantSettings); [tenants] anonymous when empty
     connect_timeout: float = 10.0
     read_timeout: float = 300.0  # longest silence between two bytes of the response
     max_connections: int = 256
@@ -212,6 +245,8 @@ class HookSettings:
     # False for a launcher that hands the agent to something else and exits (kubectl, systemd-run).
     watch_exit: bool = True
 
+    __repr__ = _repr_masking_urls
+
 
 @dataclass(frozen=True)
 class SupervisorSettings:
@@ -220,6 +255,8 @@ class SupervisorSettings:
     proxy_url: str | None = None  # what hooks are told; http://{host}:{port} by default
     max_hook_processes: int = 16  # command hooks running at once, started by this process
     max_restarts_per_minute: int = 60  # restarts this supervisor makes, over any 60 s
+
+    __repr__ = _repr_masking_urls
 
 
 @dataclass(frozen=True)
@@ -405,6 +442,8 @@ def _validate(s: Settings) -> None:
                 raise ConfigError(f"upstreams.{up.name}.{option} must be 'record' or 'passthrough'")
         if up.on_ambiguous not in ("", "retry", "quarantine"):
             raise ConfigError(f"upstreams.{up.name}.on_ambiguous must be 'retry' or 'quarantine'")
+        if up.anonymous not in ("", *ANONYMOUS_CHOICES):
+            raise ConfigError(f"upstreams.{up.name}.anonymous must be 'refuse' or 'shared'")
         for model, price in up.prices.items():
             if len(price) != 2:
                 raise ConfigError(f"upstreams.{up.name}.prices.{model} must be [input, output] USD per "
@@ -415,6 +454,8 @@ def _validate(s: Settings) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.~-]+", up.name) or up.name in RESERVED_NAMES:
             raise ConfigError(f"upstream name {up.name!r} is not usable in a path "
                               f"(reserved: {', '.join(sorted(RESERVED_NAMES))})")
+    if s.tenants.anonymous not in ANONYMOUS_CHOICES:
+        raise ConfigError("tenants.anonymous must be 'refuse' or 'shared'")
     for hook in s.hooks.values():
         if bool(hook.command) == bool(hook.url):
             raise ConfigError(f"hooks.{hook.name}: set exactly one of command or url")
@@ -447,6 +488,11 @@ def upstream_kind(up: UpstreamSettings) -> str:
         return up.kind
     host = urlsplit(up.url).hostname or ""
     return "model" if host in MODEL_PROVIDERS or up.name in ("openai", "anthropic") else "tool"
+
+
+def shares_anonymous(up: UpstreamSettings, tenants: TenantSettings) -> bool:
+    """Whether callers with no credential may record through ``up``, sharing one tenant."""
+    return (up.anonymous or tenants.anonymous) == "shared"
 
 
 def ambiguous_policy(up: UpstreamSettings) -> str:

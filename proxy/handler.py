@@ -74,6 +74,8 @@ class Proxy:
             upstream = route.upstream
             chosen = policy.decide(upstream, request.method, route.path, override=ident.policy,
                                    has_key=ident.key is not None, has_run=ident.run is not None)
+            if chosen is Policy.RECORD:  # before the fence: a refused call changes nothing
+                self.tenants.check_recordable(request.headers, ident.namespace, upstream.name)
             if ident.run:
                 await self._fence(ident, fail_open=chosen is Policy.PASSTHROUGH)
             if chosen is Policy.PASSTHROUGH:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from multidict import CIMultiDictProxy
 
+from .config import RUNS_SHARED, Settings, shares_anonymous
 from .policy import Policy
 from .problems import Problem
 
@@ -23,6 +24,7 @@ RUN_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 EPOCH = re.compile(r"[0-9]{1,15}")  # exact in every store, Redis's Lua doubles included
 TENANT_NAME = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")
 BARE_KEY = re.compile(r"[\x21-\x7e]+")  # visible ASCII; a comma means a list, refused below
+CHALLENGE = {"WWW-Authenticate": 'Bearer realm="idemproxy"'}  # a 401 names a scheme (RFC 9110 §15.5.2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +114,10 @@ class TenantResolver:
     """Tenant = HMAC(secret, credential), or a trusted header from a trusted source.
 
     Hashing the credential means two API keys never share journal entries, and that
-    the store never holds the credential itself.
+    the store never holds the credential itself. The credential is the values of
+    ``credential_headers`` and of the cookies in ``credential_cookies``. A caller with
+    none would share the tenant ``anonymous`` with every other such caller, so it may
+    record only through upstreams that allow that (``anonymous = "shared"``).
 
     Runs live in a *namespace* (SPEC §11): the trusted tenant header where one is given;
     else the caller's credential's tenant, so another credential never reaches them; or,
@@ -120,12 +125,23 @@ class TenantResolver:
     """
 
     def __init__(self, secret: bytes, credential_headers: tuple[str, ...], header: str,
-                 trusted_sources: tuple[str, ...], *, shared_runs: bool = False):
+                 trusted_sources: tuple[str, ...], *, shared_runs: bool = False,
+                 credential_cookies: tuple[str, ...] = (), shared_anonymous: frozenset[str] = frozenset()):
         self._secret = secret
         self._credential_headers = credential_headers
+        self._credential_cookies = frozenset(credential_cookies)
+        self._shared_anonymous = shared_anonymous  # names of upstreams anonymous callers may record through
         self._header = header
         self._trusted = tuple(ipaddress.ip_network(s, strict=False) for s in trusted_sources)
         self._shared_runs = shared_runs
+
+    @classmethod
+    def from_settings(cls, secret: bytes, settings: Settings) -> TenantResolver:
+        t = settings.tenants
+        return cls(secret, t.credential_headers, t.header, t.trusted_sources,
+                   shared_runs=t.runs == RUNS_SHARED, credential_cookies=t.credential_cookies,
+                   shared_anonymous=frozenset(name for name, up in settings.upstreams.items()
+                                              if shares_anonymous(up, t)))
 
     def tenant(self, headers: CIMultiDictProxy[str], namespace: str) -> str:
         """Whose journal entries a request's are: its trusted tenant, else its credential's.
@@ -149,11 +165,36 @@ class TenantResolver:
                           f"{CREDENTIAL_PREFIX!r} are the namespaces of credentials, not tenant names")
         return named
 
+    def check_recordable(self, headers: CIMultiDictProxy[str], namespace: str, upstream: str) -> None:
+        """Refuse to record a call whose tenant would be ``anonymous`` (see :meth:`tenant`)
+        unless ``upstream`` lets credential-less callers share it: raises ``credential-required``."""
+        if upstream in self._shared_anonymous or self.tenant(headers, namespace) != ANONYMOUS:
+            return
+        wanted = ", ".join(self._credential_headers) or "none configured"
+        if self._credential_cookies:
+            wanted += "; cookies: " + ", ".join(sorted(self._credential_cookies))
+        raise Problem("credential-required", f"a recorded call needs a credential ({wanted}): callers "
+                      "without one would see each other's records. Send one, or let such callers "
+                      f"share records with anonymous = \"shared\" under [upstreams.{upstream}] or [tenants]",
+                      headers=CHALLENGE)
+
     def of_credential(self, headers: CIMultiDictProxy[str]) -> str:
-        material = "\n".join(f"{h}={headers[h]}" for h in self._credential_headers if h in headers)
+        material = self._material(headers)
         if not material:
             return ANONYMOUS
-        return CREDENTIAL_PREFIX + hmac.new(self._secret, material.encode(), hashlib.sha256).hexdigest()[:32]
+        # surrogateescape: aiohttp reads header bytes that are not UTF-8 as lone surrogates
+        raw = material.encode("utf-8", "surrogateescape")
+        return CREDENTIAL_PREFIX + hmac.new(self._secret, raw, hashlib.sha256).hexdigest()[:32]
+
+    def _material(self, headers: CIMultiDictProxy[str]) -> str:
+        """What identifies the caller: its credential headers and cookies, "" for none."""
+        material = "\n".join(f"{h}={headers[h]}" for h in self._credential_headers
+                             if headers.get(h, "").strip())  # an empty value is no credential
+        if self._credential_cookies and "Cookie" in headers:
+            # every value of a named cookie, in order: `s=A; s=B` is not the caller `s=A`
+            material += "".join(f"\ncookie:{name}={value}" for name, value in _cookies(headers)
+                                if name in self._credential_cookies and value)
+        return material
 
     def _is_trusted(self, peer: str | None) -> bool:
         if not peer or not self._trusted:
@@ -163,3 +204,14 @@ class TenantResolver:
         except ValueError:
             return False
         return any(addr in net for net in self._trusted)
+
+
+def _cookies(headers: CIMultiDictProxy[str]) -> list[tuple[str, str]]:
+    """The (name, value) pairs of every Cookie line (RFC 6265 §5.4: ``a=1; b=2``)."""
+    pairs = []
+    for line in headers.getall("Cookie"):
+        for pair in line.split(";"):
+            name, eq, value = pair.strip().partition("=")
+            if eq:
+                pairs.append((name.strip(), value.strip()))
+    return pairs

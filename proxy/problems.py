@@ -30,6 +30,7 @@ PROBLEMS: dict[str, ProblemType] = {
     "invalid-request": ProblemType(400, "Request refused", _REJECTED),
     "invalid-body": ProblemType(400, "Malformed request body", _REJECTED),
     "unauthorized": ProblemType(401, "Admin token required", _REJECTED),
+    "credential-required": ProblemType(401, "A credential is required to record", _REJECTED),
     "untrusted-tenant": ProblemType(403, "Tenant header from an untrusted source", _REJECTED),
     "hook-not-allowed": ProblemType(403, "This caller may not arm the hook", _REJECTED),
     "unknown-upstream": ProblemType(404, "Unknown upstream", _REJECTED),

@@ -149,6 +149,9 @@ def proxy_sections(provider_url: str, store_url: str, **extra: dict[str, Any]) -
     sections: dict[str, dict[str, Any]] = {
         "server": {"host": "127.0.0.1", "port": 0, "in_flight_wait": "5s", "access_log": False},
         "store": {"url": store_url, "timeout": "3s"},
+        # Most tests call without a credential; the default, refusing to record such calls,
+        # is tested in test_tenants.py with tenants={"anonymous": "refuse"}.
+        "tenants": {"anonymous": "shared"},
         "upstreams.openai": {"url": provider_url},
         "upstreams.anthropic": {"url": provider_url},
         "upstreams.tools": {"url": provider_url + "/tools", "on_ambiguous": "quarantine",

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from idemproxy.proxy.fingerprint import canonical_json, fingerprint
+from idemproxy.proxy.fingerprint import MAX_DEPTH, canonical_json, fingerprint
+from rawhttp import problem
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -104,6 +105,69 @@ def test_numbers_are_compared_as_parsed():
     assert fp(b'{"big": 123456789012345678901234567890}') == fp(b'{ "big" : 123456789012345678901234567890 }')
 
 
+# -- the rule for odd JSON (issue 10, item 10): never an error, never a shared record --------
+
+LONG_ID = b', "id": 1234567890123456789}'  # 19 digits: the body takes the exact path
+
+
+@pytest.mark.parametrize("body", [
+    b"[" * 1000 + b"]" * 1000,                     # RecursionError before
+    b'{"s": "\\ud800"' + LONG_ID,                   # a lone surrogate: UnicodeEncodeError before
+    b'{"n": NaN}', b'{"n": -Infinity' + LONG_ID, b'{"n": 1e999}',
+    b'{"a": 1, "a": 2}', b"\xef\xbb\xbf{}", b'{"x": 1e-400}', b'"\xff"',
+    b'[' + b"9" * 5000 + b']',                     # past Python's int-from-text limit
+])
+def test_odd_but_valid_or_nearly_valid_json_never_fails(body):
+    assert len(fp(body)) == 64 and len(fp(body, ignore=("a",))) == 64
+    assert canonical_json(body) is None  # hashed as raw bytes
+
+
+@pytest.mark.parametrize("a, b", [
+    (b'{"n": NaN' + LONG_ID, b'{"n": null' + LONG_ID),
+    (b'{"a": 1, "a": 2}', b'{"a": 2}'),
+    (b'{"a\\u003a": 1, "a\\u003a": 2}', b'{"a\\u003a": 2}'),   # a key hidden in escapes
+    (b'{"a": 1, "a": 2' + LONG_ID, b'{"a": 2' + LONG_ID),
+    (b'{"x": 0.12345678901234567}', b'{"x": 0.12345678901234566}'),  # 17 digits: not one double
+    (b'{"x": 1e-400}', b'{"x": 0.0}'),
+    (b'{"x": 9007199254740993}', b'{"x": 9007199254740992}'),      # past 2**53
+    (b'{"x": 123456789012345678901234567890}', b'{"x": 123456789012345678901234567891}'),
+    (b'{"x": -0.0}', b'{"x": 0.0}'),
+    (b'{"x": 1}', b'{"x": 1.0}'),
+])
+def test_different_requests_never_share_a_fingerprint(a, b):
+    assert fp(a) != fp(b)
+
+
+def test_a_raw_body_never_matches_a_json_body_canonicalised_to_its_bytes():
+    json_body, lookalike = b'{ "b": 1, "a": [1, 2] }', b'{"a":[1,2],"b":1}'
+    assert canonical_json(json_body) == lookalike
+    assert fp(lookalike, content_type="text/plain") != fp(json_body)
+    assert fp(lookalike, content_type="") != fp(lookalike)
+    # raw bodies still compare byte for byte, whatever the type
+    assert fp(b'{"a":1,"a":1}', content_type="text/plain") == fp(b'{"a":1,"a":1}')
+
+
+@pytest.mark.parametrize("content_type, canonicalised", [
+    ("application/json", True), ("Application/JSON; charset=utf-8", True),
+    (" APPLICATION/JSON ;charset=UTF-8", True), ("application/vnd.api+json", True),
+    ("application/merge-patch+JSON", True), ("text/plain", False), ("application/x-ndjson", False),
+    ("application/jsonl", False), ("text/json", False), ("", False),
+])
+def test_json_media_types_are_matched_without_case(content_type, canonicalised):
+    spaced = fp(b'{ "b": 1,  "a": 2 }', content_type=content_type)
+    assert (spaced == fp(b'{"a":2,"b":1}', content_type="application/json")) is canonicalised
+
+
+@pytest.mark.parametrize("leaf", [b"1", b"12345678901234567890123"])  # fast and exact paths
+@pytest.mark.parametrize("opening, closing", [(b"[", b"]"), (b'{"k":', b"}")])
+def test_nesting_is_canonicalised_up_to_max_depth(leaf, opening, closing):
+    def nested(depth: int) -> bytes:
+        return opening * depth + leaf + closing * depth
+    assert canonical_json(nested(MAX_DEPTH)) is not None
+    assert canonical_json(nested(MAX_DEPTH + 1)) is None
+    assert len(fp(nested(MAX_DEPTH + 1))) == 64
+
+
 # -- through the proxy ---------------------------------------------------------------------
 
 async def test_reordered_body_replays_and_changed_body_is_422(make_proxy, store_url, provider, http):
@@ -144,3 +208,23 @@ async def test_configured_ignored_fields_replay(make_proxy, store_url, provider,
                          headers={"Idem-Run": "ig", "Idem-Epoch": "1"}) as r:
         assert r.headers["Idempotent-Replayed"] == "false"
     assert provider.calls["chat"] == 2
+
+
+async def test_odd_json_through_the_proxy_is_recorded_and_never_replayed_for_another(make_proxy, store_url,
+                                                                                    provider, http):
+    proxy = await make_proxy(store_url)
+    url = proxy.url + "/raw/echo/odd"
+    pairs = [(b"[" * 1000 + b"]" * 1000, b"[" * 999 + b"]" * 999),
+             (b'{"s": "\\ud800"' + LONG_ID, b'{"s": "\\ud801"' + LONG_ID),
+             (b'{"n": NaN' + LONG_ID, b'{"n": null' + LONG_ID),
+             (b'{"a": 1, "a": 2}', b'{"a": 2}')]
+    for i, (first, other) in enumerate(pairs):
+        headers = {"Content-Type": "Application/JSON; charset=utf-8", "Idempotency-Key": f"odd-{i}"}
+        async with http.post(url, data=first, headers=headers) as r:
+            assert r.status == 200, await r.text()
+            answer = await r.read()
+        async with http.post(url, data=first, headers=headers) as r:
+            assert (r.status, r.headers["Idempotent-Replayed"], await r.read()) == (200, "true", answer)
+        async with http.post(url, data=other, headers=headers) as r:
+            await problem(r, "key-reused", 422)
+    assert provider.calls["echo"] == len(pairs)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from rawhttp import problem
+from conftest import write_config
+from idemproxy.proxy.config import ConfigError, TenantSettings, UpstreamSettings, load_settings
+from rawhttp import problem, raw_request
 
 CHAT = "/openai/v1/chat/completions"
 
@@ -92,3 +94,97 @@ async def test_malformed_trusted_tenant_is_400(make_proxy, store_url, provider, 
     async with http.post(proxy.url + CHAT, json=body("x"), headers={"Idem-Tenant": "bad tenant!"}) as r:
         await problem(r, "invalid-header", 400)
     assert sum(provider.calls.values()) == 0
+
+
+# -- callers with no credential (issue 10, item 11) ------------------------------------------
+
+REFUSE = {"tenants": {"anonymous": "refuse"}}  # the product default (conftest shares, for other tests)
+
+
+def test_refusing_anonymous_callers_is_the_default_and_choices_are_checked(tmp_path):
+    assert TenantSettings().anonymous == "refuse" and UpstreamSettings("x", "http://x").anonymous == ""
+    for section, body in (("tenants", {"anonymous": "share"}),
+                          ("upstreams.x", {"url": "http://127.0.0.1:1", "anonymous": "yes"})):
+        with pytest.raises(ConfigError, match="anonymous must be 'refuse' or 'shared'"):
+            load_settings(write_config(tmp_path / "c.toml", {section: body}), env={})
+
+
+@pytest.mark.parametrize("headers", [
+    {}, {"Cookie": "session=B"}, {"Authorization": ""}, {"X-Api-Key": "  "}, {"X-Session": "B"},
+])
+async def test_a_recorded_call_without_a_credential_is_refused_and_changes_nothing(
+        make_proxy, store_url, provider, http, headers):
+    proxy = await make_proxy(store_url, **REFUSE)
+    for extra in ({"Idempotency-Key": "anon"}, {"Idem-Run": "anon-run", "Idem-Epoch": "0"}):
+        async with http.post(proxy.url + "/raw/echo/x", json=body("x"), headers={**headers, **extra}) as r:
+            refused = await problem(r, "credential-required", 401)
+            assert r.headers["WWW-Authenticate"].startswith("Bearer")
+    assert 'anonymous = "shared"' in refused["detail"] and "[upstreams.raw]" in refused["detail"]
+    assert "authorization" in refused["detail"]
+    assert sum(provider.calls.values()) == 0
+    assert await proxy.store.runs.find(None, "anon-run") == []
+    # what is not recorded still passes, credential or not
+    async with http.get(proxy.url + "/raw/echo/x", headers=headers) as r:
+        assert r.status == 200
+    async with http.post(proxy.url + "/raw/echo/x", json=body("x"), headers=headers) as r:
+        assert r.status == 200
+    assert provider.calls["echo"] == 2
+
+
+async def test_a_cookie_caller_is_never_served_another_cookie_callers_record(make_proxy, store_url, provider,
+                                                                            http):
+    # the issue's case: Cookie: session=B was served session=A's recorded answer
+    proxy = await make_proxy(store_url, **REFUSE)
+    url = proxy.url + CHAT
+    assert (await call(http, url, "x", Cookie="session=A", **{"Idempotency-Key": "c"}))[0] == 401
+    assert (await call(http, url, "x", Cookie="session=B", **{"Idempotency-Key": "c"}))[0] == 401
+    assert provider.calls["chat"] == 0
+
+
+async def test_credential_cookies_make_cookie_callers_tenants_of_their_own(make_proxy, store_url, provider,
+                                                                          http):
+    proxy = await make_proxy(store_url, tenants={"anonymous": "refuse", "credential_cookies": ["session"]})
+    url = proxy.url + CHAT
+    key = {"Idempotency-Key": "c"}
+    status, replayed, answer_a = await call(http, url, "x", Cookie="theme=dark; session=A", **key)
+    assert (status, replayed) == (200, "false")
+    assert await call(http, url, "x", Cookie="session=A; theme=light", **key) == (200, "true", answer_a)
+    for other in ("session=B", "session=A; session=B"):  # a second session cookie is another caller
+        status, replayed, answer = await call(http, url, "x", Cookie=other, **key)
+        assert (status, replayed) == (200, "false") and answer != answer_a, other
+    for no_credential in ("theme=dark", "session="):
+        assert (await call(http, url, "x", Cookie=no_credential, **key))[0] == 401, no_credential
+    assert provider.calls["chat"] == 3
+
+
+async def test_anonymous_callers_share_records_only_where_configured(make_proxy, store_url, provider, http):
+    proxy = await make_proxy(store_url, tenants={"anonymous": "refuse"}, upstreams__raw={"anonymous": "shared"})
+    first = await call(http, proxy.url + "/raw/echo/x", "x", **{"Idempotency-Key": "s"})
+    assert first[:2] == (200, "false")
+    # shared on purpose: another caller without a credential gets the same record
+    assert await call(http, proxy.url + "/raw/echo/x", "x", Cookie="session=B",
+                      **{"Idempotency-Key": "s"}) == (200, "true", first[2])
+    assert (await call(http, proxy.url + CHAT, "x", **{"Idempotency-Key": "s"}))[0] == 401
+    # and the other way round: shared by default, refused for one upstream
+    proxy = await make_proxy(store_url, tenants={"anonymous": "shared"}, upstreams__openai={"anonymous": "refuse"})
+    assert (await call(http, proxy.url + CHAT, "x", **{"Idempotency-Key": "s2"}))[0] == 401
+    assert (await call(http, proxy.url + "/anthropic/v1/messages", "x", **{"Idempotency-Key": "s2"}))[0] == 200
+    assert provider.calls["echo"] == 1 and provider.calls["chat"] == 0
+
+
+async def test_a_trusted_tenant_header_is_a_credential(make_proxy, store_url, provider, http):
+    proxy = await make_proxy(store_url, tenants={"anonymous": "refuse", "trusted_sources": ["127.0.0.0/8"]})
+    status, _, _ = await call(http, proxy.url + CHAT, "x", **{"Idem-Tenant": "acme", "Idempotency-Key": "t"})
+    assert status == 200 and provider.calls["chat"] == 1
+
+
+async def test_a_credential_that_is_not_utf8_names_a_tenant_of_its_own(make_proxy, store_url, provider):
+    # found by tests/test_fuzz.py: a latin-1 byte in Authorization made the tenant's HMAC raise (500)
+    proxy = await make_proxy(store_url, **REFUSE)
+    answers = []
+    for credential in ("Bearer caf\xe9", "Bearer caf\xe9", "Bearer caf\xe8"):
+        resp = await raw_request(proxy.url, f"POST /raw/echo/x HTTP/1.1\nHost: x\nAuthorization: {credential}\n"
+                                            "Idempotency-Key: latin\nContent-Length: 2", b"{}")
+        answers.append((resp.status, resp.headers["Idempotent-Replayed"]))
+    assert answers == [(200, "false"), (200, "true"), (200, "false")]
+    assert provider.calls["echo"] == 2

@@ -11,14 +11,19 @@ sqlite3's errors become :class:`StoreUnavailable` in one place, :class:`translat
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import queue
 import sqlite3
+import stat
 import threading
 import time
 from typing import Any, Callable
 
 from ..base import Bell, StoreUnavailable, Waiters
 from .schema import SCHEMA_VERSION, migrate
+
+log = logging.getLogger("idemproxy.store")
 
 LOCK_RETRY_S = 0.0002  # how often the writer tries for a write lock another worker holds
 POLL_S = 0.05  # how often a waiter looks for another process's writes
@@ -70,6 +75,7 @@ class SQLiteConnection:
 
     async def open(self) -> None:
         self._loop = asyncio.get_running_loop()
+        make_private(self.path)
         with translated(f"cannot open {self.path}"):
             writer = self._connect()
             if writer.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
@@ -193,6 +199,38 @@ class SQLiteConnection:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(LOCK_RETRY_S)
+
+
+def make_private(path: str) -> None:
+    """Create the database file 0600 before SQLite opens it: it holds every tenant's bodies
+    and the tenant HMAC key. SQLite would create it 0644 (less the umask); its -wal and
+    -shm files take the database file's mode when SQLite creates them, so they are 0600 too.
+
+    A file that already exists keeps its owner and group bits but loses any for others,
+    as do its -wal and -shm: a group (a backup job's, say) may be meant to read it; the
+    world never is.
+    """
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise StoreUnavailable(f"cannot open {path}: {exc}") from exc
+    for name in (path, path + "-wal", path + "-shm"):
+        _close_to_others(name)
+
+
+def _close_to_others(name: str) -> None:
+    try:
+        st = os.stat(name)
+        mode = stat.S_IMODE(st.st_mode)
+        if stat.S_ISREG(st.st_mode) and mode & 0o007:
+            os.chmod(name, mode & ~0o007)
+            log.warning("%s was open to every user (mode %o); now %o", name, mode, mode & ~0o007)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # not ours to change: say so, and go on
+        log.warning("cannot take the permissions of others from %s: %s", name, exc)
 
 
 class _Write:
