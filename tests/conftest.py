@@ -149,9 +149,6 @@ def proxy_sections(provider_url: str, store_url: str, **extra: dict[str, Any]) -
     sections: dict[str, dict[str, Any]] = {
         "server": {"host": "127.0.0.1", "port": 0, "in_flight_wait": "5s", "access_log": False},
         "store": {"url": store_url, "timeout": "3s"},
-        # Most tests call without a credential; the default, refusing to record such calls,
-        # is tested in test_tenants.py with tenants={"anonymous": "refuse"}.
-        "tenants": {"anonymous": "shared"},
         "upstreams.openai": {"url": provider_url},
         "upstreams.anthropic": {"url": provider_url},
         "upstreams.tools": {"url": provider_url + "/tools", "on_ambiguous": "quarantine",
@@ -162,7 +159,9 @@ def proxy_sections(provider_url: str, store_url: str, **extra: dict[str, Any]) -
         # Most tests are about one agent whose calls carry several credentials (or none): they
         # choose one shared namespace for runs, explicitly, and wait out timeouts in fractions
         # of a second. Tests of namespaces and of registration limits set their own.
-        "tenants": {"runs": "shared"},
+        # Most tests also call without a credential; the default, refusing to record such
+        # calls, is tested in test_tenants.py with tenants={"anonymous": "refuse"}.
+        "tenants": {"runs": "shared", "anonymous": "shared"},
         "runs": {"min_timeout_s": 0.01, "min_grace_s": 0.01},
     }
     for name, body in extra.items():
