@@ -108,6 +108,9 @@ class Entry:
     path: str = ""
     namespace: str = "default"  # of the run, so a run's journal spans all its tenants
     response: Recorded | None = None
+    # replays by the epoch of the run when they were counted: {epoch: (replays, first seen)};
+    # read by entries() and search() for the console's timeline, not by get()
+    replayed: dict[int, tuple[int, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +207,28 @@ def advance_attempt(run: Run, now: float, reason: str, restart: bool, window_s: 
         run.restart_times = [t for t in run.restart_times if t > now - window_s] + [now]
 
 
+def tallied(replayed: dict[int, tuple[int, float]], epoch: int, n: int,
+            now: float) -> dict[int, tuple[int, float]]:
+    """``replayed`` with ``n`` more replays in ``epoch``, first seen ``now`` if it is new there."""
+    count, first = replayed.get(epoch, (0, now))
+    return {**replayed, epoch: (count + n, first)}
+
+
+def replayed_from(raw: dict[str, Any] | None) -> dict[int, tuple[int, float]]:
+    """``Entry.replayed`` from its stored JSON form ``{"epoch": [replays, first seen]}``."""
+    return {int(epoch): (int(n), float(first)) for epoch, (n, first) in (raw or {}).items()}
+
+
+def revive_attempt(run: Run, now: float) -> None:
+    """Bring a dead run back, in memory: its next attempt, restarting, as ``advance_attempt``
+    makes it, and no longer ended. The restarts that killed it are forgotten: an operator
+    decided to try again, so the intensity rule (``max_restarts``) counts from here."""
+    advance_attempt(run, now, "revive", restart=True, window_s=None)
+    run.ended_at = None
+    run.next_restart_at = 0.0
+    run.restart_times = []
+
+
 class Waiters:
     """Callers waiting in this process for a journal entry to change.
 
@@ -271,13 +296,19 @@ class Journal(Protocol):
     async def read_partial(self, kid: str, after_seq: int) -> list[tuple[int, bytes]]: ...
     async def wait(self, kid: str, timeout: float) -> None:
         """Return when ``kid`` may have changed (or after ``timeout``)."""
-    async def count_replays(self, counts: dict[str, int]) -> None: """Add replay counts."""
+    async def count_replays(self, counts: dict[str, int]) -> None:
+        """Add replay counts, each also tallied in ``Entry.replayed`` under the current epoch of
+        the entry's run (an entry without a run only counts)."""
     async def purge(self, now: float, batch: int = 1000) -> int: """Delete expired entries."""
     async def entries(self, namespace: str, run: str) -> list[Entry]:
         """A run's entries (every tenant's), oldest first, with status but no body."""
     async def delete_run(self, namespace: str, run: str) -> int: """Delete a run's entries."""
     async def count_steps(self, runs: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
         """Journal entries of each (namespace, run) not purged yet; runs without any are left out."""
+    async def search(self, *, state: str | None = None, key: str | None = None, tenant: str | None = None,
+                     run: str | None = None, limit: int = 100) -> list[Entry]:
+        """Live entries matching every filter given (``key`` as stored, e.g. ``key:<agent's key>``),
+        newest first, at most ``limit``, with status but no body. For operators: it may scan."""
 
 
 @runtime_checkable
@@ -304,6 +335,8 @@ class RunRegistry(Protocol):
                           reason: str, restart: bool, window_s: float | None = None) -> Run | None:
         """Compare-and-set the epoch to epoch+1; None when another caller won. With
         ``window_s``, ``now`` joins ``restart_times``, which keeps the last ``window_s`` seconds."""
+    async def revive(self, namespace: str, run_id: str, now: float) -> Run | None:
+        """A dead run's next attempt (see :func:`revive_attempt`); None unless the run is dead."""
     async def silent(self, now: float) -> list[Run]: """Running runs past timeout and grace."""
     async def set_state(self, namespace: str, run_id: str, state: str | None, now: float,
                         event: dict[str, Any] | None = None, **fields: Any) -> None:

@@ -36,6 +36,9 @@ CREATE TABLE secrets (name TEXT PRIMARY KEY, value BYTEA NOT NULL);
 """), (2, """
 -- the restarts that count towards max_restarts, apart from the history that evicts them
 ALTER TABLE runs ADD COLUMN restart_times JSONB NOT NULL DEFAULT '[]';
+"""), (3, """
+-- replays by the epoch of their run, {"epoch": [replays, first seen]}: the console's timeline
+ALTER TABLE journal ADD COLUMN replayed JSONB;
 """)]
 
 
