@@ -68,7 +68,12 @@ class Scope:
     def of_key(cls, tenant: str, run: str | None, upstream: str, idempotency_key: str) -> "Scope":
         """The scope of an agent's own ``Idempotency-Key``; prefixed, so that no agent key can
         pose as a derived one (``derived:<fingerprint>:<n>``)."""
-        return cls(tenant, run, upstream, "key:" + idempotency_key)
+        return cls(tenant, run, upstream, cls.agent_key(idempotency_key))
+
+    @staticmethod
+    def agent_key(idempotency_key: str) -> str:
+        """How an agent's own ``Idempotency-Key`` is kept as an entry's ``key``."""
+        return "key:" + idempotency_key
 
     @property
     def kid(self) -> str:
