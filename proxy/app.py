@@ -12,6 +12,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
+from . import console
 from .appkeys import METRICS, PROXY, RUNS, SETTINGS, STORE, TENANTS
 from .config import Settings
 from .errors import problem_middleware
@@ -47,6 +48,7 @@ def create_app(settings: Settings, launcher: LauncherFactory) -> web.Application
     app.router.add_get("/metrics", metrics)
     api.add_routes(app.router)
     app.add_subapp("/admin/", admin.admin_app())
+    console.mount(app)
     app.router.add_route("*", "/{tail:.*}", _proxy)
     return app
 

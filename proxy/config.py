@@ -36,7 +36,7 @@ class Policy(StrEnum):
 
 # Path words with a meaning of their own in the proxy's routes; no upstream may take these names.
 RESERVED_NAMES = frozenset({"runs", "admin", "healthz", "readyz", "metrics", "epochs",
-                            "heartbeat", "complete", "fail", "attempts"})
+                            "heartbeat", "complete", "fail", "attempts", "ui"})
 
 
 class ConfigError(ValueError):
