@@ -10,6 +10,7 @@ from typing import Callable
 # bucket widths a time axis may use, smallest first: at most MAX_BARS bars across the span
 BUCKETS_S = (60, 300, 900, 3600, 6 * 3600, 86400)
 MAX_BARS = 48
+MIN_BARS = 24
 Format = Callable[[float], str]
 
 
@@ -23,11 +24,13 @@ def over_time(points: list[tuple[float, float]], fmt: Format, *, title: str,
     """Vertical bars: ``points`` (time, amount) summed per bucket, the bucket chosen for the span."""
     if not points:
         return _empty(title, width)
-    size = bucket_size(min(t for t, _ in points), max(t for t, _ in points))
+    now = time.time()
+    size = bucket_size(min(t for t, _ in points), max(now, max(t for t, _ in points)))
     sums: dict[int, float] = {}
     for at, amount in points:
         sums[int(at // size)] = sums.get(int(at // size), 0.0) + amount
-    first, last = min(sums), max(sums)
+    last = max(int(now // size), max(sums))
+    first = min(min(sums), last - MIN_BARS + 1)  # a few bars' worth of axis even for one busy minute
     slots = list(range(first, last + 1))
     left, right, top, bottom = 72, 12, 28, 30
     plot_w, plot_h = width - left - right, height - top - bottom
@@ -89,11 +92,13 @@ def _empty(title: str, width: int) -> str:
 
 
 def _nice(peak: float) -> float:
-    """The smallest 1, 2 or 5 times a power of ten at or above ``peak``: round grid lines."""
+    """The top of the axis: four round steps (1, 1.5, 2, 2.5, 3, 4, 5, 6 or 8 times a power of
+    ten) that reach ``peak``, so each grid line reads as a round number."""
     if peak <= 0:
         return 1.0
-    power = 10 ** math.floor(math.log10(peak))
-    return next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= peak)
+    power = 10 ** math.floor(math.log10(peak / 4))
+    step = next(m * power for m in (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10) if 4 * m * power >= peak)
+    return 4 * step
 
 
 def _when(at: float, size: int) -> str:

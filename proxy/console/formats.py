@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 FILTERS = {}
@@ -46,11 +47,19 @@ def duration(seconds: float | None) -> str:
 
 @_filter
 def usd(amount: float | None) -> str:
+    """Dollars to the cent, and fractions of a cent to two significant digits: one model call
+    costs millionths of a dollar, and ``$0.00`` would say it cost nothing."""
     if amount is None:
         return "–"
-    if amount and amount < 0.01:
-        return f"${amount:.4f}"
-    return f"${amount:,.2f}"
+    if amount == 0 or amount >= 0.01:
+        return f"${amount:,.2f}"
+    return f"${amount:.{min(12, 1 - math.floor(math.log10(amount)))}f}"
+
+
+@_filter
+def seconds(value: float) -> str:
+    """A configured timeout as written: ``60 s``, ``0.5 s``."""
+    return f"{value:g} s"
 
 
 @_filter
