@@ -26,7 +26,7 @@ from ..proxy.runs.bodies import readable
 from ..proxy.runs.options import JOURNAL_STATES, journal_state, resolution
 from ..proxy.runs.views import agent_key, entry_json, listing_json, run_json, step_json
 from ..proxy.eventloop import run
-from ..proxy.store.base import RUN_STATES, Entry, EntryState, Recorded, RunState
+from ..proxy.store.base import RUN_STATES, Entry, EntryState, Recorded, Run, RunState
 from .hooks import Hooks
 from .loop import Supervisor
 
@@ -149,19 +149,20 @@ def cmd_runs_show(settings: Settings, args) -> int:
 
 
 def cmd_runs_restart(settings: Settings, args) -> int:
-    async def work(service: RunsService) -> int:
-        new = await service.restart_now(args.run_id, args.namespace)
-        return _report(args, run_json(new, settings.proxy_url, history=True),
-                       f"run {new.run_id}: restarted at epoch {new.epoch} (restart {new.restarts}); "
-                       f"hook {new.hook or '-'}")
-    return _with_runs(settings, work)
+    return _new_attempt(settings, args, "restarted", lambda service: service.restart_now)
 
 
 def cmd_runs_revive(settings: Settings, args) -> int:
+    return _new_attempt(settings, args, "revived", lambda service: service.revive)
+
+
+def _new_attempt(settings: Settings, args, done: str,
+                 action: Callable[[RunsService], Callable[[str, str | None], Awaitable[Run]]]) -> int:
+    """An operator's new attempt of a run (``action`` of the service), reported."""
     async def work(service: RunsService) -> int:
-        new = await service.revive(args.run_id, args.namespace)
+        new = await action(service)(args.run_id, args.namespace)
         return _report(args, run_json(new, settings.proxy_url, history=True),
-                       f"run {new.run_id}: revived at epoch {new.epoch} (restart {new.restarts}); "
+                       f"run {new.run_id}: {done} at epoch {new.epoch} (restart {new.restarts}); "
                        f"hook {new.hook or '-'}")
     return _with_runs(settings, work)
 
