@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from . import console
 from .appkeys import METRICS, PROXY, RUNS, SETTINGS, STORE, TENANTS
 from .config import Settings
 from .connections import request_started
@@ -51,6 +52,7 @@ def create_app(settings: Settings, launcher: LauncherFactory) -> web.Application
     api.add_routes(app.router)
     attach.setup(app)
     app.add_subapp("/admin/", admin.admin_app())
+    console.mount(app)
     app.router.add_route("*", "/{tail:.*}", _proxy)
     return app
 

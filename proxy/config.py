@@ -39,7 +39,7 @@ ANONYMOUS_CHOICES = ("refuse", "shared")  # [tenants] and [upstreams.*] anonymou
 
 # Path words with a meaning of their own in the proxy's routes; no upstream may take these names.
 RESERVED_NAMES = frozenset({"runs", "admin", "healthz", "readyz", "metrics", "epochs",
-                            "heartbeat", "complete", "fail", "attempts"})
+                            "heartbeat", "complete", "fail", "attempts", "ui"})
 
 
 RUNS_PER_CREDENTIAL, RUNS_SHARED = "credential", "shared"  # [tenants] runs

@@ -296,8 +296,7 @@ class Proxy:
             paced = request.headers.get("Idem-Replay", "").lower() == "paced"
             return await send_record(request, entry.response, started, paced)
         if state == EntryState.UNKNOWN:
-            raise Problem("outcome-unknown", "the first call's outcome is unknown (" +
-                          (entry.detail or "ambiguous") + "); an operator must resolve the key")
+            raise _outcome_unknown(entry)
         if state == EntryState.UNRECORDABLE:
             raise Problem("not-replayable", entry.detail or "the response was too large to record")
         joined = await join_remote(request, self.store, entry.kid, started)
@@ -389,6 +388,17 @@ def _lapsed(entry: Entry) -> bool:
 def _key_reused(how: str) -> Problem:
     return Problem("key-reused", f"this Idempotency-Key {how} with a different request "
                    "(method, path or body)")
+
+
+def _outcome_unknown(entry: Entry) -> Problem:
+    """502 for a quarantined key: it names the entry, and how an operator settles it."""
+    kid = entry.kid
+    command = f"idemproxy journal resolve {kid} --retry"
+    endpoint = f"POST /admin/journal/{kid}/resolve"
+    return Problem("outcome-unknown", f"the first call's outcome is unknown ({entry.detail or 'ambiguous'}); "
+                   f"an operator must resolve journal entry {kid}: `{command}` (or --status N --body ...), "
+                   f"{endpoint}, or the console's quarantine page", kid=kid,
+                   resolve={"command": command, "endpoint": endpoint, "console": f"/ui/journal/{kid}"})
 
 
 def _in_flight() -> Problem:

@@ -57,7 +57,7 @@ class Metrics:
         if savings is None:
             if len(self._savings) >= SAVINGS_CACHE:
                 self._savings.clear()
-            savings = self._savings[kid] = _savings(upstream, recorded)
+            savings = self._savings[kid] = spend(upstream, recorded)
         tokens, cost = savings
         for kind, n in tokens.items():
             self._tokens_saved[upstream.name, kind] = self._tokens_saved.get((upstream.name, kind), 0) + n
@@ -73,8 +73,9 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def _savings(upstream: UpstreamSettings, recorded: Recorded) -> tuple[dict[str, int], float]:
-    """Tokens in a recorded answer, and their cost at the upstream's configured prices."""
+def spend(upstream: UpstreamSettings, recorded: Recorded) -> tuple[dict[str, int], float]:
+    """Tokens in a recorded answer, and their cost at the upstream's configured prices
+    (what a replay saves; the console shows it per step)."""
     tokens = usage(recorded)
     cost = 0.0
     if tokens and upstream.prices:

@@ -1,4 +1,5 @@
-"""The supervisor's commands: ``supervise``, ``runs list|show|restart|complete``, ``journal resolve``.
+"""The supervisor's commands: ``supervise``, ``runs list|show|restart|revive|complete``,
+``journal list|show|find|resolve``.
 
 They talk to the store named by the same configuration as ``serve`` (``--config``,
 ``--store``, ``IDEMPROXY_*``), print aligned tables for people and JSON with ``--json``.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import signal
 import sys
 import time
@@ -20,10 +22,11 @@ from ..proxy.store import open_store
 from ..proxy.config import Settings
 from ..proxy.problems import Problem
 from ..proxy.runs import RunsService
-from ..proxy.runs.options import resolution
-from ..proxy.runs.views import listing_json, run_json, step_json
+from ..proxy.runs.bodies import readable
+from ..proxy.runs.options import JOURNAL_STATES, journal_state, resolution
+from ..proxy.runs.views import agent_key, entry_json, listing_json, run_json, step_json
 from ..proxy.eventloop import run
-from ..proxy.store.base import RUN_STATES, RunState
+from ..proxy.store.base import RUN_STATES, Entry, EntryState, Recorded, Run, RunState
 from .hooks import Hooks
 from .loop import Supervisor
 
@@ -34,23 +37,40 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
                                help="run the supervisor alone against the store (no proxy)")
     supervise.set_defaults(handler=cmd_supervise)
 
-    runs = sub.add_parser("runs", parents=[common], help="list, show, restart and complete runs"
+    runs = sub.add_parser("runs", parents=[common], help="list, show, restart, revive and complete runs"
                           ).add_subparsers(dest="runs_command", required=True,
-                                           metavar="{list,show,restart,complete}")
+                                           metavar="{list,show,restart,revive,complete}")
     listing = _leaf(runs, common, "list", "runs, newest first")
     listing.add_argument("--state", choices=RUN_STATES)
     listing.add_argument("--limit", type=int, default=100)
     listing.set_defaults(handler=cmd_runs_list)
     for name, handler, help in (("show", cmd_runs_show, "one run, its history and its journal"),
-                                ("restart", cmd_runs_restart, "start a new attempt now and fire its hook"),
+                                ("restart", cmd_runs_restart, "start a new attempt now and fire its hook "
+                                 "(a dead run is revived)"),
+                                ("revive", cmd_runs_revive, "give a dead run a new attempt, its restarts "
+                                 "forgotten, and fire its hook"),
                                 ("complete", cmd_runs_complete, "mark a run completed")):
         leaf = _leaf(runs, common, name, help)
         leaf.add_argument("run_id")
         leaf.add_argument("--namespace", help="where the run id exists in several namespaces")
         leaf.set_defaults(handler=handler)
 
-    journal = sub.add_parser("journal", parents=[common], help="act on journal entries").add_subparsers(
-        dest="journal_command", required=True, metavar="{resolve}")
+    journal = sub.add_parser("journal", parents=[common], help="find, show and resolve journal entries"
+                             ).add_subparsers(dest="journal_command", required=True,
+                                              metavar="{list,show,find,resolve}")
+    listing = _leaf(journal, common, "list", "journal entries of every run, newest first")
+    listing.add_argument("--state", choices=JOURNAL_STATES, help="quarantined = outcome unknown")
+    listing.add_argument("--limit", type=int, default=100)
+    listing.set_defaults(handler=cmd_journal_list)
+    show = _leaf(journal, common, "show", "one entry: its key, fingerprint and recorded response")
+    show.add_argument("kid")
+    show.set_defaults(handler=cmd_journal_show)
+    find = _leaf(journal, common, "find", "entries recorded under the agent's own Idempotency-Key")
+    find.add_argument("key", help="the Idempotency-Key as the agent sent it")
+    find.add_argument("--tenant", help="as entries show it (t:NAME, k:HASH); a bare NAME is t:NAME")
+    find.add_argument("--run", help="the run id the entry belongs to")
+    find.add_argument("--limit", type=int, default=100)
+    find.set_defaults(handler=cmd_journal_find)
     resolve = journal.add_parser("resolve", parents=[common],
                                  help="decide a quarantined key: retry it, or give its answer")
     resolve.add_argument("kid", help="the entry's kid (idemproxy runs show RUN)")
@@ -129,10 +149,20 @@ def cmd_runs_show(settings: Settings, args) -> int:
 
 
 def cmd_runs_restart(settings: Settings, args) -> int:
+    return _new_attempt(settings, args, "restarted", lambda service: service.restart_now)
+
+
+def cmd_runs_revive(settings: Settings, args) -> int:
+    return _new_attempt(settings, args, "revived", lambda service: service.revive)
+
+
+def _new_attempt(settings: Settings, args, done: str,
+                 action: Callable[[RunsService], Callable[[str, str | None], Awaitable[Run]]]) -> int:
+    """An operator's new attempt of a run (``action`` of the service), reported."""
     async def work(service: RunsService) -> int:
-        new = await service.restart_now(args.run_id, args.namespace)
+        new = await action(service)(args.run_id, args.namespace)
         return _report(args, run_json(new, settings.proxy_url, history=True),
-                       f"run {new.run_id}: restarted at epoch {new.epoch} (restart {new.restarts}); "
+                       f"run {new.run_id}: {done} at epoch {new.epoch} (restart {new.restarts}); "
                        f"hook {new.hook or '-'}")
     return _with_runs(settings, work)
 
@@ -147,6 +177,35 @@ def cmd_runs_complete(settings: Settings, args) -> int:
 
 
 # -- journal ------------------------------------------------------------------------------------
+
+def cmd_journal_list(settings: Settings, args) -> int:
+    async def work(service: RunsService) -> int:
+        entries = await service.entries(journal_state(args.state), args.limit)
+        return _print_entries(args, entries, "no journal entries" + (f" {args.state}" if args.state else ""))
+    return _with_runs(settings, work)
+
+
+def cmd_journal_find(settings: Settings, args) -> int:
+    async def work(service: RunsService) -> int:
+        entries = await service.find_key(args.key, tenant=args.tenant, run=args.run, limit=args.limit)
+        return _print_entries(args, entries, f"no entry has the Idempotency-Key {args.key!r}")
+    return _with_runs(settings, work)
+
+
+def cmd_journal_show(settings: Settings, args) -> int:
+    async def work(service: RunsService) -> int:
+        entry = await service.entry(args.kid)
+        body = entry_json(entry)
+        if args.json:
+            if entry.response is not None:
+                body["headers"] = entry.response.headers
+                body["body_base64"] = base64.b64encode(entry.response.body).decode()
+            _print_json(body)
+        else:
+            print(describe_entry(body, entry.response, time.time()))
+        return 0
+    return _with_runs(settings, work)
+
 
 def cmd_journal_resolve(settings: Settings, args) -> int:
     if args.retry:
@@ -173,6 +232,18 @@ def cmd_journal_resolve(settings: Settings, args) -> int:
 
 
 # -- printing -----------------------------------------------------------------------------------
+
+def _print_entries(args, entries: list[Entry], none: str) -> int:
+    if args.json:
+        _print_json({"entries": [entry_json(e) for e in entries]})
+        return 0
+    now = time.time()
+    print(table(["KID", "KEY", "STATE", "RUN", "EPOCH", "UPSTREAM", "METHOD", "PATH", "STATUS", "CREATED"],
+                [[e.kid, agent_key(e) or "-", e.state, e.run, e.epoch, e.upstream, e.method, e.path,
+                  e.response.status if e.response else None, ago(e.created_at, now)] for e in entries])
+          if entries else none)
+    return 0
+
 
 def _print_json(body: Any) -> None:
     sys.stdout.write(orjson.dumps(body, option=orjson.OPT_INDENT_2).decode() + "\n")
@@ -222,7 +293,29 @@ def describe(body: dict[str, Any], now: float) -> str:
     lines += ["", f"journal ({len(steps)} entries):"]
     if steps:
         lines.append(table(
-            ["#", "KID", "UPSTREAM", "METHOD", "PATH", "STATE", "STATUS", "RECORDED", "REPLAYS", "EPOCH"],
-            [[i, s["kid"], s["upstream"], s["method"], s["path"], s["state"], s["status"],
+            ["#", "KID", "KEY", "UPSTREAM", "METHOD", "PATH", "STATE", "STATUS", "RECORDED", "REPLAYS", "EPOCH"],
+            [[i, s["kid"], s["agent_key"] or "-", s["upstream"], s["method"], s["path"], s["state"], s["status"],
               ago(s["recorded_at"], now), s["replays"], s["epoch"]] for i, s in enumerate(steps, 1)]))
+    return "\n".join(lines)
+
+
+def describe_entry(body: dict[str, Any], response: Recorded | None, now: float) -> str:
+    """``journal show``: the entry's facts, then its recorded response, body made readable."""
+    key = f"{body['agent_key']} (the agent's Idempotency-Key)" if body["agent_key"] is not None else \
+        f"{body['key']} (derived by the proxy)"
+    replayed = ", ".join(f"{n} in epoch {epoch}" for epoch, (n, _) in sorted(body["replayed"].items()))
+    facts = [("kid", body["kid"]), ("key", key), ("state", body["state"]), ("detail", body["detail"] or "-"),
+             ("run", body["run"] or "-"), ("namespace", body["namespace"]), ("epoch", body["epoch"]),
+             ("tenant", body["tenant"]), ("request", f"{body['method']} /{body['upstream']}{body['path']}"),
+             ("fingerprint", body["fingerprint"]), ("created", ago(body["created_at"], now)),
+             ("recorded", ago(body["recorded_at"], now)),
+             ("replays", f"{body['replays']}" + (f" ({replayed})" if replayed else ""))]
+    width = max(len(k) for k, _ in facts)
+    lines = [f"{k.ljust(width)}  {'-' if v is None else v}" for k, v in facts]
+    if body["state"] == EntryState.UNKNOWN:
+        lines += ["", f"quarantined: idemproxy journal resolve {body['kid']} --retry | --status N --body TEXT"]
+    if response is not None:
+        kind, shown = readable(response)
+        lines += ["", f"response: {response.status}", *(f"  {k}: {v}" for k, v in response.headers),
+                  "", f"body ({kind}, {len(response.body)} bytes):", *shown]
     return "\n".join(lines)

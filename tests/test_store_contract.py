@@ -363,6 +363,49 @@ async def test_replays_are_counted(store):
     assert (await store.journal.get(sc.kid)).replays == 5
 
 
+async def test_replays_are_tallied_under_the_epoch_of_their_run(store):
+    await store.runs.upsert(new_run("run-1"))
+    sc, loose = scope(), scope("loose", run=None)
+    for each in (sc, loose):
+        owner = await claimed(store, each, epoch=0 if each.run else None)
+        await store.journal.complete(each.kid, owner, REPLY)
+    before = time.time()
+    await store.journal.count_replays({sc.kid: 2, loose.kid: 1})  # the run is at epoch 0
+    [entry] = await store.journal.entries(NS, "run-1")
+    assert entry.replayed.keys() == {0} and entry.replayed[0][0] == 2
+    first_seen = entry.replayed[0][1]
+    assert before - 1 <= first_seen <= time.time() + 1
+    await store.runs.new_attempt(NS, "run-1", 0, time.time(), "restart", True)
+    await store.journal.count_replays({sc.kid: 1})
+    await store.journal.count_replays({sc.kid: 1})
+    [entry] = await store.journal.entries(NS, "run-1")
+    assert (entry.replays, entry.replayed[0], entry.replayed[1][0]) == (4, (2, first_seen), 2)
+    assert entry.replayed[1][1] >= first_seen
+    [found] = await store.journal.search(key="loose")
+    assert (found.replays, found.replayed) == (1, {})  # no run: counted, not tallied
+
+
+async def test_search_filters_entries_newest_first(store):
+    owner = await claimed(store, scope("key:a"))
+    await store.journal.complete(scope("key:a").kid, owner, REPLY)
+    await asyncio.sleep(0.01)
+    await store.journal.quarantine(scope("key:b").kid, await claimed(store, scope("key:b")), "upstream 503")
+    await asyncio.sleep(0.01)
+    await claimed(store, scope("key:a", run=None, tenant="tenant-b"))
+    await asyncio.sleep(0.01)
+    await claimed(store, scope("key:a", run="run-2"))
+    assert [(e.key, e.run, e.tenant) for e in await store.journal.search()] == [
+        ("key:a", "run-2", TENANT), ("key:a", None, "tenant-b"), ("key:b", "run-1", TENANT),
+        ("key:a", "run-1", TENANT)]
+    [quarantined] = await store.journal.search(state=EntryState.UNKNOWN)
+    assert (quarantined.key, quarantined.detail, quarantined.response) == ("key:b", "upstream 503", None)
+    assert [e.run for e in await store.journal.search(key="key:a", tenant=TENANT)] == ["run-2", "run-1"]
+    [only] = await store.journal.search(key="key:a", run="run-1")
+    assert (only.state, only.response.status, only.response.body) == (EntryState.COMPLETE, REPLY.status, b"")
+    assert len(await store.journal.search(limit=2)) == 2
+    assert await store.journal.search(key="key:none") == []
+
+
 # -- waiting -------------------------------------------------------------------------------
 
 async def _complete(store, sc, owner):
@@ -665,6 +708,29 @@ async def test_heartbeat_and_end_run_are_fenced_by_the_epoch(store):
     ended = await store.runs.end(NS, "run-1", RunState.COMPLETED, 310.0, epoch=1)
     assert (ended.state, ended.ended_at) == (RunState.COMPLETED, 310.0)
     assert (await store.runs.end(NS, "run-1", RunState.FAILED, 320.0, epoch=5)).state == RunState.COMPLETED  # once
+
+
+async def test_only_a_dead_run_is_revived_with_its_restarts_forgotten(store, open_store):
+    await store.runs.upsert(new_run("run-1"))
+    for i, at in enumerate((100.0, 110.0)):
+        await store.runs.new_attempt(NS, "run-1", i, at, "restart", True, window_s=600)
+    assert await store.runs.revive(NS, "run-1", 150.0) is None  # not dead
+    await store.runs.end(NS, "run-1", RunState.DEAD, 120.0)
+    other = await open_store()
+    first, second = await asyncio.gather(store.runs.revive(NS, "run-1", 200.0),
+                                         other.runs.revive(NS, "run-1", 200.0))
+    revived = first or second
+    assert (first is None) != (second is None)  # one operator's revive wins
+    assert (revived.state, revived.epoch, revived.restarts, revived.ended_at, revived.restart_times,
+            revived.started_at, revived.last_seen) == (RunState.RESTARTING, 3, 3, None, [], 200.0, 200.0)
+    assert revived.history[-1] == {"at": 200.0, "epoch": 3, "event": "revive"}
+    [run] = await store.runs.find(NS, "run-1")
+    assert (run.state, run.epoch, run.ended_at, run.restart_times) == (RunState.RESTARTING, 3, None, [])
+    assert [r.run_id for r in await store.runs.silent(200.0 + 61 + 31)] == ["run-1"]  # watched again
+    await store.runs.upsert(new_run("run-2"))
+    await store.runs.end(NS, "run-2", RunState.COMPLETED, 130.0)
+    assert await store.runs.revive(NS, "run-2", 200.0) is None  # completed runs stay ended
+    assert await store.runs.revive(NS, "no-such-run", 200.0) is None
 
 
 async def test_restart_times_keep_the_window_apart_from_the_history(store):

@@ -382,8 +382,13 @@ async def test_a_sqlite_journal_from_before_restart_times_is_upgraded(sqlite_url
 
     path = sqlite_url.removeprefix("sqlite:///")
     with contextlib.closing(sqlite3.connect(path)) as old:  # version 1: runs without restart_times
+        # (and a journal without replays by epoch, version 4's)
         old.executescript(sqlite_store.SCHEMA.replace(", restart_times BLOB", "").replace(
-            ", lost_epoch INTEGER, attachments INTEGER NOT NULL DEFAULT 0", "") + "PRAGMA user_version=1;")
+            ", lost_epoch INTEGER, attachments INTEGER NOT NULL DEFAULT 0", "").replace(", replayed BLOB", "")
+            + "PRAGMA user_version=1;")
+        old.execute("INSERT INTO journal (kid, tenant, run, epoch, upstream, key, fingerprint, namespace, state, "
+                    "status, created_at, expires_at, replays) VALUES "
+                    "('k1', 't', 'old', 2, 'tools', 'key:a', 'fp', 'default', 'complete', 200, 1, 9e9, 1)")
         old.execute("INSERT INTO runs (tenant, run_id, state, epoch, last_seen, started_at, timeout_s, "
                     "grace_s, max_restarts, created_at) "
                     "VALUES ('default', 'old', 'running', 2, 1, 1, 60, 30, 5, 1)")
@@ -396,6 +401,9 @@ async def test_a_sqlite_journal_from_before_restart_times_is_upgraded(sqlite_url
         assert (run.epoch, run.restart_times) == (2, [])
         run = await store.runs.new_attempt("default", "old", 2, 50.0, "restart", True, window_s=100)
         assert run.restart_times == [50.0]
+        await store.journal.count_replays({"k1": 2})
+        (entry,) = await store.journal.entries("default", "old")
+        assert (entry.replays, entry.replayed[3][0]) == (3, 2)
     finally:
         await store.aclose()
     store = await open_store(settings)  # opened again: nothing left to upgrade, nothing lost

@@ -10,8 +10,14 @@ the API is off (always 401), never open::
     POST   /admin/runs/{id}[?namespace=]    register as the runs API does, for any namespace,
                                             and arm any hook (201 new, 200 updated)
     POST   /admin/runs/{id}/restart         a new attempt now, its hook fired
+    POST   /admin/runs/{id}/revive          a dead run's new attempt, its restarts forgotten, its hook fired
     POST   /admin/runs/{id}/complete        marked completed
     DELETE /admin/runs/{id}/journal         {"deleted": n}
+    GET    /admin/journal?state=&key=&tenant=&run=&limit=
+                                            {"entries": [entry JSON]}, newest first; ``key`` is
+                                            the agent's own Idempotency-Key, ``state`` may be
+                                            "quarantined"
+    GET    /admin/journal/{kid}             entry JSON + headers + body_base64
     POST   /admin/journal/{kid}/resolve     {"action": "retry"} or {"action": "respond",
                                             "status", "headers": [[name, value]], "body" |
                                             "body_base64"}
@@ -33,8 +39,8 @@ from ..identity import TENANT_NAME
 from ..problems import Problem
 from ..store.base import RUN_STATES, RunState
 from .api import answer, json_response, proxy_url, run_id
-from .options import json_object, resolution, run_options
-from .views import listing_json, run_json, step_json
+from .options import journal_state, json_object, resolution, run_options
+from .views import entry_json, listing_json, run_json, step_json
 
 CHALLENGE = {"WWW-Authenticate": 'Bearer realm="idemproxy-admin"'}
 
@@ -47,8 +53,11 @@ def admin_app() -> web.Application:
     add.add_get("/runs/{run_id}", show_run)
     add.add_post("/runs/{run_id}", register)
     add.add_post("/runs/{run_id}/restart", restart)
+    add.add_post("/runs/{run_id}/revive", revive)
     add.add_post("/runs/{run_id}/complete", complete)
     add.add_delete("/runs/{run_id}/journal", delete_journal)
+    add.add_get("/journal", list_journal)
+    add.add_get("/journal/{kid}", show_entry)
     add.add_post("/journal/{kid}/resolve", resolve)
     add.add_post("/purge", purge)
     add.add_route("*", "/{tail:.*}", unknown)
@@ -71,12 +80,7 @@ async def list_runs(request: web.Request) -> web.Response:
     state = request.query.get("state") or None
     if state is not None and state not in RUN_STATES:
         raise Problem("invalid-request", f"state must be one of {', '.join(RUN_STATES)}")
-    try:
-        limit = int(request.query.get("limit", "100"))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= 10000:
-        raise Problem("invalid-request", "limit must be an integer from 1 to 10000")
+    limit = _limit(request)
     runs, steps = await request.config_dict[RUNS].listing(state, limit)
     return json_response(listing_json(runs, steps, proxy_url(request)))
 
@@ -115,6 +119,12 @@ async def restart(request: web.Request) -> web.Response:
     return answer(request, new, history=True)
 
 
+async def revive(request: web.Request) -> web.Response:
+    new = await request.config_dict[RUNS].revive(run_id(request), request.query.get("namespace"))
+    request.config_dict[METRICS].restarts.inc()
+    return answer(request, new, history=True)
+
+
 async def complete(request: web.Request) -> web.Response:
     service = request.config_dict[RUNS]
     run = await service.find(run_id(request), request.query.get("namespace"))
@@ -128,6 +138,29 @@ async def delete_journal(request: web.Request) -> web.Response:
     return json_response({"deleted": deleted, "namespace": run.namespace, "run_id": run.run_id})
 
 
+async def list_journal(request: web.Request) -> web.Response:
+    service, query = request.config_dict[RUNS], request.query
+    state, limit = journal_state(query.get("state")), _limit(request)
+    if query.get("key"):
+        found = await service.find_key(query["key"], tenant=query.get("tenant") or None,
+                                       run=query.get("run") or None, limit=limit)
+        found = [e for e in found if state is None or e.state == state]
+    elif query.get("tenant") or query.get("run"):
+        raise Problem("invalid-request", "tenant and run narrow a search by key: add key=")
+    else:
+        found = await service.entries(state, limit)
+    return json_response({"entries": [entry_json(e) for e in found]})
+
+
+async def show_entry(request: web.Request) -> web.Response:
+    entry = await request.config_dict[RUNS].entry(request.match_info["kid"])
+    body = entry_json(entry)
+    if entry.response is not None:
+        body["headers"] = entry.response.headers
+        body["body_base64"] = base64.b64encode(entry.response.body).decode()
+    return json_response(body)
+
+
 async def resolve(request: web.Request) -> web.Response:
     kid = request.match_info["kid"]
     recorded = resolution(json_object(await request.read()))
@@ -138,6 +171,16 @@ async def resolve(request: web.Request) -> web.Response:
 async def purge(request: web.Request) -> web.Response:
     entries, runs = await request.config_dict[RUNS].purge()
     return json_response({"purged": entries, "runs": runs})
+
+
+def _limit(request: web.Request) -> int:
+    try:
+        limit = int(request.query.get("limit", "100"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 10000:
+        raise Problem("invalid-request", "limit must be an integer from 1 to 10000")
+    return limit
 
 
 async def unknown(request: web.Request) -> web.Response:

@@ -16,11 +16,27 @@ import orjson
 from ..config import Settings, parse_duration
 from ..identity import EPOCH, parse_epoch
 from ..problems import Problem
-from ..store.base import Recorded
+from ..store.base import EntryState, Recorded
 
 RUN_OPTIONS = ("timeout_s", "grace_s", "hook", "max_restarts", "metadata")
 HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an RFC 9110 token
 CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # never in a field value (RFC 9110 §5.5; HTAB may be)
+
+
+# what `journal list --state` and GET /admin/journal?state= take: "quarantined" is what people
+# call an outcome-unknown entry
+JOURNAL_STATES = ("quarantined", *EntryState)
+
+
+def journal_state(value: str | None) -> EntryState | None:
+    """A journal state to list by (None: any)."""
+    if not value:
+        return None
+    if value == "quarantined":
+        return EntryState.UNKNOWN
+    if value not in tuple(EntryState):
+        raise Problem("invalid-request", f"state must be one of {', '.join(JOURNAL_STATES)}")
+    return EntryState(value)
 
 
 def json_object(raw: bytes) -> dict[str, Any]:

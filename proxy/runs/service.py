@@ -17,7 +17,7 @@ from ..config import Settings
 from ..forward import NEVER_STORED, NOT_FORWARDED, storable_headers
 from ..problems import Problem
 from ..store import Store
-from ..store.base import ENDED, Entry, EntryState, Recorded, Run, RunState
+from ..store.base import ENDED, Entry, EntryState, Recorded, Run, RunState, Scope
 
 log = logging.getLogger("idemproxy.supervisor")
 
@@ -164,13 +164,32 @@ class RunsService:
         return new
 
     async def restart_now(self, run_id: str, namespace: str | None = None) -> Run:
-        """An operator's restart: a new attempt at once, its hook fired."""
+        """An operator's restart: a new attempt at once, its hook fired. A dead run is revived."""
         run = await self.find(run_id, namespace)
+        if run.state == RunState.DEAD:
+            return await self._revive(run)
         if run.state in ENDED:
             raise Problem("run-ended", f"run {run.run_id} has ended ({run.state})", state=run.state)
         new = await self.restart(run)
         if new is None:
             raise Problem("run-ended", f"run {run.run_id} ended meanwhile")
+        return new
+
+    async def revive(self, run_id: str, namespace: str | None = None) -> Run:
+        """An operator's second chance for a dead run: a new attempt with its restarts
+        forgotten (``max_restarts`` counts from here), its hook fired."""
+        run = await self.find(run_id, namespace)
+        if run.state != RunState.DEAD:
+            raise Problem("not-dead", f"run {run.run_id} is {run.state}; only a dead run is revived",
+                          state=run.state)
+        return await self._revive(run)
+
+    async def _revive(self, run: Run) -> Run:
+        new = await self.store.runs.revive(run.namespace, run.run_id, time.time())
+        if new is None:
+            raise Problem("not-dead", f"run {run.run_id} was revived or changed meanwhile")
+        log.info("run %s/%s revived: epoch %d, restart %d", new.namespace, new.run_id, new.epoch, new.restarts)
+        await self.launcher.fire(new.hook, RESTART, new)
         return new
 
     async def listing(self, state: RunState | None, limit: int) -> tuple[list[Run], dict[tuple[str, str], int]]:
@@ -193,8 +212,33 @@ class RunsService:
         entries = await self.store.journal.entries(run.namespace, run.run_id)
         if bodies:
             full = [await self.store.journal.get(e.kid) for e in entries]
+            for listed, got in zip(entries, full):
+                if got is not None:
+                    got.replayed = listed.replayed  # get() leaves the replays by epoch out
             entries = [f if f is not None else e for e, f in zip(entries, full)]
         return entries
+
+    async def entry(self, kid: str) -> Entry:
+        """A journal entry with its response (``journal show``)."""
+        entry = await self.store.journal.get(kid)
+        if entry is None:
+            raise Problem("not-found", f"no journal entry {kid}")
+        return entry
+
+    async def entries(self, state: EntryState | None = None, limit: int = 100) -> list[Entry]:
+        """Journal entries of every run, newest first, without bodies (``journal list``, the
+        console's quarantine)."""
+        return await self.store.journal.search(state=state, limit=limit)
+
+    async def find_key(self, key: str, *, tenant: str | None = None, run: str | None = None,
+                       limit: int = 100) -> list[Entry]:
+        """Entries the agent recorded under its own ``Idempotency-Key``, newest first.
+        ``tenant`` is as entries show it (``t:NAME``, ``k:HASH``, ``anonymous``); a bare
+        name is the trusted tenant ``t:NAME``."""
+        if tenant is not None and ":" not in tenant and tenant != "anonymous":
+            tenant = "t:" + tenant
+        return await self.store.journal.search(key=Scope.agent_key(key), tenant=tenant,
+                                               run=run, limit=limit)
 
     async def resolve(self, kid: str, recorded: Recorded | None) -> Entry:
         """Settle an outcome-unknown entry: None retries it, else ``recorded`` is replayed.

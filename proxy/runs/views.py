@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..store.base import Entry, Run
+from ..store.base import Entry, Run, Scope
 
 
 def run_json(run: Run, proxy_url: str, *, history: bool = False) -> dict[str, Any]:
@@ -22,12 +22,26 @@ def run_json(run: Run, proxy_url: str, *, history: bool = False) -> dict[str, An
 
 def step_json(entry: Entry) -> dict[str, Any]:
     """A journal entry of a run: metadata, no body. ``key`` is the agent's own
-    Idempotency-Key as it sent it (see ``Scope.of_key``), or the key the proxy derived."""
-    return {"key": entry.key.removeprefix("key:"), "kid": entry.kid, "upstream": entry.upstream,
-            "method": entry.method, "path": entry.path, "state": entry.state,
+    Idempotency-Key as it sent it (see ``Scope.of_key``), or the key the proxy derived;
+    ``agent_key`` is the agent's own or None. ``replayed``: {epoch: [replays, first seen]}."""
+    return {"key": entry.key.removeprefix("key:"), "agent_key": agent_key(entry), "kid": entry.kid,
+            "upstream": entry.upstream, "method": entry.method, "path": entry.path, "state": entry.state,
             "status": entry.response.status if entry.response else None,
             "created_at": entry.created_at, "recorded_at": entry.completed_at,
-            "replays": entry.replays, "epoch": entry.epoch, "detail": entry.detail}
+            "replays": entry.replays, "replayed": {str(e): list(t) for e, t in entry.replayed.items()},
+            "epoch": entry.epoch, "detail": entry.detail}
+
+
+def agent_key(entry: Entry) -> str | None:
+    """The ``Idempotency-Key`` the agent sent, or None where the proxy derived the key."""
+    prefix = Scope.agent_key("")
+    return entry.key[len(prefix):] if entry.key.startswith(prefix) else None
+
+
+def entry_json(entry: Entry) -> dict[str, Any]:
+    """A journal entry wherever it lives (``journal list|show|find``): a step, and whose."""
+    return {**step_json(entry), "tenant": entry.tenant, "namespace": entry.namespace, "run": entry.run,
+            "fingerprint": entry.fingerprint}
 
 
 def listing_json(runs: list[Run], steps: dict[tuple[str, str], int], proxy_url: str) -> dict[str, Any]:

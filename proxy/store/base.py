@@ -68,7 +68,12 @@ class Scope:
     def of_key(cls, tenant: str, run: str | None, upstream: str, idempotency_key: str) -> "Scope":
         """The scope of an agent's own ``Idempotency-Key``; prefixed, so that no agent key can
         pose as a derived one (``derived:<fingerprint>:<n>``)."""
-        return cls(tenant, run, upstream, "key:" + idempotency_key)
+        return cls(tenant, run, upstream, cls.agent_key(idempotency_key))
+
+    @staticmethod
+    def agent_key(idempotency_key: str) -> str:
+        """How an agent's own ``Idempotency-Key`` is kept as an entry's ``key``."""
+        return "key:" + idempotency_key
 
     @property
     def kid(self) -> str:
@@ -108,6 +113,9 @@ class Entry:
     path: str = ""
     namespace: str = "default"  # of the run, so a run's journal spans all its tenants
     response: Recorded | None = None
+    # replays by the epoch of the run when they were counted: {epoch: (replays, first seen)};
+    # read by entries() and search() for the console's timeline, not by get()
+    replayed: dict[int, tuple[int, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +257,28 @@ class Bell:
         return True
 
 
+def tallied(replayed: dict[int, tuple[int, float]], epoch: int, n: int,
+            now: float) -> dict[int, tuple[int, float]]:
+    """``replayed`` with ``n`` more replays in ``epoch``, first seen ``now`` if it is new there."""
+    count, first = replayed.get(epoch, (0, now))
+    return {**replayed, epoch: (count + n, first)}
+
+
+def replayed_from(raw: dict[str, Any] | None) -> dict[int, tuple[int, float]]:
+    """``Entry.replayed`` from its stored JSON form ``{"epoch": [replays, first seen]}``."""
+    return {int(epoch): (int(n), float(first)) for epoch, (n, first) in (raw or {}).items()}
+
+
+def revive_attempt(run: Run, now: float) -> None:
+    """Bring a dead run back, in memory: its next attempt, restarting, as ``advance_attempt``
+    makes it, and no longer ended. The restarts that killed it are forgotten: an operator
+    decided to try again, so the intensity rule (``max_restarts``) counts from here."""
+    advance_attempt(run, now, "revive", restart=True, window_s=None)
+    run.ended_at = None
+    run.next_restart_at = 0.0
+    run.restart_times = []
+
+
 class Waiters:
     """Callers waiting in this process for a journal entry to change.
 
@@ -317,13 +347,19 @@ class Journal(Protocol):
     async def read_partial(self, kid: str, after_seq: int) -> list[tuple[int, bytes]]: ...
     async def wait(self, kid: str, timeout: float) -> None:
         """Return when ``kid`` may have changed (or after ``timeout``)."""
-    async def count_replays(self, counts: dict[str, int]) -> None: """Add replay counts."""
+    async def count_replays(self, counts: dict[str, int]) -> None:
+        """Add replay counts, each also tallied in ``Entry.replayed`` under the current epoch of
+        the entry's run (an entry without a run only counts)."""
     async def purge(self, now: float, batch: int = 1000) -> int: """Delete expired entries."""
     async def entries(self, namespace: str, run: str) -> list[Entry]:
         """A run's entries (every tenant's), oldest first, with status but no body."""
     async def delete_run(self, namespace: str, run: str) -> int: """Delete a run's entries."""
     async def count_steps(self, runs: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
         """Journal entries of each (namespace, run) not purged yet; runs without any are left out."""
+    async def search(self, *, state: str | None = None, key: str | None = None, tenant: str | None = None,
+                     run: str | None = None, limit: int = 100) -> list[Entry]:
+        """Live entries matching every filter given (``key`` as stored, e.g. ``key:<agent's key>``),
+        newest first, at most ``limit``, with status but no body. For operators: it may scan."""
 
 
 @runtime_checkable
@@ -368,6 +404,8 @@ class RunRegistry(Protocol):
         that one. True if marked (and the bell rung for every supervisor)."""
     async def wait_lost(self, timeout: float) -> bool:
         """True when an attempt was marked lost since the last call, False after ``timeout``."""
+    async def revive(self, namespace: str, run_id: str, now: float) -> Run | None:
+        """A dead run's next attempt (see :func:`revive_attempt`); None unless the run is dead."""
     async def set_state(self, namespace: str, run_id: str, state: str | None, now: float,
                         event: dict[str, Any] | None = None, **fields: Any) -> None:
         """Set state (None keeps it), append ``event`` to the history, set ``fields``."""

@@ -13,7 +13,8 @@ import time
 
 import asyncpg
 
-from ..base import Claim, ClaimResult, Entry, EntryState, Recorded, StoreUnavailable, counted
+from ..base import (Claim, ClaimResult, Entry, EntryState, Recorded, StoreUnavailable, counted,
+                    replayed_from)
 from ..batching import Batches, GiveBack
 from . import sql
 from .connection import PostgresConnection, json_text
@@ -21,6 +22,13 @@ from .connection import PostgresConnection, json_text
 
 def _entry(row: asyncpg.Record, response: Recorded | None = None) -> Entry:
     return Entry(*row[:18], response=response)
+
+
+def _listed(row: asyncpg.Record) -> Entry:
+    """An entry as listings show it: its status, no body, its replays by epoch."""
+    entry = _entry(row, None if row["status"] is None else Recorded(row["status"], [], b""))
+    entry.replayed = replayed_from(row["replayed"])
+    return entry
 
 
 def _recorded(row: asyncpg.Record) -> Recorded | None:
@@ -195,8 +203,9 @@ class PostgresJournal:
 
     async def count_replays(self, counts: dict[str, int]) -> None:
         if counts:  # sorted, so two proxies updating the same rows lock them in one order
+            now = time.time()
             await self._db.use("count_replays", lambda c: c.executemany(
-                sql.COUNT_REPLAYS, [(n, kid) for kid, n in sorted(counts.items())]))
+                sql.COUNT_REPLAYS, [(n, kid, now) for kid, n in sorted(counts.items())]))
 
     async def purge(self, now: float, batch: int = 1000) -> int:
         total = 0
@@ -209,7 +218,12 @@ class PostgresJournal:
 
     async def entries(self, namespace: str, run: str) -> list[Entry]:
         rows = await self._db.fetch("journal", sql.JOURNAL, namespace, run)
-        return [_entry(r, None if r["status"] is None else Recorded(r["status"], [], b"")) for r in rows]
+        return [_listed(r) for r in rows]
+
+    async def search(self, *, state: str | None = None, key: str | None = None, tenant: str | None = None,
+                     run: str | None = None, limit: int = 100) -> list[Entry]:
+        rows = await self._db.fetch("search", sql.SEARCH, time.time(), state, key, tenant, run, limit)
+        return [_listed(r) for r in rows]
 
     async def delete_run(self, namespace: str, run: str) -> int:
         return (await self._db.fetchrow("delete_journal", sql.DELETE_JOURNAL, namespace, run))[0]

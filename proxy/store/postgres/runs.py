@@ -10,7 +10,8 @@ from typing import Any
 
 import asyncpg
 
-from ..base import ENDED, HISTORY_LIMIT, RUN_STATES, Run, advance_attempt, check_settable, remembered
+from ..base import (ENDED, HISTORY_LIMIT, RUN_STATES, Run, RunState, advance_attempt, check_settable,
+                    remembered, revive_attempt)
 from . import sql
 from .connection import PostgresConnection
 
@@ -95,6 +96,17 @@ class PostgresRuns:
                             run.restart_times, namespace, run_id)
             return run
         return await self._db.tx("new_attempt", op)
+
+    async def revive(self, namespace: str, run_id: str, now: float) -> Run | None:
+        async def op(c: asyncpg.Connection) -> Run | None:
+            run = await self._locked_run(c, namespace, run_id)
+            if run is None or run.state != RunState.DEAD:
+                return None
+            revive_attempt(run, now)
+            await c.execute(sql.REVIVE_RUN, run.epoch, run.restarts, run.state, now, run.history,
+                            run.restart_times, namespace, run_id)
+            return run
+        return await self._db.tx("revive_run", op)
 
     async def silent(self, now: float) -> list[Run]:
         rows = await self._db.fetch("silent_runs", sql.SILENT_RUNS, now)

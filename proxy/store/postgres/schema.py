@@ -40,6 +40,9 @@ ALTER TABLE runs ADD COLUMN restart_times JSONB NOT NULL DEFAULT '[]';
 -- an attempt found lost (exited, or its held connection gone), and the connections held so far
 ALTER TABLE runs ADD COLUMN lost_epoch BIGINT;
 ALTER TABLE runs ADD COLUMN attachments BIGINT NOT NULL DEFAULT 0;
+"""), (4, """
+-- replays by the epoch of their run, {"epoch": [replays, first seen]}: the console's timeline
+ALTER TABLE journal ADD COLUMN replayed JSONB;
 """)]
 
 

@@ -62,7 +62,7 @@ claimed AS (
         state = excluded.state, owner = excluded.owner, lease_until = excluded.lease_until,
         created_at = excluded.created_at, expires_at = excluded.expires_at, status = NULL,
         headers = NULL, body = NULL, streamed = false, timing = NULL, detail = NULL,
-        completed_at = NULL, replays = 0
+        completed_at = NULL, replays = 0, replayed = NULL
     -- an expired entry runs as new; a dead proxy's claim is taken over under "retry"
     WHERE journal.expires_at <= $15 OR ($16 AND journal.state = '{EntryState.IN_FLIGHT}'
           AND journal.lease_until <= $15 AND journal.fingerprint = excluded.fingerprint)
@@ -204,14 +204,30 @@ NEXT_OCCURRENCE = ("INSERT INTO occurrences (tenant, run, epoch, fingerprint, n,
                    "DO UPDATE SET n = occurrences.n + 1, expires_at = excluded.expires_at RETURNING n")
 RENEW = f"UPDATE journal SET lease_until = $1 WHERE kid = $2 AND owner = $3 AND state = '{EntryState.IN_FLIGHT}'"
 READ_PARTIAL = "SELECT seq, data FROM partials WHERE kid = $1 AND seq > $2 ORDER BY seq"
-COUNT_REPLAYS = "UPDATE journal SET replays = replays + $1 WHERE kid = $2"
-JOURNAL = f"SELECT {ENTRY_COLUMNS}, status FROM journal WHERE namespace = $1 AND run = $2 ORDER BY created_at"
+# $1 replays, $2 kid, $3 now: tallied under the current epoch of the entry's run
+COUNT_REPLAYS = """
+UPDATE journal j SET replays = j.replays + $1, replayed = coalesce(j.replayed, '{}') || coalesce((
+    SELECT jsonb_build_object(r.epoch::text, jsonb_build_array(
+        coalesce((j.replayed -> r.epoch::text ->> 0)::bigint, 0) + $1,
+        coalesce((j.replayed -> r.epoch::text ->> 1)::float8, $3)))
+    FROM runs r WHERE r.tenant = j.namespace AND r.run_id = j.run), '{}')
+WHERE j.kid = $2"""
+JOURNAL = (f"SELECT {ENTRY_COLUMNS}, status, replayed FROM journal WHERE namespace = $1 AND run = $2 "
+           "ORDER BY created_at")
+# $1 now, then filters (NULL: any) $2 state, $3 key, $4 tenant, $5 run; $6 limit. For operators: may scan.
+SEARCH = (f"SELECT {ENTRY_COLUMNS}, status, replayed FROM journal WHERE expires_at > $1 "
+          "AND ($2::text IS NULL OR state = $2) AND ($3::text IS NULL OR key = $3) "
+          "AND ($4::text IS NULL OR tenant = $4) AND ($5::text IS NULL OR run = $5) "
+          "ORDER BY created_at DESC LIMIT $6")
 GET_RUN = f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = $2 AND ($1::text IS NULL OR tenant = $1)"
 LIST_RUNS = (f"SELECT {RUN_COLUMNS} FROM runs WHERE $1::text IS NULL OR state = $1 "
              "ORDER BY created_at DESC LIMIT $2")
 RUN_EPOCH = "SELECT epoch FROM runs WHERE tenant = $1 AND run_id = $2"
 LOCK_RUN = f"SELECT {RUN_COLUMNS} FROM runs WHERE tenant = $1 AND run_id = $2 FOR UPDATE"
 END_RUN = "UPDATE runs SET state = $1, ended_at = $2, history = $3 WHERE tenant = $4 AND run_id = $5"
+REVIVE_RUN = ("UPDATE runs SET epoch = $1, restarts = $2, state = $3, started_at = $4, last_seen = $4, "
+              "history = $5, restart_times = $6, ended_at = NULL, next_restart_at = 0 "
+              "WHERE tenant = $7 AND run_id = $8")
 NEW_ATTEMPT = ("UPDATE runs SET epoch = $1, restarts = $2, state = $3, started_at = $4, last_seen = $4, "
                "history = $5, restart_times = $6 WHERE tenant = $7 AND run_id = $8")
 SILENT_RUNS = (f"SELECT {RUN_COLUMNS} FROM runs WHERE state IN ('{RunState.RUNNING}', '{RunState.RESTARTING}') "

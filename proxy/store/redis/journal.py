@@ -7,12 +7,14 @@ request path (get, claim, complete) that arrive together go as one pipeline
 
 from __future__ import annotations
 
+import heapq
+import re
 import time
 from typing import Any, Awaitable
 
 import orjson
 
-from ..base import Claim, ClaimResult, Entry, EntryState, Recorded, counted
+from ..base import Claim, ClaimResult, Entry, EntryState, Recorded, counted, replayed_from
 from ..batching import Batches, GiveBack
 from .connection import RedisConnection, maybe, run_ref, text
 from .scripts import ENTRY_FIELDS, READ_FIELDS
@@ -37,6 +39,16 @@ def _entry(values: list[bytes | None]) -> Entry:
         entry.response = Recorded(int(status), [tuple(h) for h in orjson.loads(headers or b"[]")],
                                   body or b"", streamed == b"1",
                                   [tuple(t) for t in orjson.loads(timing or b"[]")])
+    return entry
+
+
+LISTED_FIELDS = (*ENTRY_FIELDS, "status", "replayed")  # what listings read of an entry
+
+
+def _listed(values: list[bytes | None]) -> Entry:
+    """An entry from its LISTED_FIELDS: its status, no body, its replays by epoch."""
+    entry = _entry(values[:-1])
+    entry.replayed = replayed_from(orjson.loads(values[-1] or b"{}"))
     return entry
 
 
@@ -172,7 +184,7 @@ class RedisJournal:
     async def count_replays(self, counts: dict[str, int]) -> None:
         if counts:
             await self._db.script("count_replays", [self._db.key("entry", kid) for kid in counts],
-                                  list(counts.values()))
+                                  [self._db.prefix, repr(time.time()), *counts.values()])
 
     async def purge(self, now: float, batch: int = 1000) -> int:
         """Forget the index entries of expired journal entries (Redis expires the entries)."""
@@ -189,9 +201,33 @@ class RedisJournal:
         kids = await self._db.do(client.zrange(self._db.key("steps", run_ref(namespace, run)), 0, -1))
         pipe = client.pipeline(transaction=False)
         for kid in kids:
-            pipe.hmget(self._db.key("entry", kid.decode()), (*ENTRY_FIELDS, "status"))
+            pipe.hmget(self._db.key("entry", kid.decode()), LISTED_FIELDS)
         rows = await self._db.do(pipe.execute()) if kids else []
-        return [_entry(row) for row in rows if row[0] is not None]
+        return [_listed(row) for row in rows if row[0] is not None]
+
+    async def search(self, *, state: str | None = None, key: str | None = None, tenant: str | None = None,
+                     run: str | None = None, limit: int = 100) -> list[Entry]:
+        """Scans the entries (SCAN, in steps of a thousand keys: it never blocks the server)."""
+        client, now = self._db.client, time.time()
+        wanted = {name: value for name, value in
+                  (("state", state), ("key", key), ("tenant", tenant), ("run", run)) if value is not None}
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self._db.prefix) + "entry:*"
+        newest: list[tuple[float, str, Entry]] = []  # a heap of the `limit` newest found so far
+        cursor = 0
+        while True:
+            cursor, names = await self._db.do(client.scan(cursor, match=pattern, count=1000))
+            pipe = client.pipeline(transaction=False)
+            for name in names:
+                pipe.hmget(name, LISTED_FIELDS)
+            for row in await self._db.do(pipe.execute()) if names else []:
+                if row[0] is None:
+                    continue
+                entry = _listed(row)
+                if entry.expires_at > now and all(getattr(entry, f) == v for f, v in wanted.items()):
+                    item = (entry.created_at, entry.kid, entry)
+                    (heapq.heappush if len(newest) < limit else heapq.heappushpop)(newest, item)
+            if cursor == 0:
+                return [entry for _, _, entry in sorted(newest, reverse=True)]
 
     async def delete_run(self, namespace: str, run: str) -> int:
         rk = run_ref(namespace, run)

@@ -125,6 +125,10 @@ class RedisRuns:
                                    int(restart), "" if window_s is None else repr(float(window_s)))
         return _run(*reply) if reply else None
 
+    async def revive(self, namespace: str, run_id: str, now: float) -> Run | None:
+        reply = await self._script("revive_run", run_ref(namespace, run_id), repr(now))
+        return _run(*reply) if reply else None
+
     async def silent(self, now: float) -> list[Run]:
         deadlines = self._db.key("runs-deadline")
         rks = await self._db.do(self._db.client.zrangebyscore(deadlines, "-inf", f"({now!r}"))

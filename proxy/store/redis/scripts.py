@@ -163,9 +163,23 @@ return out
 """
 
 COUNT_REPLAYS = """
--- KEYS: entries; ARGV: how many replays each (an expired entry is not brought back)
+-- KEYS: entries; ARGV: prefix, now, then how many replays each (an expired entry is not
+-- brought back). Each is tallied under the current epoch of the entry's run, in its
+-- 'replayed' field: {"epoch": [replays, first seen]}.
 for i, key in ipairs(KEYS) do
-  if redis.call('EXISTS', key) == 1 then redis.call('HINCRBY', key, 'replays', ARGV[i]) end
+  if redis.call('EXISTS', key) == 1 then
+    local n = tonumber(ARGV[i + 2])
+    redis.call('HINCRBY', key, 'replays', n)
+    local rk = redis.call('HGET', key, 'rk')
+    local epoch = rk and redis.call('HGET', ARGV[1] .. 'run:' .. rk, 'epoch')
+    if epoch then
+      local raw = redis.call('HGET', key, 'replayed')
+      local tally = raw and cjson.decode(raw) or {}
+      local seen = tally[epoch] or {0, tonumber(ARGV[2])}
+      tally[epoch] = {seen[1] + n, seen[2]}
+      redis.call('HSET', key, 'replayed', cjson.encode(tally))
+    end
+  end
 end
 """
 
@@ -337,6 +351,21 @@ reindex(p, rk)
 return reply(p, rk)
 """
 
+REVIVE_RUN = RUN_HELPERS + """
+-- ARGV[3]: now. A dead run's next attempt (base.revive_attempt): restarting, no longer
+-- ended, the restarts that killed it forgotten. Returns false unless the run is dead.
+local r = redis.call('HMGET', run, 'state', 'epoch', 'restarts')
+if r[1] ~= 'dead' then return false end
+local epoch = tonumber(r[2]) + 1
+redis.call('HSET', run, 'epoch', epoch, 'restarts', tonumber(r[3]) + 1, 'state', 'restarting',
+           'started_at', ARGV[3], 'last_seen', ARGV[3], 'next_restart_at', 0)
+redis.call('HDEL', run, 'ended_at')
+redis.call('DEL', p .. 'restarts:' .. rk)
+remember(p, rk, event(ARGV[3], epoch, 'revive'))
+reindex(p, rk)
+return reply(p, rk)
+"""
+
 SET_RUN_STATE = RUN_HELPERS + """
 -- ARGV[3]: fields to set (JSON), ARGV[4]: event to remember ('' = none)
 if redis.call('EXISTS', run) == 0 then return 0 end
@@ -396,4 +425,5 @@ SCRIPTS = {
     "end_run": END_RUN,
     "new_attempt": NEW_ATTEMPT, "set_run_state": SET_RUN_STATE, "purge_runs": PURGE_RUNS,
     "attach_run": ATTACH_RUN, "lose_attempt": LOSE_ATTEMPT,
+    "revive_run": REVIVE_RUN,
 }

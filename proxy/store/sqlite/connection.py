@@ -96,7 +96,7 @@ class SQLiteConnection:
             self._reader.close()
             self._reader = None
 
-    def read(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+    def read(self, sql: str, args: tuple | dict = ()) -> list[sqlite3.Row]:
         if self._reader is None:
             raise StoreUnavailable("store is closed")
         with translated("sqlite read failed"):

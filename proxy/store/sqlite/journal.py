@@ -11,7 +11,7 @@ import time
 
 import orjson
 
-from ..base import Claim, ClaimResult, Entry, EntryState, Recorded, counted
+from ..base import Claim, ClaimResult, Entry, EntryState, Recorded, counted, replayed_from, tallied
 from .connection import SQLiteConnection
 
 ENTRY_COLUMNS = ("kid, tenant, run, epoch, upstream, key, fingerprint, state, owner, lease_until, "
@@ -20,6 +20,15 @@ ENTRY_COLUMNS = ("kid, tenant, run, epoch, upstream, key, fingerprint, state, ow
 
 def _entry(row: sqlite3.Row, response: Recorded | None = None) -> Entry:
     return Entry(*row[:18], response=response)
+
+
+def _listed(row: sqlite3.Row) -> Entry:
+    """An entry as listings show it: its status, no body, its replays by epoch."""
+    entry = _entry(row)
+    if row["status"] is not None:
+        entry.response = Recorded(row["status"], [], b"")
+    entry.replayed = replayed_from(orjson.loads(row["replayed"] or b"{}"))
+    return entry
 
 
 def _recorded(row: sqlite3.Row) -> Recorded | None:
@@ -173,9 +182,19 @@ class SQLiteJournal:
         await self._waiters.wait(kid, timeout)
 
     async def count_replays(self, counts: dict[str, int]) -> None:
-        await self._db.write(lambda c: c.executemany(
-            "UPDATE journal SET replays = replays + ? WHERE kid = ?",
-            [(n, kid) for kid, n in counts.items()]))
+        def op(c):
+            now = time.time()
+            for kid, n in counts.items():
+                row = c.execute("SELECT j.replayed, r.epoch FROM journal j LEFT JOIN runs r "
+                                "ON r.tenant = j.namespace AND r.run_id = j.run WHERE j.kid = ?", (kid,)).fetchone()
+                if row is None:
+                    continue
+                replayed = replayed_from(orjson.loads(row[0] or b"{}"))
+                if row[1] is not None:
+                    replayed = tallied(replayed, row[1], n, now)
+                c.execute("UPDATE journal SET replays = replays + ?, replayed = ? WHERE kid = ?",
+                          (n, orjson.dumps({str(e): t for e, t in replayed.items()}), kid))
+        await self._db.write(op)
 
     async def purge(self, now: float, batch: int = 1000) -> int:
         def op(c):
@@ -193,15 +212,19 @@ class SQLiteJournal:
                 return total
 
     async def entries(self, namespace: str, run: str) -> list[Entry]:
-        rows = self._db.read(f"SELECT {ENTRY_COLUMNS}, status FROM journal WHERE namespace = ? AND run = ? "
-                             "ORDER BY created_at", (namespace, run))
-        out = []
-        for row in rows:
-            entry = _entry(row)
-            if row["status"] is not None:
-                entry.response = Recorded(row["status"], [], b"")
-            out.append(entry)
-        return out
+        rows = self._db.read(f"SELECT {ENTRY_COLUMNS}, status, replayed FROM journal "
+                             "WHERE namespace = ? AND run = ? ORDER BY created_at", (namespace, run))
+        return [_listed(row) for row in rows]
+
+    async def search(self, *, state: str | None = None, key: str | None = None, tenant: str | None = None,
+                     run: str | None = None, limit: int = 100) -> list[Entry]:
+        rows = self._db.read(
+            f"SELECT {ENTRY_COLUMNS}, status, replayed FROM journal WHERE expires_at > :now "
+            "AND (:state IS NULL OR state = :state) AND (:key IS NULL OR key = :key) "
+            "AND (:tenant IS NULL OR tenant = :tenant) AND (:run IS NULL OR run = :run) "
+            "ORDER BY created_at DESC LIMIT :limit",
+            {"now": time.time(), "state": state, "key": key, "tenant": tenant, "run": run, "limit": limit})
+        return [_listed(row) for row in rows]
 
     async def delete_run(self, namespace: str, run: str) -> int:
         def op(c):

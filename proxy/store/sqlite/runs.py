@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 
 from ..base import (ENDED, HISTORY_LIMIT, RUN_STATES, Run, RunState, advance_attempt, check_settable,
-                    remembered)
+                    remembered, revive_attempt)
 from .connection import SQLiteConnection
 
 RUN_COLUMNS = ("tenant, run_id, state, epoch, restarts, last_seen, started_at, timeout_s, grace_s, "
@@ -141,6 +141,20 @@ class SQLiteRuns:
                       "history = ?, restart_times = ? WHERE tenant = ? AND run_id = ? AND epoch = ?",
                       (run.epoch, run.restarts, run.state, now, now, orjson.dumps(run.history),
                        orjson.dumps(run.restart_times), namespace, run_id, run.epoch - 1))
+            return run
+        return await self._db.write(op)
+
+    async def revive(self, namespace: str, run_id: str, now: float) -> Run | None:
+        def op(c):
+            run = _run_in(c, namespace, run_id)
+            if run is None or run.state != RunState.DEAD:
+                return None
+            revive_attempt(run, now)
+            c.execute("UPDATE runs SET epoch = ?, restarts = ?, state = ?, started_at = ?, last_seen = ?, "
+                      "history = ?, restart_times = ?, ended_at = NULL, next_restart_at = 0 "
+                      "WHERE tenant = ? AND run_id = ?",
+                      (run.epoch, run.restarts, run.state, now, now, orjson.dumps(run.history),
+                       orjson.dumps(run.restart_times), namespace, run_id))
             return run
         return await self._db.write(op)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS journal (
     kid TEXT PRIMARY KEY, tenant TEXT NOT NULL, run TEXT, epoch INTEGER,
@@ -13,7 +13,7 @@ CREATE TABLE IF NOT EXISTS journal (
     state TEXT NOT NULL, owner TEXT, lease_until REAL NOT NULL DEFAULT 0,
     status INTEGER, headers BLOB, body BLOB, streamed INTEGER NOT NULL DEFAULT 0, timing BLOB,
     detail TEXT, created_at REAL NOT NULL, completed_at REAL, expires_at REAL NOT NULL,
-    replays INTEGER NOT NULL DEFAULT 0);
+    replays INTEGER NOT NULL DEFAULT 0, replayed BLOB);
 CREATE INDEX IF NOT EXISTS journal_by_run ON journal (namespace, run, created_at);
 CREATE INDEX IF NOT EXISTS journal_by_expiry ON journal (expires_at);
 CREATE TABLE IF NOT EXISTS partials (
@@ -34,7 +34,8 @@ CREATE TABLE IF NOT EXISTS secrets (name TEXT PRIMARY KEY, value BLOB NOT NULL);
 # What takes a file made by version N-1 to version N (SCHEMA above is already the latest).
 UPGRADES = {2: "ALTER TABLE runs ADD COLUMN restart_times BLOB",
             3: "ALTER TABLE runs ADD COLUMN lost_epoch INTEGER; "
-               "ALTER TABLE runs ADD COLUMN attachments INTEGER NOT NULL DEFAULT 0"}
+               "ALTER TABLE runs ADD COLUMN attachments INTEGER NOT NULL DEFAULT 0",
+            4: "ALTER TABLE journal ADD COLUMN replayed BLOB"}  # replays by epoch (Entry.replayed)
 
 
 def migrate(conn: sqlite3.Connection) -> None:
