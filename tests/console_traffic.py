@@ -19,7 +19,9 @@ QUARANTINED_KEY = "email-invoice-42"
 def hook_sections(tmp_path) -> dict:
     """A command hook that writes one line to its attempt log, as an agent would."""
     return {"hooks__agent": {"command": [sys.executable, "-c", "print('agent attempt started')"],
-                             "log_dir": str(tmp_path / "attempt-logs")}}
+                             "log_dir": str(tmp_path / "attempt-logs"),
+                             # its runs may arm it; it exits at once, so its exit is not a crash
+                             "allow_tenants": ["default"], "watch_exit": False}}
 
 
 def _chat(i: int) -> dict:

@@ -146,7 +146,7 @@ async def test_a_dead_run_is_revived_by_the_admin_api_and_the_cli(make_proxy, st
                                                                   tmp_path):
     marker = tmp_path / "fired"
     hook = {"command": [sys.executable, "-c", f"open({str(marker)!r}, 'a').write('x')"],
-            "log_dir": str(tmp_path / "logs")}
+            "log_dir": str(tmp_path / "logs"), "allow_tenants": ["default"], "watch_exit": False}
     proxy, cli = await make_proxy(store_url, hooks__agent=hook), make_cli(hooks__agent=hook)
     store = proxy.store
     for run in ("lazarus", "phoenix", "alive"):
