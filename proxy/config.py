@@ -100,6 +100,9 @@ class ServerSettings:
     in_flight_wait: float = 30.0
     shutdown_timeout: float = 30.0
     access_log: bool = True
+    # "text": one readable line per request; "json": one JSON object per line (run, epoch, kid,
+    # outcome, upstream, proxy and upstream ms, model, tokens) for a log pipeline
+    log_format: str = "text"
 
 
 @dataclass(frozen=True)
@@ -408,6 +411,8 @@ def _validate(s: Settings) -> None:
             raise ConfigError(f"runs: hook {name!r} is not defined under [hooks]")
     if not 0 < s.runs.attach_keepalive_s <= 60 or s.runs.attach_grace_s <= 0:
         raise ConfigError("runs.attach_grace_s must be positive and runs.attach_keepalive_s from 0 to 60 s")
+    if s.server.log_format not in ("text", "json"):
+        raise ConfigError(f"server.log_format must be 'text' or 'json', got {s.server.log_format!r}")
     if s.server.workers < 1:
         raise ConfigError("server.workers must be at least 1")
     if s.tenants.runs not in (RUNS_PER_CREDENTIAL, RUNS_SHARED):

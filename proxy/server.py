@@ -9,27 +9,56 @@ import signal
 import time
 from typing import Any, Callable, Coroutine
 
+import orjson
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
 from .config import Settings
 from .eventloop import run, until_signalled
-from .errors import OUTCOME
+from .errors import OUTCOME, UPSTREAM_S
+from .facts import FACTS, Facts
 
 log = logging.getLogger("idemproxy")
 access_log = logging.getLogger("idemproxy.access")
 
 
 class AccessLogger(AbstractAccessLogger):
-    """One line per request at INFO, with what the proxy did with it."""
+    """One line per request at INFO, with what the proxy did with it (durations to the µs)."""
 
     @property
     def enabled(self) -> bool:
         return self.logger.isEnabledFor(logging.INFO)
 
     def log(self, request: web.BaseRequest, response: web.StreamResponse, duration: float) -> None:
-        self.logger.info("%s %s %s %d %s %.1fms", request.remote, request.method, request.path,
+        self.logger.info("%s %s %s %d %s %.3fms", request.remote, request.method, request.path,
                          response.status, request.get(OUTCOME, "-"), duration * 1000)
+
+
+class JsonAccessLogger(AccessLogger):
+    """``[server] log_format = "json"``: one JSON object per request, for a log pipeline."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, duration: float) -> None:
+        self.logger.info("%s", access_record(request, response, duration))
+
+
+def access_logger(settings: Settings) -> type[AccessLogger]:
+    return JsonAccessLogger if settings.server.log_format == "json" else AccessLogger
+
+
+def access_record(request: web.BaseRequest, response: web.StreamResponse, duration: float) -> str:
+    """The request as one JSON object: what it was, what the proxy did, and where time went."""
+    line = {"remote": request.remote, "method": request.method, "path": request.path,
+            "status": response.status, "outcome": request.get(OUTCOME), "ms": round(duration * 1000, 3)}
+    facts: Facts | None = request.get(FACTS)
+    if facts is not None:
+        upstream_s = request.get(UPSTREAM_S)
+        line.update(upstream=facts.upstream, run=facts.run, epoch=facts.epoch, kid=facts.kid,
+                    key_kind=facts.key_kind, model=facts.model,
+                    input_tokens=facts.input_tokens, output_tokens=facts.output_tokens,
+                    store_ms=round(facts.store_s * 1000, 3),
+                    upstream_ms=None if upstream_s is None else round(upstream_s * 1000, 3),
+                    proxy_ms=round((duration - (upstream_s or 0.0)) * 1000, 3))
+    return orjson.dumps(line).decode()
 
 
 ServeApp = Callable[..., Coroutine[Any, Any, None]]  # (settings, *, supervise, reuse_port)
@@ -37,7 +66,7 @@ ServeApp = Callable[..., Coroutine[Any, Any, None]]  # (settings, *, supervise, 
 
 async def serve_until_signalled(app: web.Application, settings: Settings, *, reuse_port: bool = False) -> None:
     """Serve ``app`` on the configured address until SIGTERM or SIGINT, then drain."""
-    runner = web.AppRunner(app, access_log_class=AccessLogger,
+    runner = web.AppRunner(app, access_log_class=access_logger(settings),
                            access_log=access_log if settings.server.access_log else None,
                            handler_cancellation=False)
     await runner.setup()
