@@ -12,7 +12,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from . import tracing
+from . import pricing, tracing
 from .appkeys import METRICS, PROXY, RUNS, SETTINGS, STORE, TENANTS
 from .config import RUNS_SHARED, Settings
 from .errors import problem_middleware
@@ -84,6 +84,7 @@ async def _lifecycle(app: web.Application, make_launcher: LauncherFactory,
         ("leases", proxy.renew_leases()),
         ("replay-counts", _every(1.0, proxy.flush_replay_counts)),
         ("purge", _every(settings.store.purge_interval, lambda: _purge(app[RUNS]))),
+        ("prices", asyncio.to_thread(pricing.load)),  # not on the first replay's time
     )]
     try:
         yield

@@ -147,6 +147,7 @@ class UpstreamSettings:
     read_timeout: float = 300.0  # longest silence between two bytes of the response
     max_connections: int = 256
     # model -> [USD per million input tokens, per million output tokens] ("*" for any model),
+    # overriding the genai-prices database (proxy/pricing.py);
     # for the cost that replays saved (idemproxy_cost_saved_usd_total)
     prices: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     # kind = "mcp": the policy of a tools/call by the tool's annotations (learned from tools/list),
