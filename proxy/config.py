@@ -70,6 +70,8 @@ SECRET_QUERY = re.compile(r"(?i)((?:^|&)(?:password|passwd|pass|token|secret|key
 def mask_url(url: str) -> str:
     """The URL with its password and secret-looking query values replaced by ``***``."""
     parts = urlsplit(url)
+    if parts.password is None and not SECRET_QUERY.search(parts.query):
+        return url  # as written: urlunsplit would turn sqlite:////abs/path into sqlite://abs/path
     netloc = parts.netloc
     if parts.password is not None:
         netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
@@ -291,6 +293,18 @@ def _env_overrides(raw: dict, env: Mapping[str, str]):
                     break
 
 
+# IDEMPROXY_* variables that are not settings: the config file's name, and the test suite's
+NOT_SETTINGS = ("IDEMPROXY_CONFIG", "IDEMPROXY_TEST_")
+
+
+def unknown_variables(env: Mapping[str, str]) -> list[str]:
+    """``IDEMPROXY_*`` variables that set nothing (a typo, or an option that does not exist)."""
+    raw: dict = {}
+    known = {ENV_PREFIX + dotted.replace(".", "_").upper() for dotted, _ in _env_overrides(raw, env)}
+    return sorted(name for name in env if name.startswith(ENV_PREFIX) and name not in known
+                  and not name.startswith(NOT_SETTINGS))
+
+
 def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     node = raw
@@ -339,6 +353,10 @@ def _make(cls, table: Any, where: str):
     unknown = set(table) - known
     if unknown:
         raise ConfigError(f"[{where}] unknown option(s): {', '.join(sorted(unknown))}")
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in table and
+               f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"[{where}] needs {', '.join(missing)}")
     kwargs = {}
     for key, value in table.items():
         try:

@@ -21,7 +21,7 @@ from ..proxy.config import Settings
 from ..proxy.problems import Problem
 from ..proxy.runs import RunsService
 from ..proxy.runs.options import resolution
-from ..proxy.runs.views import listing_json, run_json, step_json
+from ..proxy.runs.views import iso_times, listing_json, run_json, step_json
 from ..proxy.eventloop import run
 from ..proxy.store.base import RUN_STATES, RunState
 from .hooks import Hooks
@@ -69,11 +69,12 @@ def _leaf(sub, common: argparse.ArgumentParser, name: str, help: str) -> argpars
     return p
 
 
-def _with_runs(settings: Settings, work: Callable[[RunsService], Awaitable[int]]) -> int:
+def _with_runs(settings: Settings, work: Callable[[RunsService], Awaitable[int]], create: bool = False) -> int:
     """Run ``work`` over the runs service of the configured store; a refusal is one line
-    on stderr and exit code 1."""
+    on stderr and exit code 1. Only ``create`` makes a journal that is not there yet: a
+    command about runs finds none in it."""
     async def main() -> int:
-        store = await open_store(settings)
+        store = await open_store(settings, create=create)
         hooks = Hooks(settings, store)
         try:
             return await work(RunsService(store, settings, hooks))
@@ -96,7 +97,7 @@ def cmd_supervise(settings: Settings, args=None) -> int:
             loop.add_signal_handler(sig, stop.set)  # only enqueue; the loop decides when
         await Supervisor(runs, settings).run(stop)
         return 0
-    return _with_runs(settings, work)
+    return _with_runs(settings, work, create=True)
 
 
 # -- runs ---------------------------------------------------------------------------------------
@@ -175,7 +176,7 @@ def cmd_journal_resolve(settings: Settings, args) -> int:
 # -- printing -----------------------------------------------------------------------------------
 
 def _print_json(body: Any) -> None:
-    sys.stdout.write(orjson.dumps(body, option=orjson.OPT_INDENT_2).decode() + "\n")
+    sys.stdout.write(orjson.dumps(iso_times(body), option=orjson.OPT_INDENT_2).decode() + "\n")
 
 
 def _report(args, body: dict, line: str) -> int:
