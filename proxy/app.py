@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from . import console
+from . import console, pricing, tracing
 from .appkeys import METRICS, PROXY, RUNS, SETTINGS, STORE, TENANTS
 from .config import Settings
 from .connections import request_started
@@ -39,13 +39,16 @@ LauncherFactory = Callable[[Settings, Store], Launcher]
 
 def create_app(settings: Settings, launcher: LauncherFactory) -> web.Application:
     counters = Metrics()  # not `metrics`: that is the /metrics route below
+    middlewares = [request_started, problem_middleware(counters), _origin_form_only, _bounded_body]
+    traces = tracing.from_environment(settings, os.environ)  # None unless OTEL_* ask for it
+    if traces is not None:  # outermost: the outcome its spans read is final
+        middlewares.insert(0, traces.middleware(lambda request: request.match_info.handler is _proxy))
     # We read bodies ourselves to answer 413 as problem+json; aiohttp's own cap sits above ours.
     app = web.Application(client_max_size=settings.server.max_request_bytes + 1024,
-                          middlewares=[request_started, problem_middleware(counters), _origin_form_only,
-                                       _bounded_body])
+                          middlewares=middlewares)
     app[SETTINGS] = settings
     app[METRICS] = counters
-    app.cleanup_ctx.append(lambda app: _lifecycle(app, launcher))
+    app.cleanup_ctx.append(lambda app: _lifecycle(app, launcher, traces))
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
@@ -65,7 +68,8 @@ async def tenant_secret(settings: Settings, store: Store) -> bytes:
     return await store.secret("tenant-hmac", os.urandom(32))
 
 
-async def _lifecycle(app: web.Application, make_launcher: LauncherFactory) -> AsyncIterator[None]:
+async def _lifecycle(app: web.Application, make_launcher: LauncherFactory,
+                     traces: "tracing.Tracing | None") -> AsyncIterator[None]:
     settings = app[SETTINGS]
     store = app[STORE] = await open_store(settings)
     # retried: a store that drops just after opening must not end the start (the fault campaign saw it)
@@ -75,12 +79,14 @@ async def _lifecycle(app: web.Application, make_launcher: LauncherFactory) -> As
     app[RUNS] = RunsService(store, settings, launcher)
     proxy = app[PROXY] = Proxy(
         settings, store, tenants, Heartbeats(store), app[METRICS],
-        sessions={name: make_session(up) for name, up in settings.upstreams.items()})
+        sessions={name: make_session(up, () if traces is None else (traces.trace_config(),))
+                  for name, up in settings.upstreams.items()})
     tasks = [asyncio.create_task(loop, name=name) for name, loop in (
         ("heartbeats", proxy.heartbeats.run()),
         ("leases", proxy.renew_leases()),
         ("replay-counts", _every(1.0, proxy.flush_replay_counts)),
         ("purge", _every(settings.store.purge_interval, lambda: _purge(app[RUNS]))),
+        ("prices", asyncio.to_thread(pricing.load)),  # not on the first replay's time
     )]
     try:
         yield
@@ -96,6 +102,8 @@ async def _lifecycle(app: web.Application, make_launcher: LauncherFactory) -> As
             await session.close()
         await launcher.aclose()
         await store.aclose()
+        if traces is not None:  # the exporter posts from its own thread: keep the loop free
+            await asyncio.to_thread(traces.shutdown)
 
 
 async def _every(interval: float, work: Callable[[], Awaitable[object]]) -> None:

@@ -94,6 +94,7 @@ class Call:
     result: CallResult | None = None
     upstream_s: float = 0.0  # time until the upstream's headers
     listeners: int = 0  # requests being answered from this call now (replay.listen)
+    answer: Recorded | None = None  # what was recorded, once committed (its model and usage)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _held: list[bytes] = field(default_factory=list)  # the last bytes, until the commit
     _gone: int = 0  # chunks let go from the front of ``chunks``
@@ -290,6 +291,7 @@ class Call:
         """Record the answer durably; only then do listeners get its last bytes (rule 1)."""
         record = Recorded(self.status, storable_headers(self.headers, self.upstream), bytes(self._recorded),
                           self.streamed, self._timing if self.streamed else [])
+        self.answer = record
         try:
             kept = await store.journal.complete(self.kid, self.owner, record)
         except StoreUnavailable as exc:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from typing import AsyncIterator
 
 from aiohttp import web
@@ -21,7 +23,8 @@ from ..supervisor import Hooks, Supervisor, commands as supervisor_commands
 from . import commands, server
 from .app import create_app
 from .appkeys import METRICS, RUNS, SETTINGS
-from .config import ConfigError, Settings, load_settings
+from .config import ConfigError, Settings, load_settings, mask_url, unknown_variables
+from .store import StoreError
 
 log = logging.getLogger("idemproxy")
 
@@ -85,9 +88,17 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return load_settings(config, overrides=overrides)
 
 
+def _version() -> str:
+    try:
+        return version("idemproxy")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="idemproxy", description=__doc__.split("\n")[0])
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--version", action="version", version=f"idemproxy {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     common = common_options()
     commands.add_commands(sub, common, serve)
@@ -96,12 +107,26 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    for name in unknown_variables(os.environ):
+        log.warning("%s is not an idemproxy option and is ignored (idemproxy config shows what is set)", name)
     try:
         settings = settings_from(args)
     except ConfigError as exc:
         print(f"idemproxy: configuration error: {exc}", file=sys.stderr)
         return 1 if args.command == "check" else 2  # 2 means something else to a HEALTHCHECK
-    return args.handler(settings, args)
+    try:
+        return args.handler(settings, args)
+    except ConfigError as exc:  # found only when starting (the store URL, OTEL_* variables)
+        print(f"idemproxy: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except StoreError as exc:
+        print(f"idemproxy: store {mask_url(settings.store.url)}: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # the port is taken, or the address is not ours
+        where = f"{settings.server.host}:{settings.server.port}"
+        reason = "the port is in use" if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc)
+        print(f"idemproxy: cannot listen on {where}: {reason}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -143,6 +143,9 @@ class ServerSettings:
     # CIDRs of proxies in front of us whose X-Forwarded-For / Forwarded claims are kept
     # (the peer is appended); from any other peer they are replaced (forwarded.py).
     trusted_proxies: tuple[str, ...] = ()
+    # "text": one readable line per request; "json": one JSON object per line (run, epoch, kid,
+    # outcome, upstream, proxy and upstream ms, model, tokens) for a log pipeline
+    log_format: str = "text"
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,7 @@ class UpstreamSettings:
     read_timeout: float = 300.0  # longest silence between two bytes of the response
     max_connections: int = 256
     # model -> [USD per million input tokens, per million output tokens] ("*" for any model),
+    # overriding the genai-prices database (proxy/pricing.py);
     # for the cost that replays saved (idemproxy_cost_saved_usd_total)
     prices: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     # kind = "mcp": the policy of a tools/call by the tool's annotations (learned from tools/list),
@@ -339,6 +343,18 @@ def _env_overrides(raw: dict, env: Mapping[str, str]):
                     break
 
 
+# IDEMPROXY_* variables that are not settings: the config file's name, and the test suite's
+NOT_SETTINGS = ("IDEMPROXY_CONFIG", "IDEMPROXY_TEST_")
+
+
+def unknown_variables(env: Mapping[str, str]) -> list[str]:
+    """``IDEMPROXY_*`` variables that set nothing (a typo, or an option that does not exist)."""
+    raw: dict = {}
+    known = {ENV_PREFIX + dotted.replace(".", "_").upper() for dotted, _ in _env_overrides(raw, env)}
+    return sorted(name for name in env if name.startswith(ENV_PREFIX) and name not in known
+                  and not name.startswith(NOT_SETTINGS))
+
+
 def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     node = raw
@@ -387,6 +403,10 @@ def _make(cls, table: Any, where: str):
     unknown = set(table) - known
     if unknown:
         raise ConfigError(f"[{where}] unknown option(s): {', '.join(sorted(unknown))}")
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in table and
+               f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"[{where}] needs {', '.join(missing)}")
     kwargs = {}
     for key, value in table.items():
         try:
@@ -464,6 +484,8 @@ def _validate(s: Settings) -> None:
             raise ConfigError(f"runs: hook {name!r} is not defined under [hooks]")
     if not 0 < s.runs.attach_keepalive_s <= 60 or s.runs.attach_grace_s <= 0:
         raise ConfigError("runs.attach_grace_s must be positive and runs.attach_keepalive_s from 0 to 60 s")
+    if s.server.log_format not in ("text", "json"):
+        raise ConfigError(f"server.log_format must be 'text' or 'json', got {s.server.log_format!r}")
     if s.server.workers < 1:
         raise ConfigError("server.workers must be at least 1")
     if s.tenants.runs not in (RUNS_PER_CREDENTIAL, RUNS_SHARED):

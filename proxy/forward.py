@@ -84,14 +84,16 @@ class ForwardedRequest(aiohttp.ClientRequest):
         return None
 
 
-def make_session(upstream: UpstreamSettings) -> aiohttp.ClientSession:
+def make_session(upstream: UpstreamSettings, trace_configs: tuple[aiohttp.TraceConfig, ...] = ()
+                 ) -> aiohttp.ClientSession:
     connector = aiohttp.TCPConnector(limit=upstream.max_connections, limit_per_host=0,
                                      keepalive_timeout=30, ttl_dns_cache=300)
     timeout = aiohttp.ClientTimeout(total=None, connect=upstream.connect_timeout,
                                     sock_read=upstream.read_timeout)
     # auto_decompress=False: bytes pass, and are recorded, exactly as the upstream sent them.
     return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
-                                 request_class=ForwardedRequest, cookie_jar=aiohttp.DummyCookieJar())
+                                 request_class=ForwardedRequest, cookie_jar=aiohttp.DummyCookieJar(),
+                                 trace_configs=list(trace_configs) or None)
 
 
 def never_sent(exc: BaseException) -> bool:

@@ -17,6 +17,7 @@ from . import policy
 from .calls import Call
 from .config import Settings, UpstreamSettings
 from .errors import OUTCOME, STARTED, UPSTREAM_S
+from .facts import FACTS, Facts, key_kind
 from .fingerprint import fingerprint
 from .forward import forwarded_key, is_stream, request_headers, response_headers
 from .forwarded import Forwarding
@@ -71,13 +72,16 @@ class Proxy:
                 return await self._mcp(request, route, started)
             ident = self._identify(request, route)
             body = await self._read_body(request)
+            facts = self._note(request, route, ident, body)
             upstream = route.upstream
             chosen = policy.decide(upstream, request.method, route.path, override=ident.policy,
                                    has_key=ident.key is not None, has_run=ident.run is not None)
             if chosen is Policy.RECORD:  # before the fence: a refused call changes nothing
                 self.tenants.check_recordable(request.headers, ident.namespace, upstream.name)
             if ident.run:
+                since = time.perf_counter()
                 await self._fence(ident, fail_open=chosen is Policy.PASSTHROUGH)
+                facts.timed(since)
             if chosen is Policy.PASSTHROUGH:
                 request[OUTCOME] = Outcome.PASSTHROUGH
                 return await self._passthrough(request, route, body, started)
@@ -97,6 +101,13 @@ class Proxy:
         return Identity(key=parse_key(headers.getall("Idempotency-Key", ())), run=run, epoch=epoch,
                         policy=parse_policy(headers.get("Idem-Policy")),
                         namespace=self.tenants.namespace(headers, request.remote))
+
+    @staticmethod
+    def _note(request: web.Request, route: Route, ident: Identity, body: bytes) -> Facts:
+        """Start the call's facts for its access-log line and trace span (proxy/facts.py);
+        the steps below add the key, store time and answer as they learn them."""
+        facts = request[FACTS] = Facts(route.upstream.name, ident.run, ident.epoch, body=body)
+        return facts
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.settings.server.max_request_bytes
@@ -203,8 +214,12 @@ class Proxy:
             fp = fingerprint(request.method, upstream.name, route.path_qs, body,
                              request.headers.get("Content-Type", ""),
                              policy.ignored_fields(upstream, request.method, route.path))
+        facts: Facts = request[FACTS]
+        since = time.perf_counter()
         scope = await self._scope(request, route, ident, fp, occurrence)
-        kid = scope.kid
+        kid = facts.kid = scope.kid
+        facts.key_kind = key_kind(scope.key)
+        facts.timed(since)
         deadline = time.monotonic() + self.settings.server.in_flight_wait
         while True:
             call = self.calls.get(kid)
@@ -214,12 +229,16 @@ class Proxy:
                     return await listen(request, call, started, replayed=True)
                 continue  # it gave the key back meanwhile: claim it like any retry
             # a store whose claim answers a taken key with its entry is asked that alone
+            since = time.perf_counter()
             entry = None if self.store.journal.claim_reads else await self.store.journal.get(kid)
             if entry is None or _lapsed(entry):
                 result = await self._claim(request, route, ident, scope, fp)
+                facts.timed(since)
                 if result.won:
                     return await self._call(request, route, result.entry, body, ident.namespace, started)
                 entry = result.entry
+            else:
+                facts.timed(since)
             answer = await self._from_journal(request, upstream, entry, fp, started)
             if answer is not None:
                 return answer
@@ -281,6 +300,7 @@ class Proxy:
             return await listen(request, call, started, replayed=False)
         finally:
             request[UPSTREAM_S] = call.upstream_s if call.status else None
+            request[FACTS].answer = call.answer
 
     async def _from_journal(self, request: web.Request, upstream: UpstreamSettings, entry: Entry,
                             fp: str, started: float) -> web.StreamResponse | None:
@@ -293,6 +313,7 @@ class Proxy:
             request[OUTCOME] = Outcome.REPLAYED
             self.replays[entry.kid] = self.replays.get(entry.kid, 0) + 1
             self.metrics.saved(upstream, entry.kid, entry.response)
+            request[FACTS].answer = entry.response
             paced = request.headers.get("Idem-Replay", "").lower() == "paced"
             return await send_record(request, entry.response, started, paced)
         if state == EntryState.UNKNOWN:
@@ -341,10 +362,13 @@ class Proxy:
         and replayed under the caller's JSON-RPC id; everything else passes through."""
         ident = self._identify(request, route)
         body = await self._read_body(request)
+        facts = self._note(request, route, ident, body)
         tenant = functools.cache(lambda: self.tenants.tenant(request.headers, ident.namespace))
         plan = self.mcp.plan(request, route.upstream, route.path_qs, ident, tenant, body)
         if ident.run:
+            since = time.perf_counter()
             await self._fence(ident, fail_open=plan.call is None)
+            facts.timed(since)
         if plan.call is None:
             request[OUTCOME] = Outcome.PASSTHROUGH
             return await self._passthrough(request, route, body, started, plan.tap)

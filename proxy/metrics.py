@@ -12,6 +12,7 @@ from prometheus_client.registry import Collector
 
 from .config import UpstreamSettings
 from .outcomes import Outcome
+from .pricing import cost_usd
 from .store.base import RUN_STATES, Recorded
 
 BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -35,9 +36,9 @@ class Metrics:
         self._upstream = Buckets()
         self._overhead = Buckets()
         r.register(_RequestCollector(self))
-        self._tokens_saved: dict[tuple[str, str], int] = {}  # (upstream, kind) -> tokens
-        self._cost_saved: dict[str, float] = {}  # upstream -> USD
-        self._savings: dict[str, tuple[dict[str, int], float]] = {}  # per key, worked out once
+        self._tokens_saved: dict[tuple[str, str, str], int] = {}  # (upstream, model, kind) -> tokens
+        self._cost_saved: dict[tuple[str, str], float] = {}  # (upstream, model) -> USD
+        self._savings: dict[str, tuple[str, dict[str, int], float]] = {}  # per key, worked out once
         self.runs = Gauge("idemproxy_runs", "Runs by state", ["state"], registry=r)
         self.runs_counted_at = float("-inf")  # time.monotonic() of the last count (app.metrics)
         self.restarts = Counter("idemproxy_restarts_total", "Runs restarted by the supervisor",
@@ -52,17 +53,18 @@ class Metrics:
             self._overhead.observe(total_s)
 
     def saved(self, upstream: UpstreamSettings, kid: str, recorded: Recorded) -> None:
-        """Count the tokens, and where prices are configured the cost, a replay did not pay again."""
+        """Count the tokens, and what they cost (pricing.py), that a replay did not pay again."""
         savings = self._savings.get(kid)
         if savings is None:
             if len(self._savings) >= SAVINGS_CACHE:
                 self._savings.clear()
             savings = self._savings[kid] = spend(upstream, recorded)
-        tokens, cost = savings
+        model, tokens, cost = savings
         for kind, n in tokens.items():
-            self._tokens_saved[upstream.name, kind] = self._tokens_saved.get((upstream.name, kind), 0) + n
+            counted = (upstream.name, model, kind)
+            self._tokens_saved[counted] = self._tokens_saved.get(counted, 0) + n
         if cost:
-            self._cost_saved[upstream.name] = self._cost_saved.get(upstream.name, 0.0) + cost
+            self._cost_saved[upstream.name, model] = self._cost_saved.get((upstream.name, model), 0.0) + cost
 
     def set_runs(self, counts: dict[str, int]) -> None:
         """The runs gauge from the store's count by state (a state with no run shows 0)."""
@@ -73,18 +75,12 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def spend(upstream: UpstreamSettings, recorded: Recorded) -> tuple[dict[str, int], float]:
-    """Tokens in a recorded answer, and their cost at the upstream's configured prices
-    (what a replay saves; the console shows it per step)."""
+def spend(upstream: UpstreamSettings, recorded: Recorded) -> tuple[str, dict[str, int], float]:
+    """The model of a recorded answer, its tokens, and their cost (pricing.py): what a replay
+    saves; the console shows it per step."""
     tokens = usage(recorded)
-    cost = 0.0
-    if tokens and upstream.prices:
-        price = upstream.prices.get(model_of(recorded) or "*") or upstream.prices.get("*")
-        if price:
-            spent_in = tokens.get("prompt_tokens", tokens.get("input_tokens", 0))
-            spent_out = tokens.get("completion_tokens", tokens.get("output_tokens", 0))
-            cost = (spent_in * price[0] + spent_out * price[1]) / 1e6
-    return tokens, cost
+    model = model_of(recorded) if tokens else None
+    return model or "unknown", tokens, cost_usd(upstream, model, tokens)
 
 
 def model_of(recorded: Recorded) -> str | None:
@@ -144,12 +140,13 @@ class _RequestCollector(Collector):
         yield m._upstream.family("idemproxy_upstream_seconds", "Upstream time to headers")
         yield m._overhead.family("idemproxy_overhead_seconds", "The proxy's own time per request")
         tokens = CounterMetricFamily("idemproxy_tokens_saved", "Tokens not paid again thanks to "
-                                     "replays, from the providers' usage fields", labels=["upstream", "kind"])
-        for (upstream, kind), n in sorted(m._tokens_saved.items()):
-            tokens.add_metric([upstream, kind], n)
+                                     "replays, from the providers' usage fields", labels=["upstream", "model", "kind"])
+        for labels, n in sorted(m._tokens_saved.items()):
+            tokens.add_metric(list(labels), n)
         yield tokens
         cost = CounterMetricFamily("idemproxy_cost_saved_usd", "Cost not paid again thanks to replays, "
-                                   "from usage fields and the upstream's configured prices", labels=["upstream"])
-        for upstream, usd in sorted(m._cost_saved.items()):
-            cost.add_metric([upstream], usd)
+                                   "from usage fields and the model's price (genai-prices, or the upstream's prices)",
+                                   labels=["upstream", "model"])
+        for labels, usd in sorted(m._cost_saved.items()):
+            cost.add_metric(list(labels), usd)
         yield cost

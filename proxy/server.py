@@ -9,20 +9,22 @@ import signal
 import time
 from typing import Any, Callable, Coroutine
 
+import orjson
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
 from .config import Settings
 from .connections import REFUSAL, Gate, ProxySite
 from .eventloop import run, until_signalled
-from .errors import OUTCOME
+from .errors import OUTCOME, UPSTREAM_S
+from .facts import FACTS, Facts
 
 log = logging.getLogger("idemproxy")
 access_log = logging.getLogger("idemproxy.access")
 
 
 class AccessLogger(AbstractAccessLogger):
-    """One line per request at INFO, with what the proxy did with it."""
+    """One line per request at INFO, with what the proxy did with it (durations to the µs)."""
 
     @property
     def enabled(self) -> bool:
@@ -31,11 +33,38 @@ class AccessLogger(AbstractAccessLogger):
     def log(self, request: web.BaseRequest, response: web.StreamResponse, duration: float) -> None:
         refused = request.get(REFUSAL)
         if refused is not None:  # aiohttp's parser refused it: no method or path to show
-            self.logger.info("%s - - %d rejected %.1fms malformed HTTP: %s", request.remote,
+            self.logger.info("%s - - %d rejected %.3fms malformed HTTP: %s", request.remote,
                              response.status, duration * 1000, refused)
             return
-        self.logger.info("%s %s %s %d %s %.1fms", request.remote, request.method, request.path,
+        self.logger.info("%s %s %s %d %s %.3fms", request.remote, request.method, request.path,
                          response.status, request.get(OUTCOME, "-"), duration * 1000)
+
+
+class JsonAccessLogger(AccessLogger):
+    """``[server] log_format = "json"``: one JSON object per request, for a log pipeline."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, duration: float) -> None:
+        self.logger.info("%s", access_record(request, response, duration))
+
+
+def access_logger(settings: Settings) -> type[AccessLogger]:
+    return JsonAccessLogger if settings.server.log_format == "json" else AccessLogger
+
+
+def access_record(request: web.BaseRequest, response: web.StreamResponse, duration: float) -> str:
+    """The request as one JSON object: what it was, what the proxy did, and where time went."""
+    line = {"remote": request.remote, "method": request.method, "path": request.path,
+            "status": response.status, "outcome": request.get(OUTCOME), "ms": round(duration * 1000, 3)}
+    facts: Facts | None = request.get(FACTS)
+    if facts is not None:
+        upstream_s = request.get(UPSTREAM_S)
+        line.update(upstream=facts.upstream, run=facts.run, epoch=facts.epoch, kid=facts.kid,
+                    key_kind=facts.key_kind, model=facts.model,
+                    input_tokens=facts.input_tokens, output_tokens=facts.output_tokens,
+                    store_ms=round(facts.store_s * 1000, 3),
+                    upstream_ms=None if upstream_s is None else round(upstream_s * 1000, 3),
+                    proxy_ms=round((duration - (upstream_s or 0.0)) * 1000, 3))
+    return orjson.dumps(line).decode()
 
 
 ServeApp = Callable[..., Coroutine[Any, Any, None]]  # (settings, *, supervise, reuse_port)
@@ -49,7 +78,7 @@ async def start_serving(app: web.Application, settings: Settings, *,
     runner = web.AppRunner(app, handler_cancellation=False, shutdown_timeout=s.shutdown_timeout)
     await runner.setup()
     try:
-        gate = Gate(runner.server, s, access_log_class=AccessLogger,
+        gate = Gate(runner.server, s, access_log_class=access_logger(settings),
                     access_log=access_log if s.access_log else None, keepalive_timeout=s.idle_timeout)
         site = ProxySite(runner, s.host, s.port, gate, reuse_port=reuse_port)
         await site.start()

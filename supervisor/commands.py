@@ -24,7 +24,7 @@ from ..proxy.problems import Problem
 from ..proxy.runs import RunsService
 from ..proxy.runs.bodies import readable
 from ..proxy.runs.options import JOURNAL_STATES, journal_state, resolution
-from ..proxy.runs.views import agent_key, entry_json, listing_json, run_json, step_json
+from ..proxy.runs.views import agent_key, entry_json, iso_times, listing_json, run_json, step_json
 from ..proxy.eventloop import run
 from ..proxy.store.base import RUN_STATES, Entry, EntryState, Recorded, Run, RunState
 from .hooks import Hooks
@@ -89,11 +89,12 @@ def _leaf(sub, common: argparse.ArgumentParser, name: str, help: str) -> argpars
     return p
 
 
-def _with_runs(settings: Settings, work: Callable[[RunsService], Awaitable[int]]) -> int:
+def _with_runs(settings: Settings, work: Callable[[RunsService], Awaitable[int]], create: bool = False) -> int:
     """Run ``work`` over the runs service of the configured store; a refusal is one line
-    on stderr and exit code 1."""
+    on stderr and exit code 1. Only ``create`` makes a journal that is not there yet: a
+    command about runs finds none in it."""
     async def main() -> int:
-        store = await open_store(settings)
+        store = await open_store(settings, create=create)
         hooks = Hooks(settings, store)
         try:
             return await work(RunsService(store, settings, hooks))
@@ -116,7 +117,7 @@ def cmd_supervise(settings: Settings, args=None) -> int:
             loop.add_signal_handler(sig, stop.set)  # only enqueue; the loop decides when
         await Supervisor(runs, settings).run(stop)
         return 0
-    return _with_runs(settings, work)
+    return _with_runs(settings, work, create=True)
 
 
 # -- runs ---------------------------------------------------------------------------------------
@@ -246,7 +247,7 @@ def _print_entries(args, entries: list[Entry], none: str) -> int:
 
 
 def _print_json(body: Any) -> None:
-    sys.stdout.write(orjson.dumps(body, option=orjson.OPT_INDENT_2).decode() + "\n")
+    sys.stdout.write(orjson.dumps(iso_times(body), option=orjson.OPT_INDENT_2).decode() + "\n")
 
 
 def _report(args, body: dict, line: str) -> int:

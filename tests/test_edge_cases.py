@@ -151,8 +151,8 @@ async def test_replays_count_the_tokens_and_cost_they_saved(make_proxy, sqlite_u
     async with http.get(proxy.url + "/metrics") as r:
         text = await r.text()
     # the fake provider reports 10 prompt and 5 completion tokens: 2 x (10*2 + 5*8) / 1e6 USD
-    assert 'idemproxy_tokens_saved_total{kind="prompt_tokens",upstream="openai"} 20.0' in text
-    assert 'idemproxy_cost_saved_usd_total{upstream="openai"} 0.00012' in text
+    assert 'idemproxy_tokens_saved_total{kind="prompt_tokens",model="m",upstream="openai"} 20.0' in text
+    assert 'idemproxy_cost_saved_usd_total{model="m",upstream="openai"} 0.00012' in text
 
 
 async def test_the_upstream_gets_the_agents_headers_and_no_client_defaults(make_proxy, sqlite_url):

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..config import Settings
-from ..metrics import model_of, spend
+from ..metrics import spend
 from ..problems import Problem
 from ..runs import RunsService
 from ..store.base import Entry, EntryState
@@ -78,11 +78,11 @@ class Ledger:
         upstream = self._settings.upstreams.get(entry.upstream)
         spent = NOTHING
         if upstream is not None:
-            tokens, cost = spend(upstream, entry.response)
-            spent = Spend(model_of(entry.response),
+            model, tokens, cost = spend(upstream, entry.response)
+            spent = Spend(None if model == "unknown" else model,
                           tokens.get("prompt_tokens", tokens.get("input_tokens", 0)),
                           tokens.get("completion_tokens", tokens.get("output_tokens", 0)),
-                          cost if upstream.prices else None)
+                          cost or None)
         self._known[listed.kid, listed.created_at] = spent
         while len(self._known) > CACHE_SIZE:
             self._known.popitem(last=False)

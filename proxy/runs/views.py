@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Any
 
 from ..store.base import Entry, Run, Scope
@@ -48,3 +49,22 @@ def listing_json(runs: list[Run], steps: dict[tuple[str, str], int], proxy_url: 
     """``GET /admin/runs``: each run with its number of journal entries as ``steps``."""
     return {"runs": [{**run_json(r, proxy_url, history=True), "steps": steps.get((r.namespace, r.run_id), 0)}
                      for r in runs]}
+
+
+def iso_times(body: Any) -> Any:
+    """``body`` with its times (``*_at``, ``last_seen``: Unix seconds, as the APIs answer them)
+    as ISO 8601 in UTC, for people reading ``--json`` output."""
+    if isinstance(body, list):
+        return [iso_times(item) for item in body]
+    if not isinstance(body, dict):
+        return body
+    return {key: _iso(value) if _is_time(key, value) else iso_times(value) for key, value in body.items()}
+
+
+def _is_time(key: str, value: Any) -> bool:
+    return (key.endswith("_at") or key in ("at", "last_seen")) and isinstance(value, (int, float)) \
+        and not isinstance(value, bool)
+
+
+def _iso(at: float) -> str:
+    return datetime.fromtimestamp(at, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")

@@ -13,7 +13,9 @@ from importlib import import_module
 from typing import Awaitable, Callable, TypeVar
 from urllib.parse import unquote, urlsplit
 
-from ..config import Settings, StoreSettings
+from pathlib import Path
+
+from ..config import ConfigError, Settings, StoreSettings
 from .base import Store, StoreError, StoreUnavailable
 
 __all__ = ["Store", "StoreError", "StoreUnavailable", "make_store", "open_store", "retried"]
@@ -36,40 +38,51 @@ def make_store(settings: StoreSettings) -> Store:
     """The store for ``settings.url``; not yet opened."""
     scheme = urlsplit(settings.url).scheme
     if scheme not in BACKENDS:
-        raise ValueError(f"unsupported store URL scheme {scheme!r} (use sqlite, postgresql or redis)")
+        raise ConfigError(f"unsupported store URL scheme {scheme!r} (use sqlite, postgresql or redis)")
     package, class_name, extra = BACKENDS[scheme]
     try:
         module = import_module(f"{__name__}.{package}")
     except ImportError as exc:
-        raise ValueError(f"the {scheme} store needs: pip install 'idemproxy[{extra}]' ({exc})") from exc
+        raise ConfigError(f"the {scheme} store needs: pip install 'idemproxy[{extra}]' ({exc})") from exc
     cls = getattr(module, class_name)
     if scheme == "sqlite":
         # sqlite:///relative.db and sqlite:////absolute/path.db, as SQLAlchemy spells them
-        path = unquote(settings.url[len("sqlite:///"):]) if settings.url.startswith("sqlite:///") else ""
+        path = sqlite_path(settings.url)
         if not path:
-            raise ValueError("sqlite URL must look like sqlite:///path/to/file.db")
+            raise ConfigError("sqlite URL must look like sqlite:///path/to/file.db")
         return cls(path, timeout=settings.timeout)
     return cls(settings.url, timeout=settings.timeout)
 
 
-async def open_store(settings: Settings) -> Store:
-    """Open the configured store, retrying with backoff while it is not reachable yet."""
+def sqlite_path(url: str) -> str:
+    """sqlite:///relative.db and sqlite:////absolute/path.db, as SQLAlchemy spells them"""
+    return unquote(url[len("sqlite:///"):]) if url.startswith("sqlite:///") else ""
+
+
+async def open_store(settings: Settings, *, attempts: int = OPEN_ATTEMPTS, create: bool = True) -> Store:
+    """Open the configured store, retrying with backoff while it is not reachable yet.
+
+    ``create=False`` (commands that only read, or act on what exists) refuses a SQLite
+    journal that is not there instead of creating an empty one."""
     store = make_store(settings.store)
-    await retried(store.open, "store not reachable")
+    path = sqlite_path(settings.store.url)
+    if not create and path and not Path(path).exists():
+        raise StoreUnavailable(f"no journal at {path} (the proxy creates it when it first starts)")
+    await retried(store.open, "store not reachable", attempts)
     log.info("store %r open; durability: %s", store, store.durability)
     return store
 
 
-async def retried(op: Callable[[], Awaitable[T]], what: str) -> T:
-    """``op()``, tried OPEN_ATTEMPTS times with backoff while the store is unavailable: for
+async def retried(op: Callable[[], Awaitable[T]], what: str, attempts: int = OPEN_ATTEMPTS) -> T:
+    """``op()``, tried ``attempts`` times with backoff while the store is unavailable: for
     the steps of starting up, which a store that drops meanwhile must not end."""
-    for attempt in range(1, OPEN_ATTEMPTS + 1):
+    for attempt in range(1, attempts + 1):
         try:
             return await op()
         except StoreUnavailable as exc:
-            if attempt == OPEN_ATTEMPTS:
+            if attempt == attempts:
                 raise
             delay = min(0.25 * 2 ** attempt, 10.0)
-            log.warning("%s (attempt %d/%d, next in %.1fs): %s", what, attempt, OPEN_ATTEMPTS, delay, exc)
+            log.warning("%s (attempt %d/%d, next in %.1fs): %s", what, attempt, attempts, delay, exc)
             await asyncio.sleep(delay)
     raise AssertionError("unreachable")
