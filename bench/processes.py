@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Callable
 from urllib.parse import urlsplit
 
+import nginx
+
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 STOP_GRACE_S = 10.0
@@ -129,6 +131,15 @@ class Processes:
         port = free_port()
         return self.start("provider", [sys.executable, str(BENCH / "provider.py"), "--port", str(port)],
                           port, lambda s: http("GET", s.url + "/_calls", timeout=1)[0] == 200)
+
+    def nginx(self) -> Server:
+        """The fast provider (bench/nginx.py): a fixed chat completion, answered from memory."""
+        port = free_port()
+        try:
+            argv = nginx.argv(nginx.write_config(port, self.workdir))
+        except FileNotFoundError as exc:
+            raise BenchError(str(exc)) from None
+        return self.start("nginx", argv, port, lambda s: http("GET", s.url + "/_calls", timeout=1)[0] == 200)
 
     def baseline(self, upstream: str, processes: int = 1) -> Server:
         port = free_port()
