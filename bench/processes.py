@@ -89,11 +89,11 @@ class Processes:
         self.stop_all()
 
     def start(self, name: str, argv: list[str], port: int, ready: Callable[[Server], bool],
-              timeout: float = 30.0) -> Server:
+              timeout: float = 30.0, env: dict[str, str] | None = None) -> Server:
         log = self.workdir / f"{name}.log"
         with open(log, "ab") as out:
             popen = subprocess.Popen(argv, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
-                                     env=self._env, cwd=self.workdir, start_new_session=True)
+                                     env={**self._env, **(env or {})}, cwd=self.workdir, start_new_session=True)
         server = Server(name, port, popen, log)
         self._servers.append(server)
         deadline = time.monotonic() + timeout
