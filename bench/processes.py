@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Callable
 from urllib.parse import urlsplit
 
+import nginx
+
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 STOP_GRACE_S = 10.0
@@ -87,11 +89,11 @@ class Processes:
         self.stop_all()
 
     def start(self, name: str, argv: list[str], port: int, ready: Callable[[Server], bool],
-              timeout: float = 30.0) -> Server:
+              timeout: float = 30.0, env: dict[str, str] | None = None) -> Server:
         log = self.workdir / f"{name}.log"
         with open(log, "ab") as out:
             popen = subprocess.Popen(argv, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
-                                     env=self._env, cwd=self.workdir, start_new_session=True)
+                                     env={**self._env, **(env or {})}, cwd=self.workdir, start_new_session=True)
         server = Server(name, port, popen, log)
         self._servers.append(server)
         deadline = time.monotonic() + timeout
@@ -129,6 +131,15 @@ class Processes:
         port = free_port()
         return self.start("provider", [sys.executable, str(BENCH / "provider.py"), "--port", str(port)],
                           port, lambda s: http("GET", s.url + "/_calls", timeout=1)[0] == 200)
+
+    def nginx(self) -> Server:
+        """The fast provider (bench/nginx.py): a fixed chat completion, answered from memory."""
+        port = free_port()
+        try:
+            argv = nginx.argv(nginx.write_config(port, self.workdir))
+        except FileNotFoundError as exc:
+            raise BenchError(str(exc)) from None
+        return self.start("nginx", argv, port, lambda s: http("GET", s.url + "/_calls", timeout=1)[0] == 200)
 
     def baseline(self, upstream: str, processes: int = 1) -> Server:
         port = free_port()

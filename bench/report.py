@@ -116,7 +116,8 @@ def _num(value, fmt: str) -> str:
 def markdown(rows: list[dict], meta: dict, errors: dict[str, str] | None = None) -> str:
     lines = [
         f"idemproxy benchmark, {meta.get('started')}, git {meta.get('git')}, {meta.get('cpus')} CPUs, "
-        f"load generator {meta.get('loadgen')}, {meta.get('duration_s'):g}s per measurement; "
+        f"load generator {meta.get('loadgen')}, provider {meta.get('provider', 'python')}, "
+        f"{meta.get('duration_s'):g}s per measurement; "
         f"load average {_load(meta.get('loadavg_start'))} at start, {_load(meta.get('loadavg_end'))} at end",
         "" if meta.get("complete", True) else "\n**Partial: the run was interrupted or failed.**",
         "| store | workers | scenario | req/s @32 | × baseline | CPU µs/req @32 | p50 @32 | p99 @32 "

@@ -33,6 +33,7 @@ from typing import Iterator
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import loadgen  # noqa: E402
+import nginx  # noqa: E402
 import profile_summary  # noqa: E402
 import report  # noqa: E402
 from processes import (REPO, BenchError, Processes, Server, cpu_seconds, http,  # noqa: E402
@@ -60,7 +61,7 @@ PROFILE_HZ = 250
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    path: str                  # below the server's URL
+    path: str                  # below the server's URL; {chat} is the provider's chat path
     policy: str | None = None  # Idem-Policy header
     key: str = "none"          # Idempotency-Key: none, same (every request) or fresh (per request)
     upstream: bool = True      # does each request reach the provider?
@@ -69,19 +70,22 @@ class Scenario:
 
 
 SCENARIOS = {s.name: s for s in (
-    Scenario("baseline", "/small"),
-    Scenario("passthrough", "/openai/small", policy="passthrough"),
-    Scenario("replay", "/openai/small", key="same", upstream=False),
-    Scenario("record", "/openai/small", key="fresh"),
-    Scenario("run-passthrough", RUN + "/openai/small", policy="passthrough"),
-    Scenario("run-record", RUN + "/openai/small", key="fresh"),
+    Scenario("baseline", "{chat}"),
+    Scenario("passthrough", "/openai{chat}", policy="passthrough"),
+    Scenario("replay", "/openai{chat}", key="same", upstream=False),
+    Scenario("record", "/openai{chat}", key="fresh"),
+    Scenario("run-passthrough", RUN + "/openai{chat}", policy="passthrough"),
+    Scenario("run-record", RUN + "/openai{chat}", key="fresh"),
     # Not in the default set: a run with no Idempotency-Key, so every request gets a
     # derived key (run, fingerprint, n); n costs one more store write per request.
-    Scenario("run-derived", RUN + "/openai/small"),
+    Scenario("run-derived", RUN + "/openai{chat}"),
     # An MCP tools/call replayed from the journal (issue 12): to be read next to `replay`.
     Scenario("mcp-replay", "/mcp/mcp", key="same", upstream=False, body=MCP_BODY, headers=MCP_HEADERS),
 )}
 DEFAULT_SCENARIOS = ("passthrough", "replay", "record", "run-passthrough", "run-record")
+# provider -> the path of its chat completion: nginx answers the real one (bench/nginx.py),
+# the Python fake provider its cheap /small (it also streams, which nginx's fixed body cannot)
+CHAT_PATHS = {"nginx": nginx.CHAT_PATH, "python": "/small"}
 
 
 @dataclass
@@ -91,6 +95,7 @@ class Bench:
     procs: Processes
     provider: Server
     mcp: Server | None = None  # the MCP tool server, for mcp-* scenarios
+    counter: nginx.CallCounter = dataclasses.field(default_factory=nginx.CallCounter)
     tag: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:8])
     serial: Iterator[int] = dataclasses.field(default_factory=itertools.count)  # fresh keys stay fresh
 
@@ -98,12 +103,17 @@ class Bench:
         status, _, body = http("GET", self.provider.url + "/_calls")
         if status != 200:
             raise BenchError(f"provider /_calls answered {status}")
+        if self.args.provider == "nginx":
+            return self.counter.count(body.decode())
         return json.loads(body).get("small", 0)
+
+    def path(self, scenario: Scenario) -> str:
+        return scenario.path.format(chat=CHAT_PATHS[self.args.provider])
 
     def load(self, server: Server, scenario: Scenario, connections: int, duration: float) -> loadgen.Load:
         headers = HEADERS + scenario.headers + ((("Idem-Policy", scenario.policy),) if scenario.policy else ())
         return loadgen.Load(
-            server.url + scenario.path, connections, duration, scenario.body, headers,
+            server.url + self.path(scenario), connections, duration, scenario.body, headers,
             key=self.replay_key(server) if scenario.key == "same" else "",
             key_prefix=f"bench-{self.tag}-{next(self.serial)}-" if scenario.key == "fresh" else "")
 
@@ -222,11 +232,12 @@ def probe(bench: Bench, server: Server) -> None:
         return status, headers
 
     before = bench.upstream_calls()
-    status, headers = post("/openai/small", {"Idem-Policy": "passthrough"})
+    chat = bench.path(SCENARIOS["passthrough"])
+    status, headers = post(chat, {"Idem-Policy": "passthrough"})
     if status != 200 or "Idempotent-Replayed" in headers:
         raise BenchError(f"passthrough probe: {status} {headers}")
     key = bench.replay_key(server)
-    first, second = post("/openai/small", {"Idempotency-Key": key}), post("/openai/small", {"Idempotency-Key": key})
+    first, second = post(chat, {"Idempotency-Key": key}), post(chat, {"Idempotency-Key": key})
     if (first[0], first[1].get("Idempotent-Replayed"), second[0], second[1].get("Idempotent-Replayed")) \
             != (200, "false", 200, "true"):
         raise BenchError(f"record/replay probe: {first} then {second}")
@@ -292,6 +303,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scenarios", type=_csv, default=list(DEFAULT_SCENARIOS),
                    help=f"from: {', '.join(n for n in SCENARIOS if n != 'baseline')}")
     p.add_argument("--loadgen", choices=("auto", "wrk", "python"), default="auto")
+    p.add_argument("--provider", choices=("auto", "nginx", "python"), default="auto",
+                   help="upstream: nginx's fixed completion (auto when installed) or the Python fake provider")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "latest.json"))
     p.add_argument("--postgres-url", default=os.environ.get(
         "IDEMPROXY_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres"))
@@ -307,6 +320,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
         if args.py_spy is None:
             p.error("--profile needs py-spy (pip install py-spy)")
+    if args.provider == "auto":
+        args.provider = "nginx" if nginx.executable() else "python"
+        if args.provider == "python":
+            print(f"note: {nginx.INSTALL_HINT}; measuring in front of the Python provider", file=sys.stderr)
+    elif args.provider == "nginx" and not nginx.executable():
+        p.error(nginx.INSTALL_HINT)
     if 1 not in args.workers:
         args.workers.insert(0, 1)  # ratios for more workers are to one worker
     return args
@@ -323,17 +342,17 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     kind = loadgen.available(args.loadgen)
     meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadgen": kind, "duration_s": args.duration,
-            "warmup_s": args.warmup, "cpus": os.cpu_count(), "python": platform.python_version(),
+            "warmup_s": args.warmup, "provider": args.provider, "cpus": os.cpu_count(), "python": platform.python_version(),
             "git": _git_head(), "loadavg_start": os.getloadavg()}
     results: list[dict] = []
     errors: dict[str, str] = {}
     began = time.monotonic()
     meta["complete"] = False
     print(f"idemproxy benchmark: stores {','.join(args.stores)}, workers {args.workers}, "
-          f"{args.duration:g}s per measurement, load generator {kind}", flush=True)
+          f"{args.duration:g}s per measurement, load generator {kind}, provider {args.provider}", flush=True)
     try:
         with tempfile.TemporaryDirectory(prefix="idem-bench-") as tmp, Processes(Path(tmp)) as procs:
-            provider = procs.provider()
+            provider = procs.nginx() if args.provider == "nginx" else procs.provider()
             baseline = procs.baseline(provider.url)
             mcp = procs.mcp_tools() if any(s.startswith("mcp-") for s in args.scenarios) else None
             bench = Bench(args, kind, procs, provider, mcp)

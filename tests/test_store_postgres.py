@@ -196,6 +196,23 @@ async def test_statements_use_their_index_even_planned_on_empty_tables(schema, o
             assert "journal_by_expiry" not in plan or name == "PURGE_JOURNAL", f"{name}:\n{plan}"
 
 
+async def test_our_sessions_plan_a_statement_once_not_per_call(schema, open_pg):
+    """PostgreSQL's default plans a prepared statement anew for its arguments on its first
+    calls and keeps doing so when its generic plan looks dearer, as the claim's does: a
+    replay's claim then cost twice a read (issue 13). Our sessions keep the generic plan."""
+    store = await open_pg()
+    await store.journal.claim(claim_of("k"))
+    now = time.time()
+    args = (["k"], ["t"], [None], [None], ["openai"], ["k"], ["fp"], ["POST"], ["/p"], ["o2"], [now + 60],
+            [now], [now + 3600], ["default"], now, True)
+    async with store.connection._pool.acquire() as conn:
+        for _ in range(8):
+            await conn.fetch(sql.CLAIM_MANY, *args)
+        custom, generic = await conn.fetchrow(
+            "SELECT custom_plans, generic_plans FROM pg_prepared_statements WHERE statement = $1", sql.CLAIM_MANY)
+    assert (custom, generic) == (0, 8)
+
+
 async def test_a_claim_its_caller_gave_up_on_leaves_the_key_free(schema, open_pg):
     """A claim stuck behind a lock past the store timeout: the caller hears 503, and the
     key must not be held later by that claim (the agent's retry goes upstream at once)."""
