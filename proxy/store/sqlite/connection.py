@@ -95,11 +95,13 @@ class SQLiteConnection:
         with translated("sqlite read failed"):
             return self._reader.execute(sql, args).fetchall()
 
-    async def write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
-        """``fn(conn)`` in the writer's next transaction; its result once that has committed."""
+    async def write(self, fn: Callable[[sqlite3.Connection], Any], durable: bool = True) -> Any:
+        """``fn(conn)`` in the writer's next transaction; its result once that has committed.
+        ``durable=False``: committed, so every reader sees it, but not forced to disk unless a
+        durable write shares the transaction (a power cut, not a crash, may lose it)."""
         if self._writer is None:
             raise StoreUnavailable("store is closed")
-        op = _Write(fn, self._loop.create_future())
+        op = _Write(fn, self._loop.create_future(), durable)
         self._queue.put(op)
         try:
             return await asyncio.wait_for(asyncio.shield(op.future), self.timeout)
@@ -135,13 +137,21 @@ class SQLiteConnection:
         conn.close()
 
     def _commit(self, conn: sqlite3.Connection, batch: list[_Write]) -> None:
+        # With no durable write in the batch, commit without an fsync: WAL with
+        # synchronous=NORMAL (which can only be set outside a transaction).
+        relaxed = not any(op.durable for op in batch)
         try:
             with translated("sqlite write failed"):
+                if relaxed:
+                    conn.execute("PRAGMA synchronous=NORMAL")
                 results = self._transaction(conn, batch)
         except StoreUnavailable as failure:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             results = [(None, failure)] * len(batch)
+        finally:
+            if relaxed:
+                conn.execute("PRAGMA synchronous=FULL")
         for op, (value, exc) in zip(batch, results):
             self._loop.call_soon_threadsafe(_settle, op.future, value, exc)
 
@@ -194,10 +204,10 @@ class SQLiteConnection:
 class _Write:
     """A queued write: taken by the writer or abandoned by its caller, never both, so a
     write whose caller already answered 503 cannot commit later (a claim nobody owns)."""
-    __slots__ = ("fn", "future", "taken", "abandoned")
+    __slots__ = ("fn", "future", "durable", "taken", "abandoned")
 
-    def __init__(self, fn: Callable[[sqlite3.Connection], Any], future: asyncio.Future):
-        self.fn, self.future = fn, future
+    def __init__(self, fn: Callable[[sqlite3.Connection], Any], future: asyncio.Future, durable: bool = True):
+        self.fn, self.future, self.durable = fn, future, durable
         self.taken = self.abandoned = False
 
 
