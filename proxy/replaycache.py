@@ -33,7 +33,7 @@ from .store.base import Entry, Journal
 
 log = logging.getLogger("idemproxy.proxy")
 
-SEEN_LIMIT = 10_000  # attempts remembered as loaded once already, so a live one is not loaded again
+SEEN_LIMIT = 50_000  # attempts remembered as loaded once already, so a live one is not loaded again
 
 AttemptKey = tuple[str, str, int]  # (namespace, run, epoch)
 

@@ -116,8 +116,8 @@ class RedisJournal:
     async def replay_occurrence(self, namespace: str, run: str, epoch: int, fingerprint: str,
                                 retention_s: float) -> int | None:
         rk = run_ref(namespace, run)
-        return await self._db.script("replay_occurrence", [self._db.key("run", rk), self._db.key("occ", rk)],
-                                     [epoch, f"{epoch}:{fingerprint}", int(retention_s * 1000)])
+        return await self._pipelined_script("replay_occurrence", [self._db.key("run", rk), self._db.key("occ", rk)],
+                                            [epoch, f"{epoch}:{fingerprint}", int(retention_s * 1000)])
 
     async def recorded(self, namespace: str, run: str, max_bytes: int) -> tuple[dict[str, Entry], bool]:
         complete, rows = await self._db.script("recorded", [self._db.key("steps", run_ref(namespace, run))],

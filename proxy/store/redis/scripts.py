@@ -366,7 +366,8 @@ return 1
 """
 
 SCRIPTS = {
-    "read": READ, "recorded": RECORDED, "replay_occurrence": REPLAY_OCCURRENCE, "claim": CLAIM, "renew": RENEW, "complete": COMPLETE, "release": RELEASE, "set_state": SET_STATE,
+    "read": READ, "recorded": RECORDED, "replay_occurrence": REPLAY_OCCURRENCE,
+    "claim": CLAIM, "renew": RENEW, "complete": COMPLETE, "release": RELEASE, "set_state": SET_STATE,
     "resolve": RESOLVE, "append_partial": APPEND_PARTIAL, "read_partial": READ_PARTIAL,
     "count_replays": COUNT_REPLAYS, "purge": PURGE, "delete_journal": DELETE_JOURNAL,
     "upsert_run": UPSERT_RUN, "observe_epoch": OBSERVE_EPOCH, "touch": TOUCH, "heartbeat": HEARTBEAT,
