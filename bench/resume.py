@@ -13,7 +13,9 @@ death, it reports:
   fake upstream (its 201st chat completion);
 - replay 1-200: what the new attempt took for its first 200 steps, all replays (in the agent,
   from its first request), and the proxy's own part of it (the sum of its ``Server-Timing``);
-- hook fired -> first request: the new process starting, importing, registering.
+- hook fired -> first request: the new process starting, importing, registering;
+- and once, the agent's steps straight to the fake provider without the proxy: the agent's
+  own share of a replay on this machine at that moment (two cores shared by everything).
 
 Detection paths:
 
@@ -233,6 +235,14 @@ def _kill(pid: int) -> None:
         pass
 
 
+def direct_steps_s(provider: Server, steps: int) -> float | None:
+    """The agent's ``steps`` straight to the fake provider, no proxy: its own share of a replay."""
+    env = {**os.environ, "AGENT_DIRECT_URL": provider.url, "AGENT_CRASH_AT": str(steps)}
+    done = subprocess.run([sys.executable, str(AGENT)], env=env, capture_output=True, text=True, timeout=120)
+    found = [json.loads(line) for line in done.stdout.splitlines() if '"direct"' in line]
+    return round(found[0]["seconds"], 3) if found else None
+
+
 def attach_available() -> bool:
     """Whether the client library can hold the attach connection (issue 14, item 2)."""
     return "attach" in inspect.signature(Run.__init__).parameters
@@ -245,7 +255,7 @@ def _seconds(value: float | None, target: float | None = None) -> str:
     return f"{value:.2f} s{mark}"
 
 
-def markdown(rows: list[dict], skipped: dict[str, str]) -> str:
+def markdown(rows: list[dict], skipped: dict[str, str], direct_s: float | None) -> str:
     lines = ["| store | detection | timeout_s | kill → restart (hook fired) | kill → step 201 live "
              "| replay of steps 1–200 (in the proxy) | hook fired → first request | checks |",
              "|---|---|--:|--:|--:|--:|--:|---|"]
@@ -259,6 +269,8 @@ def markdown(rows: list[dict], skipped: dict[str, str]) -> str:
                      f"| {_seconds(to_request)} | {'ok' if not failed else 'FAILED: ' + ', '.join(failed)} |")
     for what, why in skipped.items():
         lines.append(f"| {what} | – | – | – | – | – | – | not measured: {why} |")
+    lines.append(f"\nThe same steps straight to the fake provider, without the proxy: {_seconds(direct_s)} "
+                 "(the agent's own share of a replay on this machine, now).")
     return "\n".join(lines)
 
 
@@ -294,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         provider = procs.start("provider", [sys.executable, str(BENCH / "provider.py"), "--port", str(port),
                                             "--arrivals"], port,
                                lambda s: http("GET", s.url + "/_calls", timeout=1)[0] == 200)
+        direct_s = direct_steps_s(provider, args.crash_at)
+        print(f"  {args.crash_at} steps straight to the provider: {_seconds(direct_s)}", flush=True)
         for store in args.stores:
             for path in paths:
                 print(f"  {store:8} {path:6} ...", flush=True)
@@ -310,10 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
-            "steps": args.steps, "crash_at": args.crash_at}
+            "steps": args.steps, "crash_at": args.crash_at, "direct_steps_s": direct_s}
     out.write_text(json.dumps({"meta": meta, "rows": rows, "skipped": skipped}, indent=2) + "\n")
     print()
-    print(markdown(rows, skipped))
+    print(markdown(rows, skipped, direct_s))
     print(f"\nwritten: {out}")
     return 0 if rows and all(r["ok"] for r in rows) else 1
 
