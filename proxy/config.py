@@ -157,6 +157,11 @@ class StoreSettings:
     lease: float = 60.0
     timeout: float = 5.0
     purge_interval: float = 60.0
+    # A restarted attempt's replays answered from its run's journal, loaded in one read
+    # (proxy/replaycache.py): at most this many bytes of bodies held per process (0: off),
+    # each attempt's for at most replay_cache_ttl.
+    replay_cache_bytes: int = 64 * 1024 * 1024
+    replay_cache_ttl: float = 10.0
 
     def __repr__(self) -> str:
         return f"StoreSettings(url={mask_url(self.url)!r}, retention={self.retention})"

@@ -29,6 +29,7 @@ from .outcomes import Outcome
 from .policy import OnAmbiguous, Policy
 from .problems import Problem
 from .replay import STREAM, join_remote, listen, send_record, server_timing, start_stream
+from .replaycache import CachedAttempt, ReplayCache
 from .routing import Route, parse_route, upstream_url
 from .store import Store, StoreUnavailable
 from .store.base import Claim, ClaimResult, Entry, EntryState, Run, Scope
@@ -54,12 +55,15 @@ class Proxy:
     replays: dict[str, int] = field(default_factory=dict)  # replay counts not yet stored
     on_ambiguous: dict[str, OnAmbiguous] = field(init=False)  # per upstream, worked out once
     forwarding: Forwarding = field(init=False)
+    replay_cache: ReplayCache = field(init=False)  # restarted attempts' journals, in memory
     _epoch_reads: dict[tuple, asyncio.Future] = field(default_factory=dict)  # shared fence reads
     mcp: McpUpstreams = field(default_factory=McpUpstreams)  # kind = "mcp" upstreams' state
 
     def __post_init__(self) -> None:
         self.on_ambiguous = {name: policy.on_ambiguous(up) for name, up in self.settings.upstreams.items()}
         self.forwarding = Forwarding(self.settings.server.trusted_proxies)
+        store = self.settings.store
+        self.replay_cache = ReplayCache(self.store.journal, store.replay_cache_bytes, store.replay_cache_ttl)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """Refusals and store failures are raised: ``errors.problem_middleware`` answers them
@@ -78,14 +82,15 @@ class Proxy:
                                    has_key=ident.key is not None, has_run=ident.run is not None)
             if chosen is Policy.RECORD:  # before the fence: a refused call changes nothing
                 self.tenants.check_recordable(request.headers, ident.namespace, upstream.name)
+            attempt = None
             if ident.run:
                 since = time.perf_counter()
-                await self._fence(ident, fail_open=chosen is Policy.PASSTHROUGH)
+                attempt = await self._fence_or_preloaded(ident, chosen)
                 facts.timed(since)
             if chosen is Policy.PASSTHROUGH:
                 request[OUTCOME] = Outcome.PASSTHROUGH
                 return await self._passthrough(request, route, body, started)
-            return await self._record(request, route, ident, body, started)
+            return await self._record(request, route, ident, body, started, attempt=attempt)
         except ConnectionResetError:  # the agent went away; a recorded call goes on without it
             request[OUTCOME] = Outcome.DISCONNECTED
             return request.get(STREAM) or web.Response(status=499)
@@ -150,6 +155,21 @@ class Proxy:
                           "starts the next attempt)", epoch=current)
         self.heartbeats.beat(ident.namespace, ident.run)  # a fenced zombie is no sign of life
 
+    async def _fence_or_preloaded(self, ident: Identity, chosen: Policy) -> CachedAttempt | None:
+        """Fence the request; for a recorded call, also find its attempt's journal in memory,
+        loaded on the attempt's first request here. A derived key in a preloaded attempt is
+        fenced later, with its occurrence (_scope): one store round trip for both."""
+        if chosen is Policy.PASSTHROUGH:
+            await self._fence(ident, fail_open=True)
+            return None
+        cache = self.replay_cache
+        attempt = cache.get(ident.namespace, ident.run, ident.epoch)
+        if attempt is None or ident.key is not None:
+            await self._fence(ident, fail_open=False)
+        if attempt is None and cache.wanted(ident.namespace, ident.run, ident.epoch):
+            attempt = await cache.load(ident.namespace, ident.run, ident.epoch)
+        return attempt
+
     async def _observe_epoch(self, ident: Identity, defaults: Run) -> int:
         """The run's current epoch. Requests of one attempt that arrive together share one
         store call (in flight for a round trip), so a busy run costs the store one read per
@@ -201,11 +221,12 @@ class Proxy:
     # -- record and replay ----------------------------------------------------------------
 
     async def _record(self, request: web.Request, route: Route, ident: Identity, body: bytes,
-                      started: float, fp: str | None = None,
-                      occurrence: Occurrence | None = None) -> web.StreamResponse:
-        """Claim the key and make the call, or answer from whoever holds it: a call in flight
-        here, the journal, or a stream another proxy is recording. While the key is in
-        flight elsewhere and its stream has not begun, wait for it and look again.
+                      started: float, fp: str | None = None, occurrence: Occurrence | None = None,
+                      attempt: CachedAttempt | None = None) -> web.StreamResponse:
+        """Claim the key and make the call, or answer from whoever holds it: the attempt's
+        journal in memory, a call in flight here, the journal, or a stream another proxy is
+        recording. While the key is in flight elsewhere and its stream has not begun, wait
+        for it and look again.
 
         An upstream kind that knows better what makes two calls the same (MCP) gives the
         fingerprint, and how a derived key's occurrence is counted."""
@@ -216,10 +237,15 @@ class Proxy:
                              policy.ignored_fields(upstream, request.method, route.path))
         facts: Facts = request[FACTS]
         since = time.perf_counter()
-        scope = await self._scope(request, route, ident, fp, occurrence)
+        scope = await self._scope(request, route, ident, fp, occurrence, attempt)
         kid = facts.kid = scope.kid
         facts.key_kind = key_kind(scope.key)
         facts.timed(since)
+        recorded = attempt.entry(kid) if attempt is not None else None
+        if recorded is not None:  # the facts above and _from_journal's answer make its log line
+            answer = await self._from_journal(request, upstream, recorded, fp, started)
+            self.metrics.replayed_from_memory += 1
+            return answer
         deadline = time.monotonic() + self.settings.server.in_flight_wait
         while True:
             call = self.calls.get(kid)
@@ -235,6 +261,8 @@ class Proxy:
                 result = await self._claim(request, route, ident, scope, fp)
                 facts.timed(since)
                 if result.won:
+                    if attempt is not None:  # the attempt goes live: its replays are over
+                        self.replay_cache.drop(attempt)
                     return await self._call(request, route, result.entry, body, ident.namespace, started)
                 entry = result.entry
             else:
@@ -245,7 +273,7 @@ class Proxy:
             await self._wait(kid, deadline)
 
     async def _scope(self, request: web.Request, route: Route, ident: Identity, fp: str,
-                     occurrence: Occurrence | None = None) -> Scope:
+                     occurrence: Occurrence | None = None, attempt: CachedAttempt | None = None) -> Scope:
         """Where the request's journal entry lives: under the agent's key, its derived key in
         the run (SPEC §2), or its own fingerprint."""
         tenant = self.tenants.tenant(request.headers, ident.namespace)
@@ -254,12 +282,26 @@ class Proxy:
             return Scope.of_key(tenant, ident.run, upstream, ident.key)
         if ident.run is not None:  # counted per tenant: another credential's calls shift nothing
             def count() -> Awaitable[int]:
-                return self.store.journal.next_occurrence(ident.namespace, ident.run, ident.epoch, fp,
-                                                          self.settings.store.retention, tenant=tenant)
+                return self._occurrence(ident, fp, tenant, attempt)
             n = await (count() if occurrence is None else occurrence(count))
             return Scope(tenant, ident.run, upstream, f"derived:{fp}:{n}")
         # `Idem-Policy: record` with neither key nor run: the request is its own key
         return Scope(tenant, None, upstream, f"fingerprint:{fp}")
+
+    async def _occurrence(self, ident: Identity, fp: str, tenant: str, attempt: CachedAttempt | None) -> int:
+        """The derived key's occurrence number among ``tenant``'s calls alike; in a preloaded
+        attempt, fenced in the same step."""
+        journal, retention = self.store.journal, self.settings.store.retention
+        if attempt is not None:
+            n = await journal.replay_occurrence(ident.namespace, ident.run, ident.epoch, fp, retention,
+                                                tenant=tenant)
+            if n is not None:
+                self.heartbeats.beat(ident.namespace, ident.run)
+                return n
+            # the run is no longer at this epoch: the fence says how (412 for a superseded attempt)
+            self.replay_cache.drop(attempt)
+            await self._fence(ident, fail_open=False)
+        return await journal.next_occurrence(ident.namespace, ident.run, ident.epoch, fp, retention, tenant=tenant)
 
     @staticmethod
     async def _joinable(call: Call, fp: str, deadline: float) -> bool:

@@ -39,6 +39,7 @@ class Metrics:
         self._tokens_saved: dict[tuple[str, str, str], int] = {}  # (upstream, model, kind) -> tokens
         self._cost_saved: dict[tuple[str, str], float] = {}  # (upstream, model) -> USD
         self._savings: dict[str, tuple[str, dict[str, int], float]] = {}  # per key, worked out once
+        self.replayed_from_memory = 0  # replays answered from an attempt's preloaded journal
         self.runs = Gauge("idemproxy_runs", "Runs by state", ["state"], registry=r)
         self.runs_counted_at = float("-inf")  # time.monotonic() of the last count (app.metrics)
         self.restarts = Counter("idemproxy_restarts_total", "Runs restarted by the supervisor",
@@ -150,3 +151,5 @@ class _RequestCollector(Collector):
         for labels, usd in sorted(m._cost_saved.items()):
             cost.add_metric(list(labels), usd)
         yield cost
+        yield CounterMetricFamily("idemproxy_replays_from_memory", "Replays answered from a restarted "
+                                  "attempt's journal, loaded in one read", value=m.replayed_from_memory)

@@ -303,6 +303,56 @@ async def test_release_gives_back_a_derived_occurrence(store):
     assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600, tenant=TENANT) == 2
 
 
+async def test_replay_occurrence_counts_on_with_next_occurrence_while_the_run_is_at_the_epoch(store):
+    await store.runs.observe_epoch(NS, "run-1", 2, new_run(), time.time())
+    assert await store.journal.next_occurrence(NS, "run-1", 2, "fp", 3600, tenant=TENANT) == 0
+    assert await store.journal.replay_occurrence(NS, "run-1", 2, "fp", 3600, tenant=TENANT) == 1
+    assert await store.journal.replay_occurrence(NS, "run-1", 2, "other", 3600, tenant=TENANT) == 0
+    assert await store.journal.next_occurrence(NS, "run-1", 2, "fp", 3600, tenant=TENANT) == 2  # one counter
+    # per tenant, as next_occurrence counts: another credential's calls alike start at 0
+    assert await store.journal.replay_occurrence(NS, "run-1", 2, "fp", 3600, tenant="tenant-b") == 0
+    assert await store.journal.next_occurrence(NS, "run-1", 2, "fp", 3600, tenant="tenant-b") == 1
+    # fenced: a superseded or unknown attempt counts nothing
+    await store.runs.new_attempt(NS, "run-1", 2, time.time(), "restart", restart=True)
+    assert await store.journal.replay_occurrence(NS, "run-1", 2, "fp", 3600, tenant=TENANT) is None
+    assert await store.journal.replay_occurrence(NS, "run-1", 4, "fp", 3600, tenant=TENANT) is None
+    assert await store.journal.replay_occurrence(NS, "no-such-run", 0, "fp", 3600, tenant=TENANT) is None
+    assert await store.journal.next_occurrence(NS, "run-1", 2, "fp", 3600, tenant=TENANT) == 3
+    assert await store.journal.replay_occurrence(NS, "run-1", 3, "fp", 3600, tenant=TENANT) == 0
+
+
+async def test_recorded_loads_a_runs_complete_entries_with_their_answers(store):
+    first, second = scope("s1"), scope("s2", tenant="tenant-b")  # same run, another credential
+    for sc in (first, second):
+        owner = await claimed(store, sc)
+        await store.journal.complete(sc.kid, owner, REPLY)
+        await asyncio.sleep(0.01)
+    await claimed(store, scope("in-flight"))  # not recorded (yet): left out
+    quarantined = scope("unknown")
+    owner = await claimed(store, quarantined)
+    await store.journal.quarantine(quarantined.kid, owner, "ambiguous")
+    expired = scope("expired")
+    owner = await claimed(store, expired, retention_s=0.2)
+    await store.journal.complete(expired.kid, owner, REPLY)
+    other = scope("s1", run="run-2")
+    owner = await claimed(store, other)
+    await store.journal.complete(other.kid, owner, REPLY)
+    await asyncio.sleep(0.3)
+
+    entries, complete = await store.journal.recorded(NS, "run-1", 1 << 20)
+    assert complete and list(entries) == [first.kid, second.kid]  # oldest first
+    entry = entries[first.kid]
+    assert (entry.key, entry.tenant, entry.state, entry.fingerprint) == ("s1", TENANT, EntryState.COMPLETE, "fp-1")
+    assert entry.response == REPLY  # the whole answer, streamed with its timing
+    assert await store.journal.recorded("ns-b", "run-1", 1 << 20) == ({}, True)
+    # bounded: the oldest entries whose bodies fit, and a sign that there is more
+    one_body = len(REPLY.body)
+    assert await store.journal.recorded(NS, "run-1", 2 * one_body) == (entries, True)
+    partial, complete = await store.journal.recorded(NS, "run-1", 2 * one_body - 1)
+    assert (list(partial), complete) == ([first.kid], False)
+    assert await store.journal.recorded(NS, "run-1", 0) == ({}, False)
+
+
 async def test_quarantine_then_resolve_as_retry(store):
     sc = scope()
     await claimed(store, sc, owner="a")

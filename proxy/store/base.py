@@ -332,6 +332,15 @@ class Journal(Protocol):
     async def next_occurrence(self, namespace: str, run: str, epoch: int | None, fingerprint: str,
                               retention_s: float, *, tenant: str) -> int:
         """Count of earlier calls alike in the run's epoch by ``tenant`` (see ``counted``)."""
+    async def replay_occurrence(self, namespace: str, run: str, epoch: int, fingerprint: str,
+                                retention_s: float, *, tenant: str) -> int | None:
+        """next_occurrence (counted per ``tenant`` alike) for an attempt replaying from memory,
+        with its fence in the same step: None, counting nothing, unless the run is at ``epoch``.
+        Committed (every proxy counts on from it) but not forced to disk: see README, "Replay
+        in one read"."""
+    async def recorded(self, namespace: str, run: str, max_bytes: int) -> tuple[dict[str, Entry], bool]:
+        """A run's complete, unexpired entries (every tenant's) with their responses, by kid,
+        in one read: the oldest whose bodies fit in ``max_bytes``; and whether that is all."""
     async def renew(self, kid: str, owner: str, lease_s: float) -> bool: """Extend a lease."""
     async def complete(self, kid: str, owner: str, recorded: Recorded) -> bool:
         """Durably record the outcome; False if the claim was lost."""

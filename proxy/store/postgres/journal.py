@@ -142,6 +142,17 @@ class PostgresJournal:
                                       time.time() + retention_s)
         return row[0] - 1
 
+    async def replay_occurrence(self, namespace: str, run: str, epoch: int, fingerprint: str,
+                                retention_s: float, *, tenant: str) -> int | None:
+        row = await self._db.fetchrow("replay_occurrence", sql.REPLAY_OCCURRENCE, namespace, run, epoch,
+                                      counted(tenant, fingerprint), time.time() + retention_s)
+        return None if row is None else row[0] - 1
+
+    async def recorded(self, namespace: str, run: str, max_bytes: int) -> tuple[dict[str, Entry], bool]:
+        rows = await self._db.fetch("recorded", sql.RECORDED, namespace, run, time.time(), max_bytes)
+        kept = [row for row in rows if row["upto"] <= max_bytes]
+        return {row["kid"]: _entry(row, _recorded(row)) for row in kept}, len(kept) == len(rows)
+
     async def renew(self, kid: str, owner: str, lease_s: float) -> bool:
         return _rows(await self._db.execute("renew", sql.RENEW, time.time() + lease_s, kid, owner)) == 1
 

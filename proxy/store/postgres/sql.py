@@ -202,6 +202,26 @@ SECRET = ("INSERT INTO secrets (name, value) VALUES ($1, $2) "
 NEXT_OCCURRENCE = ("INSERT INTO occurrences (tenant, run, epoch, fingerprint, n, expires_at) "
                    "VALUES ($1, $2, $3, $4, 1, $5) ON CONFLICT (tenant, run, epoch, fingerprint) "
                    "DO UPDATE SET n = occurrences.n + 1, expires_at = excluded.expires_at RETURNING n")
+# $1 namespace, $2 run, $3 epoch, $4 fingerprint, $5 expires_at: next_occurrence, counted
+# only while the run is at $3, and committed without waiting for the WAL flush (local to
+# this statement's transaction: the session keeps synchronous_commit as it was).
+REPLAY_OCCURRENCE = """
+WITH relaxed AS (SELECT set_config('synchronous_commit', 'off', true)),
+counted AS (
+    INSERT INTO occurrences (tenant, run, epoch, fingerprint, n, expires_at)
+    SELECT $1, $2, $3, $4, 1, $5 FROM runs
+    WHERE tenant = $1 AND run_id = $2 AND epoch = $3 AND (SELECT count(*) FROM relaxed) = 1
+    ON CONFLICT (tenant, run, epoch, fingerprint)
+    DO UPDATE SET n = occurrences.n + 1, expires_at = excluded.expires_at RETURNING n)
+SELECT n FROM counted"""
+# $1 namespace, $2 run, $3 now, $4 max_bytes: complete entries, oldest first, with a running
+# total of their bodies, up to the first one past max_bytes (which the caller drops)
+RECORDED = f"""
+SELECT * FROM (
+    SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing,
+           sum(octet_length(body)) OVER (ORDER BY created_at, kid) AS upto
+    FROM journal WHERE namespace = $1 AND run = $2 AND state = '{EntryState.COMPLETE}' AND expires_at > $3
+) AS r WHERE upto - octet_length(body) <= $4"""
 RENEW = f"UPDATE journal SET lease_until = $1 WHERE kid = $2 AND owner = $3 AND state = '{EntryState.IN_FLIGHT}'"
 READ_PARTIAL = "SELECT seq, data FROM partials WHERE kid = $1 AND seq > $2 ORDER BY seq"
 # $1 replays, $2 kid, $3 now: tallied under the current epoch of the entry's run

@@ -125,6 +125,19 @@ class RedisJournal:
         n, _ = await self._db.do(pipe.execute())
         return n - 1
 
+    async def replay_occurrence(self, namespace: str, run: str, epoch: int, fingerprint: str,
+                                retention_s: float, *, tenant: str) -> int | None:
+        rk = run_ref(namespace, run)
+        return await self._pipelined_script("replay_occurrence", [self._db.key("run", rk), self._db.key("occ", rk)],
+                                            [epoch, f"{epoch}:{counted(tenant, fingerprint)}",
+                                             int(retention_s * 1000)])
+
+    async def recorded(self, namespace: str, run: str, max_bytes: int) -> tuple[dict[str, Entry], bool]:
+        complete, rows = await self._db.script("recorded", [self._db.key("steps", run_ref(namespace, run))],
+                                               [self._db.prefix, repr(time.time()), max_bytes])
+        entries = (_entry(values) for values in rows)
+        return {entry.kid: entry for entry in entries}, complete == 1
+
     async def renew(self, kid: str, owner: str, lease_s: float) -> bool:
         return await self._db.script("renew", [self._db.key("entry", kid)],
                                      [owner, repr(time.time() + lease_s)]) == 1

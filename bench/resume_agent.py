@@ -1,0 +1,114 @@
+"""The agent of ``bench/resume.py``: N steps, each a model call and a tool POST, on the client library.
+
+Each step is what an agent does: a chat completion (the official ``openai`` SDK, from
+``run.openai()``) whose prompt carries the last tool result, then a tool call (httpx, from
+``run.client("tools")``), both without keys: the proxy derives them. An attempt that
+has replayed nothing by step ``AGENT_CRASH_AT`` (the first one) SIGKILLs itself right
+after that step: no cleanup, no goodbye, like an OOM kill. A later attempt replays those
+steps and goes live after them; the run is completed when the block ends.
+
+Started by the supervisor's command hook, it continues the run named by ``IDEM_*``.
+Started by the benchmark itself (the held-connection path), it registers
+``AGENT_RUN_ID`` with ``attach=True`` (the client option of issue 14).
+With ``AGENT_DIRECT_URL`` it does ``AGENT_CRASH_AT`` steps straight to that upstream, no
+proxy: what the same calls cost the agent alone.
+
+One JSON line per milestone on stdout (process, start, kill, replayed, live, done,
+direct), with ``time.time()``, for the benchmark to read from the log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+
+PROCESS_STARTED = time.time()
+
+import httpx  # noqa: E402 - after the clock starts: imports are part of a restart
+from idemproxy_client import Run  # noqa: E402
+from openai import OpenAI  # noqa: E402
+
+STEPS = int(os.environ.get("AGENT_STEPS", "240"))
+CRASH_AT = int(os.environ.get("AGENT_CRASH_AT", "200"))
+PROXY_TIME = re.compile(r"idemproxy;dur=([0-9.]+)")
+
+
+def say(event: str, **fields) -> None:
+    print(json.dumps({"event": event, "t": time.time(), "pid": os.getpid(), **fields}), flush=True)
+
+
+class Agent:
+    """The steps, and what came of them: replays, and the proxy's own time (its Server-Timing)."""
+
+    def __init__(self, llm: OpenAI, tools: httpx.Client):
+        self.llm, self.tools = llm, tools
+        self.last_result = "none"
+        self.replayed = {"chat": 0, "tool": 0}
+        self.in_proxy_s = 0.0
+
+    def step(self, step: int) -> bool:
+        """One step; whether its model call was a replay."""
+        raw = self.llm.chat.completions.with_raw_response.create(
+            model="fake-model",
+            messages=[{"role": "system", "content": "You send one email per step."},
+                      {"role": "user", "content": f"step {step}; last tool result: {self.last_result}"}])
+        completion = raw.parse()
+        sent = self.tools.post("/send_email", json={"step": step, "text": completion.choices[0].message.content})
+        sent.raise_for_status()
+        self.last_result = str(sent.json()["n"])
+        chat_replayed = raw.headers.get("idempotent-replayed") == "true"
+        self.replayed["chat"] += chat_replayed
+        self.replayed["tool"] += sent.headers.get("idempotent-replayed") == "true"
+        self.in_proxy_s += (_proxy_ms(raw.headers) + _proxy_ms(sent.headers)) / 1000
+        return chat_replayed
+
+
+def _proxy_ms(headers) -> float:
+    found = PROXY_TIME.search(headers.get("server-timing", ""))
+    return float(found.group(1)) if found else 0.0
+
+
+def attempt() -> None:
+    """This attempt of the run: replay what is recorded, go live, die once at CRASH_AT."""
+    options = {"attach": True} if os.environ.get("AGENT_ATTACH") == "1" else {}
+    with Run(os.environ.get("AGENT_RUN_ID"), timeout_s=float(os.environ.get("AGENT_TIMEOUT_S", "60")),
+             hook=os.environ.get("AGENT_HOOK", "agent") or None, **options) as run:
+        agent = Agent(run.openai(), run.client("tools", timeout=30))
+        say("start", epoch=run.epoch, since_process_start=time.time() - PROCESS_STARTED)
+        first_request, live_at = time.time(), None
+        for step in range(1, STEPS + 1):
+            if not agent.step(step) and live_at is None:
+                live_at = step
+                say("live", step=step, replayed=dict(agent.replayed))
+            if step == CRASH_AT:
+                say("replayed" if agent.replayed["chat"] else "kill", step=step, replayed=dict(agent.replayed),
+                    since_first_request=time.time() - first_request, in_proxy_s=agent.in_proxy_s)
+                if not agent.replayed["chat"]:  # the first attempt: die here
+                    os.kill(os.getpid(), signal.SIGKILL)
+    say("done", epoch=run.epoch, replayed=agent.replayed, live_at=live_at)
+
+
+def direct(upstream: str) -> None:
+    agent = Agent(OpenAI(base_url=upstream + "/v1", api_key="sk-bench"),
+                  httpx.Client(base_url=upstream + "/tools", timeout=30))
+    began = time.time()
+    for step in range(1, CRASH_AT + 1):
+        agent.step(step)
+    say("direct", steps=CRASH_AT, seconds=time.time() - began)
+
+
+def main() -> int:
+    say("process", since_process_start=time.time() - PROCESS_STARTED, started=PROCESS_STARTED)
+    if os.environ.get("AGENT_DIRECT_URL"):
+        direct(os.environ["AGENT_DIRECT_URL"])
+    else:
+        attempt()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
