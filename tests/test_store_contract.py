@@ -304,7 +304,8 @@ async def test_release_gives_back_a_derived_occurrence(store):
 
 
 async def test_replay_occurrence_counts_on_with_next_occurrence_while_the_run_is_at_the_epoch(store):
-    await store.runs.observe_epoch(NS, "run-1", 2, new_run(), time.time())
+    for epoch in (1, 2):  # a request raises a run's epoch by one at most
+        await store.runs.observe_epoch(NS, "run-1", epoch, new_run(), time.time())
     assert await store.journal.next_occurrence(NS, "run-1", 2, "fp", 3600, tenant=TENANT) == 0
     assert await store.journal.replay_occurrence(NS, "run-1", 2, "fp", 3600, tenant=TENANT) == 1
     assert await store.journal.replay_occurrence(NS, "run-1", 2, "other", 3600, tenant=TENANT) == 0
