@@ -167,3 +167,18 @@ async def test_an_attempt_lets_go_of_its_memory_after_the_ttl(make_proxy, store_
     assert await again.tool("step 1") == (200, "true", recorded[1])  # from the store now
     assert proxy.proxy.metrics.replayed_from_memory == 1
     assert proxy.proxy.replay_cache.get("default", "r9", 1) is None
+
+
+async def test_a_replay_from_memory_counts_derived_keys_per_tenant(make_proxy, store_url, provider, http):
+    # Two credentials share a namespace (and so a run): each one's identical calls are numbered
+    # among its own, from memory as from the store, so one's replay never shifts the other's.
+    proxy = await make_proxy(store_url)
+    alice, bob = {"Authorization": "Bearer sk-alice"}, {"Authorization": "Bearer sk-bob"}
+    before = Agent(http, proxy.url, "r10", 0)
+    recorded = [await before.post("/tools/send_email", {"text": "a"}, who) for who in (alice, bob, alice)]
+    assert len({body for _, _, body in recorded}) == 3
+
+    again = Agent(http, proxy.url, "r10", 1)
+    replayed = [await again.post("/tools/send_email", {"text": "a"}, who) for who in (bob, alice, alice)]
+    assert replayed == [(200, "true", recorded[i][2]) for i in (1, 0, 2)]
+    assert proxy.proxy.metrics.replayed_from_memory == 3 and provider.calls["tool:send_email"] == 3
