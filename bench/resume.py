@@ -109,9 +109,12 @@ class Scenario:
             "server": {"host": "127.0.0.1", "port": port, "access_log": False},
             "store": {"url": store_url},
             "upstreams.openai": {"url": self.provider.url},
-            "upstreams.tools": {"url": self.provider.url + "/tools", "on_ambiguous": "quarantine"},
+            "upstreams.tools": {"url": self.provider.url + "/tools", "on_ambiguous": "quarantine",
+                                "anonymous": "shared"},  # the agent's tools send no credential
+            "tenants": {"runs": "shared"},  # the agent and the admin API see one namespace, "default"
             "runs": {"timeout_s": self.args.timeout_s, "max_restarts": 3},
-            "hooks.agent": {"command": [sys.executable, str(AGENT)], "log_dir": str(self.logs), "env": env},
+            "hooks.agent": {"command": [sys.executable, str(AGENT)], "log_dir": str(self.logs), "env": env,
+                            "allow_tenants": ["default"]},  # an agent started elsewhere arms it itself
             "supervisor": {"enabled": True},
             "admin": {"token": self.token},
         }
@@ -125,8 +128,9 @@ class Scenario:
 
     def start_first_attempt(self, proxy: Server) -> int:
         """Start the attempt that will die; its epoch."""
-        if self.path == "hook":  # registered, then started by the supervisor's hook: its child
-            self.api(proxy, "POST", f"/runs/{self.run_id}", {"hook": "agent", "timeout_s": self.args.timeout_s})
+        if self.path == "hook":  # registered (a hook is armed through the admin API), then started by it
+            self.api(proxy, "POST", f"/admin/runs/{self.run_id}?namespace=default",
+                     {"hook": "agent", "timeout_s": self.args.timeout_s})
             return self.api(proxy, "POST", f"/admin/runs/{self.run_id}/restart")["epoch"]
         # started elsewhere (a Job, systemd): by us, holding the attach connection
         self.logs.mkdir(parents=True, exist_ok=True)
