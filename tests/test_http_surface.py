@@ -148,6 +148,7 @@ async def closed_after(reader: asyncio.StreamReader, limit: float) -> float:
     return time.monotonic() - started
 
 
+@pytest.mark.slow  # waits out timeouts or retention (>1 s)
 async def test_half_sent_requests_and_idle_connections_are_closed_in_time(serve):
     url = await serve(header_timeout="0.5s", body_timeout="0.5s", idle_timeout="1.5s")
     host, port = url.removeprefix("http://").split(":")

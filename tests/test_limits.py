@@ -78,6 +78,7 @@ async def reader(store_url):
     await store.aclose()
 
 
+@pytest.mark.slow  # waits out timeouts or retention (>1 s)
 async def test_expired_entries_run_as_new_and_are_purged(make_proxy, store_url, reader, provider, http):
     proxy = await make_proxy(store_url, store={"retention": "1s", "purge_interval": "0.25s"})
     run = ("default", "purged")  # (namespace, run id): the run's journal in the store
@@ -111,6 +112,7 @@ async def test_expired_entries_run_as_new_and_are_purged(make_proxy, store_url, 
     assert await proxy.store.journal.purge(time.time()) == 0  # nothing expired is left
 
 
+@pytest.mark.slow  # waits out timeouts or retention (>1 s)
 async def test_runs_go_with_the_journal_when_ended_or_idle_past_retention(make_proxy, store_url, reader, http):
     """The issue's case: with a short retention the journal emptied while hundreds of runs,
     60 KB of metadata each, stayed for ever. Ended and idle runs are purged with it now."""

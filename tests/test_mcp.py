@@ -244,6 +244,7 @@ async def test_a_batch_with_a_tools_call_is_refused_whole(make_proxy, sqlite_url
     assert sse_tools.calls["send_email"] == 0
 
 
+@pytest.mark.slow  # waits out timeouts or retention (>1 s)
 @pytest.mark.parametrize("finished", [False, True], ids=["joins", "replays"])
 async def test_a_call_reissued_after_a_broken_stream_runs_once(make_proxy, store_url, sse_tools, finished):
     """2026-07-28: a client whose response stream breaks re-issues the call with a new id."""
@@ -311,6 +312,7 @@ async def test_mcp_traffic_keeps_its_run_alive(make_proxy, sqlite_url, sse_tools
     assert later.last_seen > run.last_seen
 
 
+@pytest.mark.slow  # waits out timeouts or retention (>1 s)
 async def test_a_json_answer_whose_agent_gave_up_is_joined_by_the_reissue(make_proxy, sqlite_url, sse_tools):
     """The same for a JSON answer (a tool that sends no progress): the agent's connection is
     gone when its answer is ready, so that answer did not count as delivered."""

@@ -70,6 +70,7 @@ async def test_a_call_that_could_not_connect_releases_its_key(make_proxy, store_
     assert app[fake_provider.CALLS]["tool:send"] == 1
 
 
+@pytest.mark.slow  # waits out timeouts or retention (>1 s)
 async def test_a_call_that_waited_in_vain_for_a_pooled_connection_releases_its_key(make_proxy, sqlite_url,
                                                                                    provider, http):
     proxy = await make_proxy(sqlite_url, upstreams__tools={"max_connections": 2, "connect_timeout": "0.5s"})
