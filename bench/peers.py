@@ -1,160 +1,355 @@
 """Peers side by side: LiteLLM's proxy and the Portkey gateway next to idemproxy (issue 13).
 
-    python bench/peers.py --install      # LiteLLM into bench/peers/litellm (a venv), Portkey into
-                                         # bench/peers/portkey (npm); both folders are ignored by git
-    python bench/peers.py [--duration 4] [--out bench/results/peers.json]
+    python bench/peers.py                  # installs the peers on first use, then measures:
+                                           # about 4 minutes (3 rounds of 3 s per measurement)
+    python bench/peers.py --install        # only install (LiteLLM from PyPI, Portkey from npm)
+    python bench/peers.py --rounds 1 --duration 2     # a quick look (about 1 minute)
 
 One run, one provider (nginx's fixed chat completion, bench/nginx.py), one load (wrk, the same
-POST as bench/run.py): the plain aiohttp pass-through (the baseline), idemproxy on SQLite, LiteLLM's
-proxy and the Portkey gateway, each in passthrough and in its cache-hit mode (idemproxy: a replay),
-at 32 connections (requests/s) and at 1 connection (p50 added to the baseline's). Every measurement
-counts the calls that reached nginx: a cache hit must make none.
+POST body as bench/run.py), every server started once by this script, one process each:
 
-The Portkey gateway's open-source build has no cache store (its cache lookups answer DISABLED):
-its cache mode is reported as not available.
+- the plain aiohttp pass-through (bench/baseline.py), the yardstick;
+- idemproxy on SQLite: passthrough (``Idem-Policy: passthrough``), replay (the same
+  ``Idempotency-Key`` every time: its cache hit) and record (a fresh key per request);
+- LiteLLM's proxy: passthrough, and cache hit (``cache: local``, the same body every time);
+- the Portkey gateway: passthrough (its open-source build has no cache store).
+
+The peers are installed into a folder of their own outside the repository (bench/peer_servers.py).
+Before measuring, each mode is probed: it must answer 200, forward exactly one call per request
+(or none, for a cache hit, after one call that fills it), and its answer is compared with the
+provider's. Then ``--rounds`` rounds measure every mode at 1 and at 32 connections, in turn, so a
+change in the shared machine's load touches every row alike; the table gives each figure's
+median and its range over the rounds. Every measurement counts the calls that reached nginx,
+the CPU time of the server's whole process group, and what else kept the machine busy.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
+import resource
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import loadgen  # noqa: E402
 import nginx  # noqa: E402
-from processes import BENCH, BenchError, Processes, Server, free_port, http, make_store  # noqa: E402
+import peer_servers  # noqa: E402
+from processes import (BENCH, REPO, BenchError, Processes, Server, cpu_seconds, group_members,  # noqa: E402
+                       http, machine_busy_seconds, make_store)
 from run import BODY, HEADERS  # noqa: E402
 
-PEERS = BENCH / "peers"
-# Pinned: what was measured. LiteLLM 1.107.0 was a compromised release (withdrawn from PyPI);
-# 1.110.x needs a litellm-proxy package PyPI does not have.
-LITELLM = "litellm[proxy]==1.106.12"
-PORTKEY = "@portkey-ai/gateway@1.15.2"
-LITELLM_BIN = PEERS / "litellm" / "bin" / "litellm"
-PORTKEY_JS = PEERS / "portkey" / "node_modules" / "@portkey-ai" / "gateway" / "build" / "start-server.js"
-LOW, HIGH = 1, 32
-# LiteLLM refuses to start without a master key (and with a weak one); requests carry it.
-LITELLM_KEY = "sk-bench-" + "0123456789abcdef" * 4
-LITELLM_AUTH = (("Content-Type", "application/json"), ("Authorization", f"Bearer {LITELLM_KEY}"))
+LOW, HIGH = 1, 32  # connections
+FIRST_WARMUP_S = 3.0  # per server, once, at 32 connections: JIT (node) and lazy imports (LiteLLM)
+MAX_WINDOW_S = 10.0   # the longest a measurement is stretched for a slow server
+QUIESCE_S = 15.0      # the longest to wait for a server to finish what a load left in flight
 
 
-def install() -> None:
-    PEERS.mkdir(exist_ok=True)
-    if not (PEERS / "litellm" / "bin" / "pip").exists():
-        subprocess.run([sys.executable, "-m", "venv", str(PEERS / "litellm")], check=True)
-    subprocess.run([str(PEERS / "litellm" / "bin" / "pip"), "install", "-q", LITELLM], check=True)
-    (PEERS / "portkey").mkdir(exist_ok=True)
-    subprocess.run(["npm", "install", "--no-audit", "--no-fund", PORTKEY], cwd=PEERS / "portkey", check=True)
+@dataclass(frozen=True)
+class Case:
+    proxy: str
+    mode: str
+    server: Server
+    path: str
+    headers: tuple[tuple[str, str], ...]
+    key: str = "none"       # Idempotency-Key: none, same (every request) or fresh (per request)
+    hit: bool = False       # answered without calling the provider?
+
+    @property
+    def url(self) -> str:
+        return self.server.url + self.path
 
 
-def litellm(procs: Processes, provider: str, cache: bool) -> Server:
-    port = free_port()
-    config = procs.workdir / f"litellm-{'cache' if cache else 'pass'}.yaml"
-    config.write_text(
-        "model_list:\n  - model_name: gpt-bench\n    litellm_params:\n      model: openai/gpt-bench\n"
-        f"      api_base: {provider}/v1\n      api_key: sk-bench-not-a-real-key\n"
-        "litellm_settings:\n  telemetry: false\n"
-        + ("  cache: true\n  cache_params:\n    type: local\n" if cache else ""))
-    env = {"LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False", "DISABLE_SCHEMA_UPDATE": "True",
-           "LITELLM_MASTER_KEY": LITELLM_KEY}
-    return procs.start(f"litellm-{port}", [str(LITELLM_BIN), "--config", str(config), "--host", "127.0.0.1",
-                                           "--port", str(port), "--num_workers", "1"], port,
-                       lambda s: http("GET", s.url + "/health/liveliness", timeout=1)[0] == 200,
-                       timeout=120, env=env)
+class Bench:
+    def __init__(self, args: argparse.Namespace, procs: Processes, provider: Server):
+        self.args, self.procs, self.provider = args, procs, provider
+        self.counter = nginx.CallCounter()
+        self.tag = uuid.uuid4().hex[:8]
+        self.serial = 0  # fresh keys stay fresh across measurements
+
+    def upstream_calls(self) -> int:
+        status, _, body = http("GET", self.provider.url + "/_calls")
+        if status != 200:
+            raise BenchError(f"nginx /_calls answered {status}")
+        return self.counter.count(body.decode())
+
+    def load(self, case: Case, connections: int, duration: float) -> loadgen.Load:
+        self.serial += 1
+        return loadgen.Load(case.url, connections, duration, BODY, case.headers,
+                            key=f"peers-{self.tag}-replay" if case.key == "same" else "",
+                            key_prefix=f"peers-{self.tag}-{self.serial}-" if case.key == "fresh" else "")
+
+    def probe(self, case: Case) -> dict:
+        """One request (two for a cache hit: the first fills it); what came back, and the calls."""
+        headers = dict(case.headers)
+        if case.key != "none":
+            headers["Idempotency-Key"] = f"peers-{self.tag}-{'replay' if case.key == 'same' else 'probe'}"
+        if case.hit:
+            http("POST", case.url, BODY.encode(), headers)
+            time.sleep(0.2)
+        before = self.upstream_calls()
+        status, got, body = http("POST", case.url, BODY.encode(), headers)
+        time.sleep(0.2)
+        calls = self.upstream_calls() - before
+        problems = []
+        if status != 200:
+            problems.append(f"answered {status}: {body[:300]!r}")
+        if calls != (0 if case.hit else 1):
+            problems.append(f"{calls} upstream calls for one request")
+        if problems:
+            raise BenchError(f"{case.proxy} {case.mode} probe: " + "; ".join(problems))
+        return {"answer": compare_answer(body), "evidence": hit_evidence(got) if case.hit else ""}
+
+    def measure(self, case: Case, connections: int) -> dict:
+        a = self.args
+        warm = loadgen.run(a.loadgen, self.load(case, connections, a.warmup))
+        # A window of at least ten answers per connection: a slow peer's first answers at 32
+        # connections come late, and a short window would count too few of them.
+        duration = min(max(a.duration, 10 * warm.p50_ms / 1000), MAX_WINDOW_S)
+        self.quiesce(case.server)  # what the warm-up left in flight is done
+        calls_before, cpu_before = self.upstream_calls(), self._cpu(case.server)
+        s = loadgen.run(a.loadgen, self.load(case, connections, duration))
+        cpu_at_end, members = self._cpu(case.server), group_members(case.server)
+        self.quiesce(case.server)
+        calls, cpu_after = self.upstream_calls() - calls_before, self._cpu(case.server)
+        # Closed loop: wrk stops with one request in flight on each connection, which the
+        # server still answers; so it handles between the completed requests and one more
+        # per connection, and calls the provider once for each (none for a cache hit).
+        expected = (0, 0) if case.hit else (s.requests, s.requests + connections)
+        handled = calls if not case.hit else s.requests + connections
+        window = {k: cpu_at_end[k] - cpu_before[k] for k in cpu_before}
+        m = {"proxy": case.proxy, "mode": case.mode, "connections": connections,
+             "rps": round(s.rps, 1), "p50_ms": round(s.p50_ms, 3), "p99_ms": round(s.p99_ms, 3),
+             "requests": s.requests, "seconds": round(s.seconds, 3), "errors": s.errors,
+             "upstream_calls": calls, "calls_ok": expected[0] <= calls <= expected[1],
+             # everything the server spent on the requests it handled, their tail included
+             "cpu_us_per_request": round((cpu_after["server"] - cpu_before["server"]) / max(handled, 1) * 1e6, 1),
+             "provider_cpu_us_per_request": round(window["provider"] / max(s.requests, 1) * 1e6, 1),
+             # cores kept busy by neither the server, nginx nor wrk: others' work on the machine
+             "other_cores_busy": round(max(0.0, window["machine"] - window["server"] - window["provider"]
+                                           - window["loadgen"]) / max(s.seconds, 1e-9), 2),
+             "processes": members[0], "threads": members[1]}
+        flag = "" if m["calls_ok"] and not s.errors else f"  !! errors={s.errors} upstream_calls={calls}"
+        print(f"  {case.proxy:24} {case.mode:22} c{connections:<3}{m['rps']:8.0f} req/s  p50 {m['p50_ms']:8.3f} ms"
+              f"  cpu/req {m['cpu_us_per_request']:7.0f} us  upstream calls {calls:6}  "
+              f"others {m['other_cores_busy']} cores{flag}", flush=True)
+        return m
+
+    def quiesce(self, server: Server) -> None:
+        """Wait until the server has finished what it was given: no more calls reach the
+        provider and it spends (almost) no CPU; at most QUIESCE_S."""
+        deadline = time.monotonic() + QUIESCE_S
+        calls, cpu = self.upstream_calls(), cpu_seconds(server) or 0.0
+        while time.monotonic() < deadline:
+            time.sleep(0.25)
+            now_calls, now_cpu = self.upstream_calls(), cpu_seconds(server) or 0.0
+            if now_calls == calls and now_cpu - cpu < 0.01:
+                return
+            calls, cpu = now_calls, now_cpu
+
+    def _cpu(self, server: Server) -> dict[str, float]:
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # wrk: the only child reaped meanwhile
+        return {"server": cpu_seconds(server) or 0.0, "provider": cpu_seconds(self.provider) or 0.0,
+                "loadgen": usage.ru_utime + usage.ru_stime, "machine": machine_busy_seconds() or 0.0}
 
 
-def portkey(procs: Processes) -> Server:
-    port = free_port()
-    return procs.start(f"portkey-{port}", ["node", str(PORTKEY_JS), f"--port={port}", "--headless"], port,
-                       lambda s: http("GET", s.url + "/", timeout=1)[0] < 500, timeout=60,
-                       env={"NODE_ENV": "production"})
+def compare_answer(body: bytes) -> str:
+    """How an answer differs from the provider's completion (nginx.COMPLETION)."""
+    if body == nginx.COMPLETION.encode():
+        return "identical bytes"
+    try:
+        got = json.loads(body)
+    except ValueError:
+        return "not JSON"
+    differences = _diff(json.loads(nginx.COMPLETION), got, "")
+    return "same JSON" if not differences else "JSON differs: " + ", ".join(differences)
 
 
-class Counter:
-    def __init__(self, provider: Server):
-        self.url, self.counter = provider.url + "/_calls", nginx.CallCounter()
+def _diff(want: object, got: object, where: str) -> list[str]:
+    if isinstance(want, dict) and isinstance(got, dict):
+        out = [f"+{where}{k}" for k in got if k not in want] + [f"-{where}{k}" for k in want if k not in got]
+        for k in want.keys() & got.keys():
+            out += _diff(want[k], got[k], f"{where}{k}.")
+        return out
+    if isinstance(want, list) and isinstance(got, list) and len(want) == len(got):
+        return [d for i, (w, g) in enumerate(zip(want, got)) for d in _diff(w, g, f"{where}{i}.")]
+    return [] if want == got else [f"~{where.rstrip('.')}"]
 
-    def __call__(self) -> int:
-        return self.counter.count(http("GET", self.url)[2].decode())
+
+def hit_evidence(headers: dict[str, str]) -> str:
+    """What the answer itself says about coming from a cache (the call count is the proof)."""
+    lower = {k.lower(): v for k, v in headers.items()}
+    for name in ("idempotent-replayed", "x-litellm-cache-key", "x-portkey-cache-status"):
+        if name in lower:
+            return f"{name}: {lower[name][:16]}"
+    return "no header says so"
 
 
-def measure(kind: str, url: str, headers: tuple, connections: int, duration: float, calls: Counter,
-            key: str = "") -> dict:
-    loadgen.run(kind, loadgen.Load(url, connections, 1.0, BODY, headers, key=key))
-    time.sleep(0.2)
-    before = calls()
-    s = loadgen.run(kind, loadgen.Load(url, connections, duration, BODY, headers, key=key))
-    time.sleep(0.2)
-    return {"rps": round(s.rps, 1), "p50_ms": round(s.p50_ms, 3), "p99_ms": round(s.p99_ms, 3),
-            "requests": s.requests, "errors": s.errors, "upstream_calls": calls() - before}
+def start(args: argparse.Namespace, procs: Processes, provider: Server) -> list[Case]:
+    """Every server, started once; the modes measured on each."""
+    peers = Path(args.peers_dir)
+    chat = nginx.CHAT_PATH
+    base = procs.baseline(provider.url)
+    store_url, _ = make_store("sqlite", procs.workdir, "", "")  # a file in the temporary folder
+    idem = procs.idemproxy("idemproxy-sqlite", provider.url, store_url, 1)
+    lite = peer_servers.litellm(procs, peers, provider.url, cache=False)
+    lite_cache = peer_servers.litellm(procs, peers, provider.url, cache=True)
+    portkey = peer_servers.portkey(procs, peers)
+    lite_headers = peer_servers.litellm_headers(HEADERS[0])
+    return [
+        Case("baseline (plain aiohttp)", "passthrough", base, chat, HEADERS),
+        Case("idemproxy (sqlite)", "passthrough", idem, "/openai" + chat, HEADERS + (("Idem-Policy", "passthrough"),)),
+        Case("idemproxy (sqlite)", "replay (cache hit)", idem, "/openai" + chat, HEADERS, key="same", hit=True),
+        Case("idemproxy (sqlite)", "record (fresh key)", idem, "/openai" + chat, HEADERS, key="fresh"),
+        Case("LiteLLM proxy", "passthrough", lite, chat, lite_headers),
+        Case("LiteLLM proxy", "cache hit (local)", lite_cache, chat, lite_headers, hit=True),
+        Case("Portkey gateway", "passthrough", portkey, chat, HEADERS + peer_servers.portkey_headers(provider.url)),
+    ]
+
+
+def summarize(cases: list[Case], measurements: list[dict], checks: dict[str, dict]) -> list[dict]:
+    """One row per mode: medians over the rounds and their range; ratios to the same round's baseline."""
+    def runs(case: Case, c: int) -> list[dict]:
+        return [m for m in measurements if (m["proxy"], m["mode"], m["connections"]) == (case.proxy, case.mode, c)]
+    base = cases[0]
+    base_rps, base_p50 = [m["rps"] for m in runs(base, HIGH)], [m["p50_ms"] for m in runs(base, LOW)]
+    rows = []
+    for case in cases:
+        high, low = runs(case, HIGH), runs(case, LOW)
+        rps = [m["rps"] for m in high]
+        added = [m["p50_ms"] - b for m, b in zip(low, base_p50)]
+        problems = [f"c{m['connections']}: errors {m['errors']}" for m in high + low if m["errors"]]
+        problems += [f"c{m['connections']}: {m['upstream_calls']} upstream calls for {m['requests']} requests"
+                     for m in high + low if not m["calls_ok"]]
+        rows.append({
+            "proxy": case.proxy, "mode": case.mode, "hit": case.hit,
+            "rps_c32": _spread(rps), "ratio_c32": _spread([r / b for r, b in zip(rps, base_rps)], 2),
+            "p50_ms_c1": _spread([m["p50_ms"] for m in low], 3), "added_p50_ms_c1": _spread(added, 3),
+            "p99_ms_c32": _spread([m["p99_ms"] for m in high], 3),
+            "cpu_us_c32": _spread([m["cpu_us_per_request"] for m in high]),
+            "cpu_us_c1": _spread([m["cpu_us_per_request"] for m in low]),
+            "upstream_calls_c32": sum(m["upstream_calls"] for m in high),
+            "requests_c32": sum(m["requests"] for m in high),
+            "processes": max(m["processes"] for m in high), "threads": max(m["threads"] for m in high),
+            "others_cores_busy": _spread([m["other_cores_busy"] for m in high + low], 2),
+            "problems": problems, **checks[f"{case.proxy} / {case.mode}"]})
+    return rows
+
+
+def _spread(values: list[float], digits: int = 1) -> dict:
+    return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
+            "max": round(max(values), digits)}
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    def fig(s: dict, fmt: str, sign: str = "") -> str:
+        text = f"{s['median']:{sign}{fmt}}"
+        return text if s["min"] == s["max"] else f"{text} ({s['min']:{sign}{fmt}} – {s['max']:{sign}{fmt}})"
+    lines = [f"| proxy | mode | req/s @32 | × baseline @32 | p50 @1 | added p50 @1 | CPU µs/req @32 "
+             f"| upstream calls @32 | processes / threads | answer |",
+             "|---|---|--:|--:|--:|--:|--:|---|---|---|"]
+    for r in rows:
+        calls = r["upstream_calls_c32"]
+        calls_text = ("none" if calls == 0 else f"{calls} (!!)") if r["hit"] else \
+            f"{calls:,} for {r['requests_c32']:,} requests"
+        flag = " !!" if r["problems"] else ""
+        lines.append(
+            f"| {r['proxy']} | {r['mode']}{flag} | {fig(r['rps_c32'], ',.0f')} | {fig(r['ratio_c32'], '.2f')} "
+            f"| {fig(r['p50_ms_c1'], '.2f')} ms | {fig(r['added_p50_ms_c1'], '.2f', '+')} ms "
+            f"| {fig(r['cpu_us_c32'], ',.0f')} | {calls_text} | {r['processes']} / {r['threads']} | {r['answer']} |")
+    lines.append("| Portkey gateway | cache hit | – | – | – | – | – | – | – | no cache store in the open-source build |")
+    rounds = meta["rounds"]
+    lines.append(
+        f"\nMedian over {rounds} round{'s' * (rounds > 1)} (range in brackets), {meta['duration_s']:g} s per "
+        f"measurement after {meta['warmup_s']:g} s of warm-up, wrk, {meta['started']}; load average "
+        f"{meta['loadavg_start'][0]:.2f} at the start, {meta['loadavg_end'][0]:.2f} at the end; "
+        f"{meta['elapsed_s']:.0f} s in all.")
+    noisy = [r for r in rows if r["others_cores_busy"]["max"] > 0.3]
+    if noisy:
+        lines.append(f"!! other processes kept up to {max(r['others_cores_busy']['max'] for r in noisy):.1f} "
+                     "cores busy during these measurements: re-run on a quiet machine.")
+    for r in rows:
+        for p in r["problems"]:
+            lines.append(f"!! {r['proxy']} {r['mode']}: {p}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--install", action="store_true", help="install the peers and stop")
+    p.add_argument("--peers-dir", default=str(peer_servers.default_dir()),
+                   help="where the peers are installed (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="measurements of every mode, in turn (default 3)")
+    p.add_argument("--duration", type=float, default=3.0, help="seconds per measurement (default 3)")
+    p.add_argument("--warmup", type=float, default=1.0, help="seconds of warm-up before each (default 1)")
+    p.add_argument("--loadgen", choices=("auto", "wrk", "python"), default="wrk")
+    p.add_argument("--out", default=str(BENCH / "results" / "peers.json"))
+    args = p.parse_args(argv)
+    if not nginx.executable():
+        p.error(nginx.INSTALL_HINT)
+    return args
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through every `finally`: servers are stopped
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--install", action="store_true", help="install LiteLLM and Portkey under bench/peers/")
-    p.add_argument("--duration", type=float, default=4.0)
-    p.add_argument("--out", default=str(BENCH / "results" / "peers.json"))
-    a = p.parse_args(argv)
-    if a.install:
-        install()
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    peer_servers.install(Path(args.peers_dir))
+    if args.install:
         return 0
-    if not LITELLM_BIN.exists() or not PORTKEY_JS.exists():
-        p.error("peers not installed: python bench/peers.py --install")
-    kind = loadgen.available("wrk")
-    auth = HEADERS
-    rows: list[dict] = []
+    args.loadgen = loadgen.available(args.loadgen)
+    meta = {"started": time.strftime("%Y-%m-%d %H:%M %Z"), "rounds": args.rounds, "duration_s": args.duration,
+            "warmup_s": args.warmup, "loadgen": args.loadgen, "cpus": os.cpu_count(),
+            "loadavg_start": os.getloadavg(), "git": _git_head(), "peers": peer_servers.installed(Path(args.peers_dir)),
+            **peer_servers.runtimes(), "platform": platform.platform()}
+    began = time.monotonic()
+    measurements: list[dict] = []
+    checks: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="idem-peers-") as tmp, Processes(Path(tmp)) as procs:
         provider = procs.nginx()
-        calls = Counter(provider)
-        base = procs.baseline(provider.url)
-        store_url, drop = make_store("sqlite", Path(tmp), "", "")
-        idem = procs.idemproxy("idemproxy-sqlite", provider.url, store_url, 1)
-        lite, lite_cache, pk = litellm(procs, provider.url, False), litellm(procs, provider.url, True), portkey(procs)
-        pk_headers = auth + (("x-portkey-provider", "openai"), ("x-portkey-custom-host", provider.url + "/v1"))
-        replay_key = "peers-replay"
-        http("POST", idem.url + "/openai" + nginx.CHAT_PATH, BODY.encode(), {**dict(auth), "Idempotency-Key": replay_key})
-        http("POST", lite_cache.url + nginx.CHAT_PATH, BODY.encode(), dict(LITELLM_AUTH))  # fills LiteLLM's cache
-        cases = [
-            ("baseline (plain aiohttp)", "passthrough", base.url + nginx.CHAT_PATH, auth, ""),
-            ("idemproxy (sqlite)", "passthrough", idem.url + "/openai" + nginx.CHAT_PATH,
-             auth + (("Idem-Policy", "passthrough"),), ""),
-            ("idemproxy (sqlite)", "cache hit (replay)", idem.url + "/openai" + nginx.CHAT_PATH, auth, replay_key),
-            ("LiteLLM proxy", "passthrough", lite.url + nginx.CHAT_PATH, LITELLM_AUTH, ""),
-            ("LiteLLM proxy", "cache hit (local cache)", lite_cache.url + nginx.CHAT_PATH, LITELLM_AUTH, ""),
-            ("Portkey gateway", "passthrough", pk.url + nginx.CHAT_PATH, pk_headers, ""),
-        ]
-        try:
-            for name, mode, url, headers, key in cases:
-                row = {"proxy": name, "mode": mode}
-                for c in (LOW, HIGH):
-                    row[f"c{c}"] = m = measure(kind, url, headers, c, a.duration, calls, key)
-                    print(f"  {name:26} {mode:24} c{c:<3} {m['rps']:8.0f} req/s  p50 {m['p50_ms']:.3f} ms  "
-                          f"upstream calls {m['upstream_calls']} errors {m['errors']}", flush=True)
-                rows.append(row)
-        finally:
-            drop()
-    base_row = rows[0]
-    lines = ["| proxy | mode | req/s @32 | × baseline @32 | p50 @1 | added p50 @1 | upstream calls |",
-             "|---|---|--:|--:|--:|--:|---|"]
-    for r in rows:
-        hit = "cache" in r["mode"]
-        calls_note = ("none" if r["c32"]["upstream_calls"] == 0 else f"{r['c32']['upstream_calls']} (!!)") if hit \
-            else "one per request"
-        lines.append(f"| {r['proxy']} | {r['mode']} | {r['c32']['rps']:,.0f} | {r['c32']['rps'] / base_row['c32']['rps']:.2f} "
-                     f"| {r['c1']['p50_ms']:.3f} ms | {r['c1']['p50_ms'] - base_row['c1']['p50_ms']:+.3f} ms | {calls_note} |")
-    lines.append("| Portkey gateway | cache hit | – | – | – | – | not in the open-source build |")
-    table = "\n".join(lines)
+        bench = Bench(args, procs, provider)
+        cases = start(args, procs, provider)
+        for case in cases:
+            checks[f"{case.proxy} / {case.mode}"] = bench.probe(case)
+        for first in {c.server.name: c for c in reversed(cases)}.values():  # each server's first mode
+            loadgen.run(args.loadgen, bench.load(first, HIGH, FIRST_WARMUP_S))
+            bench.quiesce(first.server)
+        for n in range(args.rounds):
+            print(f"round {n + 1} of {args.rounds} (load average {os.getloadavg()[0]:.2f})", flush=True)
+            for case in cases:
+                for connections in (LOW, HIGH):
+                    measurements.append(bench.measure(case, connections))
+    meta.update(loadavg_end=os.getloadavg(), elapsed_s=round(time.monotonic() - began, 1))
+    rows = summarize(cases, measurements, checks)
+    table = markdown(rows, meta)
     print("\n" + table)
-    out = Path(a.out)
+    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": rows}, indent=2) + "\n")
-    return 0
+    out.write_text(json.dumps({"meta": meta, "rows": rows, "measurements": measurements}, indent=2) + "\n")
+    print(f"\nwritten: {out}")
+    return 1 if any(r["problems"] for r in rows) else 0
+
+
+def _git_head() -> str | None:
+    try:
+        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 if __name__ == "__main__":
@@ -163,3 +358,5 @@ if __name__ == "__main__":
     except BenchError as exc:
         print(f"peers: {exc}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -191,6 +191,20 @@ def cpu_seconds(server: Server) -> float | None:
     return total if found else None
 
 
+def group_members(server: Server) -> tuple[int, int]:
+    """How many processes, and threads in all, the server's process group has now."""
+    processes = threads = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()  # [2] the pgrp, [17] num_threads
+        except OSError:
+            continue  # exited meanwhile
+        if int(fields[2]) == server.popen.pid:
+            processes += 1
+            threads += int(fields[17])
+    return processes, threads
+
+
 def store_server_seconds() -> float:
     """CPU time used so far by the PostgreSQL and Redis servers (by process name)."""
     return sum(cpu for comm, _, cpu in _processes() if comm in STORE_SERVERS)
