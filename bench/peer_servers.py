@@ -99,7 +99,8 @@ def litellm(procs: Processes, root: Path, provider: str, cache: bool) -> Server:
         f"      model: openai/{LITELLM_MODEL}\n      api_base: {provider}/v1\n"
         "      api_key: sk-bench-not-a-real-key\n"
         "litellm_settings:\n  telemetry: false\n  set_verbose: false\n"
-        + ("  cache: true\n  cache_params:\n    type: local\n" if cache else ""))
+        # an hour: longer than any run, so that no entry expires while measured (default 600 s)
+        + ("  cache: true\n  cache_params:\n    type: local\n    ttl: 3600\n" if cache else ""))
     env = {"LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False", "LITELLM_LOCAL_MODEL_COST_MAP": "True",
            "DISABLE_SCHEMA_UPDATE": "True", "LITELLM_MASTER_KEY": LITELLM_KEY}
     return procs.start(name, [str(_litellm_bin(root)), "--config", str(config), "--host", "127.0.0.1",
@@ -126,7 +127,7 @@ def portkey_headers(provider: str) -> tuple[tuple[str, str], ...]:
     return (("x-portkey-provider", "openai"), ("x-portkey-custom-host", provider + "/v1"))
 
 
-def runtimes() -> dict[str, str]:
+def runtimes(root: Path) -> dict[str, str]:
     """The interpreters the peers run on (their speed depends on them)."""
     def version(argv: list[str]) -> str:
         try:
@@ -134,4 +135,5 @@ def runtimes() -> dict[str, str]:
             return (out.stdout or out.stderr).strip().splitlines()[0]
         except (OSError, subprocess.SubprocessError, IndexError):
             return "unknown"
-    return {"node": version(["node", "--version"]), "python": sys.version.split()[0]}
+    return {"node": version(["node", "--version"]).lstrip("v"),
+            "python": version([str(root / "litellm" / "bin" / "python"), "--version"]).split()[-1]}

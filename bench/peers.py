@@ -171,19 +171,31 @@ def compare_answer(body: bytes) -> str:
         got = json.loads(body)
     except ValueError:
         return "not JSON"
-    differences = _diff(json.loads(nginx.COMPLETION), got, "")
-    return "same JSON" if not differences else "JSON differs: " + ", ".join(differences)
+    added, dropped, changed = _diff(json.loads(nginx.COMPLETION), got, "")
+    if not (added or dropped or changed):
+        return "same JSON, other bytes"
+    parts = [f"{what} {', '.join(sorted(set(names)))}" for what, names in
+             (("adds", added), ("drops", dropped), ("changes", changed)) if names]
+    return "JSON rewritten: " + "; ".join(parts)
 
 
-def _diff(want: object, got: object, where: str) -> list[str]:
+def _diff(want: object, got: object, where: str) -> tuple[list[str], list[str], list[str]]:
+    """Fields added, dropped and changed, by path (``choices.0.message.refusal``)."""
     if isinstance(want, dict) and isinstance(got, dict):
-        out = [f"+{where}{k}" for k in got if k not in want] + [f"-{where}{k}" for k in want if k not in got]
+        added = [f"{where}{k}" for k in got if k not in want]
+        dropped = [f"{where}{k}" for k in want if k not in got]
+        changed: list[str] = []
         for k in want.keys() & got.keys():
-            out += _diff(want[k], got[k], f"{where}{k}.")
-        return out
+            a, d, c = _diff(want[k], got[k], f"{where}{k}.")
+            added, dropped, changed = added + a, dropped + d, changed + c
+        return added, dropped, changed
     if isinstance(want, list) and isinstance(got, list) and len(want) == len(got):
-        return [d for i, (w, g) in enumerate(zip(want, got)) for d in _diff(w, g, f"{where}{i}.")]
-    return [] if want == got else [f"~{where.rstrip('.')}"]
+        found: tuple[list[str], list[str], list[str]] = ([], [], [])
+        for i, (w, g) in enumerate(zip(want, got)):
+            for mine, theirs in zip(found, _diff(w, g, f"{where}{i}.")):
+                mine.extend(theirs)
+        return found
+    return [], [], ([] if want == got else [where.rstrip(".")])
 
 
 def hit_evidence(headers: dict[str, str]) -> str:
@@ -258,21 +270,28 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"| proxy | mode | req/s @32 | × baseline @32 | p50 @1 | added p50 @1 | CPU µs/req @32 "
              f"| upstream calls @32 | processes / threads | answer |",
              "|---|---|--:|--:|--:|--:|--:|---|---|---|"]
+    notes = []
     for r in rows:
         calls = r["upstream_calls_c32"]
         calls_text = ("none" if calls == 0 else f"{calls} (!!)") if r["hit"] else \
-            f"{calls:,} for {r['requests_c32']:,} requests"
-        flag = " !!" if r["problems"] else ""
+            f"{calls:,} for {r['requests_c32']:,} answers"
+        added = "–" if r is rows[0] else f"{fig(r['added_p50_ms_c1'], '.2f', '+')} ms"
+        answer, _, detail = r["answer"].partition(": ")
+        if detail:
+            notes.append(f"{r['proxy']}, {r['mode']}: {answer}: {detail}.")
         lines.append(
-            f"| {r['proxy']} | {r['mode']}{flag} | {fig(r['rps_c32'], ',.0f')} | {fig(r['ratio_c32'], '.2f')} "
-            f"| {fig(r['p50_ms_c1'], '.2f')} ms | {fig(r['added_p50_ms_c1'], '.2f', '+')} ms "
-            f"| {fig(r['cpu_us_c32'], ',.0f')} | {calls_text} | {r['processes']} / {r['threads']} | {r['answer']} |")
+            f"| {r['proxy']} | {r['mode']}{' !!' if r['problems'] else ''} | {fig(r['rps_c32'], ',.0f')} "
+            f"| {fig(r['ratio_c32'], '.2f')} | {fig(r['p50_ms_c1'], '.2f')} ms | {added} "
+            f"| {fig(r['cpu_us_c32'], ',.0f')} | {calls_text} | {r['processes']} / {r['threads']} | {answer} |")
     lines.append("| Portkey gateway | cache hit | – | – | – | – | – | – | – | no cache store in the open-source build |")
-    rounds = meta["rounds"]
+    lines += [""] + notes if notes else []
+    rounds, peers = meta["rounds"], meta["peers"]
     lines.append(
-        f"\nMedian over {rounds} round{'s' * (rounds > 1)} (range in brackets), {meta['duration_s']:g} s per "
-        f"measurement after {meta['warmup_s']:g} s of warm-up, wrk, {meta['started']}; load average "
-        f"{meta['loadavg_start'][0]:.2f} at the start, {meta['loadavg_end'][0]:.2f} at the end; "
+        f"\nMedian over {rounds} round{'s' * (rounds > 1)} (range in brackets); {meta['duration_s']:g} s per "
+        f"measurement (stretched to ten answers per connection for a slow server, at most {MAX_WINDOW_S:g} s) "
+        f"after {meta['warmup_s']:g} s of warm-up; wrk; LiteLLM {peers['litellm']} (Python {meta['python']}), "
+        f"Portkey gateway {peers['portkey']} (Node {meta['node']}); {meta['started']}, git {meta['git']}; "
+        f"load average {meta['loadavg_start'][0]:.2f} at the start, {meta['loadavg_end'][0]:.2f} at the end; "
         f"{meta['elapsed_s']:.0f} s in all.")
     noisy = [r for r in rows if r["others_cores_busy"]["max"] > 0.3]
     if noisy:
@@ -315,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"started": time.strftime("%Y-%m-%d %H:%M %Z"), "rounds": args.rounds, "duration_s": args.duration,
             "warmup_s": args.warmup, "loadgen": args.loadgen, "cpus": os.cpu_count(),
             "loadavg_start": os.getloadavg(), "git": _git_head(), "peers": peer_servers.installed(Path(args.peers_dir)),
-            **peer_servers.runtimes(), "platform": platform.platform()}
+            **peer_servers.runtimes(Path(args.peers_dir)), "platform": platform.platform()}
     began = time.monotonic()
     measurements: list[dict] = []
     checks: dict[str, dict] = {}
