@@ -1,9 +1,9 @@
 """Peers side by side: LiteLLM's proxy and the Portkey gateway next to idemproxy (issue 13).
 
     python bench/peers.py                  # installs the peers on first use, then measures:
-                                           # about 4 minutes (3 rounds of 3 s per measurement)
+                                           # about 5 minutes (3 rounds of 3 s per measurement)
     python bench/peers.py --install        # only install (LiteLLM from PyPI, Portkey from npm)
-    python bench/peers.py --rounds 1 --duration 2     # a quick look (about 1 minute)
+    python bench/peers.py --rounds 1 --duration 2     # a quick look (about 2 minutes)
 
 One run, one provider (nginx's fixed chat completion, bench/nginx.py), one load (wrk, the same
 POST body as bench/run.py), every server started once by this script, one process each:
