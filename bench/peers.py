@@ -235,6 +235,7 @@ def summarize(cases: list[Case], measurements: list[dict], checks: dict[str, dic
         return [m for m in measurements if (m["proxy"], m["mode"], m["connections"]) == (case.proxy, case.mode, c)]
     base = cases[0]
     base_rps, base_p50 = [m["rps"] for m in runs(base, HIGH)], [m["p50_ms"] for m in runs(base, LOW)]
+    base_cpu = [m["cpu_us_per_request"] for m in runs(base, HIGH)]
     rows = []
     for case in cases:
         high, low = runs(case, HIGH), runs(case, LOW)
@@ -249,6 +250,7 @@ def summarize(cases: list[Case], measurements: list[dict], checks: dict[str, dic
             "p50_ms_c1": _spread([m["p50_ms"] for m in low], 3), "added_p50_ms_c1": _spread(added, 3),
             "p99_ms_c32": _spread([m["p99_ms"] for m in high], 3),
             "cpu_us_c32": _spread([m["cpu_us_per_request"] for m in high]),
+            "cpu_ratio_c32": _spread([m["cpu_us_per_request"] / b for m, b in zip(high, base_cpu)], 1),
             "cpu_us_c1": _spread([m["cpu_us_per_request"] for m in low]),
             "upstream_calls_c32": sum(m["upstream_calls"] for m in high),
             "requests_c32": sum(m["requests"] for m in high),
@@ -267,9 +269,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
     def fig(s: dict, fmt: str, sign: str = "") -> str:
         text = f"{s['median']:{sign}{fmt}}"
         return text if s["min"] == s["max"] else f"{text} ({s['min']:{sign}{fmt}} – {s['max']:{sign}{fmt}})"
-    lines = [f"| proxy | mode | req/s @32 | × baseline @32 | p50 @1 | added p50 @1 | CPU µs/req @32 "
-             f"| upstream calls @32 | processes / threads | answer |",
-             "|---|---|--:|--:|--:|--:|--:|---|---|---|"]
+    lines = ["| proxy | mode | req/s @32 | × baseline @32 | p50 @1 | added p50 @1 | CPU µs/req @32 "
+             "| CPU × baseline | upstream calls @32 | processes / threads | answer |",
+             "|---|---|--:|--:|--:|--:|--:|--:|---|---|---|"]
     notes = []
     for r in rows:
         calls = r["upstream_calls_c32"]
@@ -282,8 +284,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
         lines.append(
             f"| {r['proxy']} | {r['mode']}{' !!' if r['problems'] else ''} | {fig(r['rps_c32'], ',.0f')} "
             f"| {fig(r['ratio_c32'], '.2f')} | {fig(r['p50_ms_c1'], '.2f')} ms | {added} "
-            f"| {fig(r['cpu_us_c32'], ',.0f')} | {calls_text} | {r['processes']} / {r['threads']} | {answer} |")
-    lines.append("| Portkey gateway | cache hit | – | – | – | – | – | – | – | no cache store in the open-source build |")
+            f"| {fig(r['cpu_us_c32'], ',.0f')} | {fig(r['cpu_ratio_c32'], ',.1f')} | {calls_text} "
+            f"| {r['processes']} / {r['threads']} | {answer} |")
+    lines.append("| Portkey gateway | cache hit | – | – | – | – | – | – | – | – | no cache store in the open-source build |")
     lines += [""] + notes if notes else []
     rounds, peers = meta["rounds"], meta["peers"]
     lines.append(
