@@ -113,8 +113,8 @@ class Bench:
     def measure(self, case: Case, connections: int) -> dict:
         a = self.args
         warm = loadgen.run(a.loadgen, self.load(case, connections, a.warmup))
-        # A window of at least ten answers per connection: a slow peer's first answers at 32
-        # connections come late, and a short window would count too few of them.
+        # A window of at least ten of the warm-up's median latencies: a slow server's first
+        # answers at 32 connections come late, and a short window would hold little else.
         duration = min(max(a.duration, 10 * warm.p50_ms / 1000), MAX_WINDOW_S)
         self.quiesce(case.server)  # what the warm-up left in flight is done
         calls_before, cpu_before = self.upstream_calls(), self._cpu(case.server)
@@ -286,13 +286,15 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"| {fig(r['ratio_c32'], '.2f')} | {fig(r['p50_ms_c1'], '.2f')} ms | {added} "
             f"| {fig(r['cpu_us_c32'], ',.0f')} | {fig(r['cpu_ratio_c32'], ',.1f')} | {calls_text} "
             f"| {r['processes']} / {r['threads']} | {answer} |")
-    lines.append("| Portkey gateway | cache hit | – | – | – | – | – | – | – | – | no cache store in the open-source build |")
+    lines.append("| Portkey gateway | cache hit | – | – | – | – | – | – | – | – "
+                 "| no cache store in the open-source build |")
     lines += [""] + notes if notes else []
     rounds, peers = meta["rounds"], meta["peers"]
     lines.append(
         f"\nMedian over {rounds} round{'s' * (rounds > 1)} (range in brackets); {meta['duration_s']:g} s per "
-        f"measurement (stretched to ten answers per connection for a slow server, at most {MAX_WINDOW_S:g} s) "
-        f"after {meta['warmup_s']:g} s of warm-up; wrk; LiteLLM {peers['litellm']} (Python {meta['python']}), "
+        f"measurement (for a slow server, at least ten times its warm-up's median latency, at most "
+        f"{MAX_WINDOW_S:g} s) after {meta['warmup_s']:g} s of warm-up; wrk; "
+        f"LiteLLM {peers['litellm']} (Python {meta['python']}), "
         f"Portkey gateway {peers['portkey']} (Node {meta['node']}); {meta['started']}, git {meta['git']}; "
         f"load average {meta['loadavg_start'][0]:.2f} at the start, {meta['loadavg_end'][0]:.2f} at the end; "
         f"{meta['elapsed_s']:.0f} s in all.")
