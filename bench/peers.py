@@ -71,8 +71,10 @@ class Case:
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, procs: Processes, provider: Server):
-        self.args, self.procs, self.provider = args, procs, provider
+    """Loads, probes and measurements against one provider, whose calls it counts."""
+
+    def __init__(self, args: argparse.Namespace, provider: Server):
+        self.args, self.provider = args, provider
         self.counter = nginx.CallCounter()
         self.tag = uuid.uuid4().hex[:8]
         self.serial = 0  # fresh keys stay fresh across measurements
@@ -321,6 +323,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not nginx.executable():
         p.error(nginx.INSTALL_HINT)
+    try:
+        args.loadgen = loadgen.available(args.loadgen)
+    except RuntimeError as exc:
+        p.error(str(exc))
     return args
 
 
@@ -335,7 +341,6 @@ def main(argv: list[str] | None = None) -> int:
     peer_servers.install(Path(args.peers_dir))
     if args.install:
         return 0
-    args.loadgen = loadgen.available(args.loadgen)
     meta = {"started": time.strftime("%Y-%m-%d %H:%M %Z"), "rounds": args.rounds, "duration_s": args.duration,
             "warmup_s": args.warmup, "loadgen": args.loadgen, "cpus": os.cpu_count(),
             "loadavg_start": os.getloadavg(), "git": _git_head(), "peers": peer_servers.installed(Path(args.peers_dir)),
@@ -345,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     checks: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="idem-peers-") as tmp, Processes(Path(tmp)) as procs:
         provider = procs.nginx()
-        bench = Bench(args, procs, provider)
+        bench = Bench(args, provider)
         cases = start(args, procs, provider)
         for case in cases:
             checks[f"{case.proxy} / {case.mode}"] = bench.probe(case)
