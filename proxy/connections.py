@@ -17,8 +17,8 @@ extension points (a RequestHandler subclass, a protocol factory, a BaseSite):
                  reported in one log line per ``REPORT_EVERY_S``, not one per refusal).
     ProxySite    a TCP site that listens through the Gate.
 
-``started`` (a middleware) tells a Connection that its request's head arrived whole;
-``finish_response`` that its answer went out.
+``request_started`` (called by the app's one middleware) tells a Connection that its
+request's head arrived whole; ``finish_response`` that its answer went out.
 """
 
 from __future__ import annotations
@@ -225,12 +225,12 @@ class ProxySite(web.BaseSite):
             reuse_port=self._reuse_port)
 
 
-@web.middleware
-async def request_started(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Tell a guarded connection that its request's head is in (the header timeout ends)."""
-    if isinstance(request.protocol, Connection):
-        request.protocol.started(request)
-    return await handler(request)
+def request_started(request: web.BaseRequest) -> None:
+    """Tell a guarded connection that its request's head is in (the header timeout ends);
+    app._admit calls it first thing for every request."""
+    protocol = request.protocol
+    if isinstance(protocol, Connection):
+        protocol.started(request)
 
 
 def _reason(message: str) -> str:

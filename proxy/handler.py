@@ -74,12 +74,10 @@ class Proxy:
             route = parse_route(request.raw_path, self.settings.upstreams)
             if route.upstream.kind == "mcp":
                 return await self._mcp(request, route, started)
-            ident = self._identify(request, route)
+            ident, chosen = self._identify_and_decide(request, route)
             body = await self._read_body(request)
             facts = self._note(request, route, ident, body)
             upstream = route.upstream
-            chosen = policy.decide(upstream, request.method, route.path, override=ident.policy,
-                                   has_key=ident.key is not None, has_run=ident.run is not None)
             if chosen is Policy.RECORD:  # before the fence: a refused call changes nothing
                 self.tenants.check_recordable(request.headers, ident.namespace, upstream.name)
             attempt = None
@@ -98,14 +96,26 @@ class Proxy:
     # -- identity -------------------------------------------------------------------------
 
     def _identify(self, request: web.Request, route: Route) -> Identity:
+        return self._identify_and_decide(request, route, decide=False)[0]
+
+    def _identify_and_decide(self, request: web.Request, route: Route,
+                             decide: bool = True) -> tuple[Identity, Policy | None]:
+        """Who the request is and, with ``decide``, whether it is recorded. A passthrough
+        outside a run uses no namespace, so it is not derived (TenantResolver.namespace)."""
         headers = request.headers
         run = route.run or parse_run(headers.get("Idem-Run"))
         epoch = route.epoch if route.epoch is not None else parse_epoch(headers.get("Idem-Epoch"))
         if epoch is not None and run is None:
             raise Problem("invalid-header", "Idem-Epoch needs a run (Idem-Run or /runs/{run_id}/...)")
-        return Identity(key=parse_key(headers.getall("Idempotency-Key", ())), run=run, epoch=epoch,
-                        policy=parse_policy(headers.get("Idem-Policy")),
-                        namespace=self.tenants.namespace(headers, request.remote))
+        key = parse_key(headers.getall("Idempotency-Key", ()))
+        override = parse_policy(headers.get("Idem-Policy"))
+        chosen = None
+        if decide:
+            chosen = policy.decide(route.upstream, request.method, route.path, override=override,
+                                   has_key=key is not None, has_run=run is not None)
+        derive = chosen is not Policy.PASSTHROUGH or run is not None
+        return Identity(key=key, run=run, epoch=epoch, policy=override,
+                        namespace=self.tenants.namespace(headers, request.remote, derive=derive)), chosen
 
     @staticmethod
     def _note(request: web.Request, route: Route, ident: Identity, body: bytes) -> Facts:
@@ -116,11 +126,12 @@ class Proxy:
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.settings.server.max_request_bytes
-        if request.content_length is not None and request.content_length > limit:
+        length = request.content_length  # parsed anew at every look: look once
+        if length is not None and length > limit:
             raise Problem("too-large", f"request body over {limit} bytes", max_request_bytes=limit)
         if not request.body_exists:
             return b""
-        if request.content_length is not None:  # bounded above: read it in one go
+        if length is not None:  # bounded above: read it in one go
             return await request.read()
         body = bytearray()
         async for chunk in request.content.iter_any():
