@@ -40,6 +40,8 @@ def request_headers(incoming: CIMultiDictProxy[str], upstream: UpstreamSettings,
     """What the upstream sees: the agent's headers minus hop-by-hop and ours, then
     ``forwarding`` (X-Forwarded-For and friends, worked out in forwarded.py), then config."""
     drop = _dropped(incoming, _not_forwarded(tenant_header))
+    if not upstream.set_headers and not (upstream.idempotency_header and forwarded_key):
+        return [(k, v) for k, v in incoming.items() if k.lower() not in drop] + forwarding
     added = [(name, str(value)) for name, value in upstream.set_headers.items()]
     if upstream.idempotency_header and forwarded_key:
         added.append((upstream.idempotency_header, forwarded_key))
