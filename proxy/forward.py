@@ -23,10 +23,17 @@ NEVER_STORED = frozenset({"set-cookie", "set-cookie2", "content-length", "date"}
 
 def _dropped(headers: CIMultiDictProxy[str], always: frozenset[str]) -> frozenset[str]:
     """``always``, plus the headers this message's ``Connection`` names as hop-by-hop."""
-    if "Connection" not in headers:
+    values = headers.getall("Connection", ())
+    if not values:
         return always
-    tokens = {t.strip().lower() for value in headers.getall("Connection") for t in value.split(",")}
-    return always | tokens
+    return always | _connection_tokens(tuple(values))
+
+
+@functools.lru_cache(maxsize=64)
+def _connection_tokens(values: tuple[str, ...]) -> frozenset[str]:
+    """Header names a ``Connection`` field lists. Nearly every upstream answer says
+    ``keep-alive``: parsed once, not once per answer (issue 13)."""
+    return frozenset(t.strip().lower() for value in values for t in value.split(","))
 
 
 @functools.lru_cache(maxsize=8)
