@@ -28,7 +28,7 @@ from .metrics import Metrics
 from .outcomes import Outcome
 from .policy import OnAmbiguous, Policy
 from .problems import Problem
-from .replay import STREAM, join_remote, listen, send_record, server_timing, start_stream
+from .replay import STREAM, join_remote, listen, send_record, server_timing, start_stream, whole_record
 from .replaycache import CachedAttempt, ReplayCache
 from .routing import Route, parse_route, upstream_url
 from .store import Store, StoreUnavailable
@@ -384,9 +384,11 @@ class Proxy:
             self._answered(entry.kid)
             self.replays[entry.kid] = self.replays.get(entry.kid, 0) + 1
             self.metrics.saved(upstream, entry.kid, entry.response)
-            request[FACTS].answer = entry.response
+            recorded = request[FACTS].answer = entry.response
+            if not recorded.streamed:
+                return whole_record(request, recorded, started)
             paced = request.headers.get("Idem-Replay", "").lower() == "paced"
-            return await send_record(request, entry.response, started, paced)
+            return await send_record(request, recorded, started, paced)
         if state == EntryState.UNKNOWN:
             raise _outcome_unknown(entry)
         if state == EntryState.UNRECORDABLE:
