@@ -32,8 +32,9 @@ class Identity:
     run: str | None
     epoch: int | None
     policy: Policy | None
-    namespace: str  # whose runs these are (TenantResolver.namespace); the tenant, whose
-                    # journal entries, is worked out only for recorded calls
+    namespace: str  # whose runs these are (TenantResolver.namespace; "" for a passthrough
+                    # outside a run, which has none); the tenant, whose journal entries,
+                    # is worked out only for recorded calls
 
 
 def parse_key(values: list[str]) -> str | None:
@@ -153,7 +154,7 @@ class TenantResolver:
         """The run namespace: the trusted tenant header, else the credential's tenant (or
         ``default`` with shared runs). ``derive=False`` checks a tenant header all the same
         but answers "" where the namespace would be the credential's HMAC: a passthrough
-        outside a run never uses it, and the HMAC is a tenth of its own cost (issue 13)."""
+        outside a run never uses it, and its HMAC showed in every passthrough's profile (issue 13)."""
         named = headers.get(self._header)
         if named is None:
             if self._shared_runs:
