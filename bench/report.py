@@ -3,22 +3,23 @@
 Throughput is compared at 32 connections, to the baseline measured just before and just
 after the same store's figures; latency at 1 connection, as the p50 difference to the
 baseline measured just before.
-The targets are those of issues 2 and 3.
+The targets are those of issues 2, 3 and 13.
 """
 
 from __future__ import annotations
 
-# scenario -> least throughput at 32 connections, as a share of the baseline's
-RATIO_TARGETS = {
-    "sqlite": {"replay": 1.0, "passthrough": 0.85, "record": 0.35},
-    "postgres": {"replay": 0.9, "record": 0.35},
-    "redis": {"replay": 0.9, "record": 0.35},
-}
+# scenario -> least throughput at 32 connections, as a share of the baseline's (issue 13:
+# in front of nginx, on every store; a replay calls no provider, so it must beat forwarding)
+RATIO_TARGETS = {store: {"passthrough": 0.95, "replay": 1.3, "record": 0.5}
+                 for store in ("sqlite", "postgres", "redis")}
 # a replayed MCP tools/call against a replayed chat completion, same store and workers (the
 # margin is the noise of two measurements on a shared machine)
 MCP_REPLAY_SHARE = 0.95
-# scenario -> most p50 added at 1 connection, in milliseconds
-P50_TARGETS = {"sqlite": {"passthrough": 0.15, "replay": 0.15}}
+# scenario -> most p50 added at 1 connection, in milliseconds (issue 13; SQLite's replay keeps
+# issue 3's 0.15 ms: its read is in-process)
+P50_TARGETS = {"sqlite": {"passthrough": 0.1, "replay": 0.15},
+               "postgres": {"passthrough": 0.1, "replay": 0.3},
+               "redis": {"passthrough": 0.1, "replay": 0.3}}
 WORKERS_GAIN = 0.8     # N workers: at least 0.8 * N times one worker's throughput (2 -> 1.6x)
 RUN_SCOPED_SHARE = 0.9  # a run-scoped request costs no more than one without (within noise)
 

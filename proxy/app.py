@@ -39,7 +39,7 @@ LauncherFactory = Callable[[Settings, Store], Launcher]
 
 def create_app(settings: Settings, launcher: LauncherFactory) -> web.Application:
     counters = Metrics()  # not `metrics`: that is the /metrics route below
-    middlewares = [request_started, problem_middleware(counters), _origin_form_only, _bounded_body]
+    middlewares = [problem_middleware(counters, _admit)]
     traces = tracing.from_environment(settings, os.environ)  # None unless OTEL_* ask for it
     if traces is not None:  # outermost: the outcome its spans read is final
         middlewares.insert(0, traces.middleware(lambda request: request.match_info.handler is _proxy))
@@ -123,25 +123,22 @@ async def _purge(runs: RunsService) -> None:
         log.info("purged %d expired journal entries and %d runs", entries, gone)
 
 
-@web.middleware
-async def _origin_form_only(request: web.Request, handler) -> web.StreamResponse:
+def _admit(request: web.Request) -> None:
+    """What every request passes before its handler (errors.problem_middleware runs it)."""
+    request_started(request)
     # Targets no route can take (`CONNECT host:port`, `OPTIONS *`) never reach the proxy
     # handler; refuse them as problems too, not with aiohttp's plain-text 404.
-    if request.match_info.http_exception is not None:
+    match_info = request.match_info
+    if match_info.http_exception is not None:
         raise Problem("invalid-request", "only origin-form request targets are accepted; this is "
                       "not an open proxy", headers={"Server-Timing": server_timing(0.0)})
-    return await handler(request)
-
-
-@web.middleware
-async def _bounded_body(request: web.Request, handler) -> web.StreamResponse:
     # A body announced over the limit is refused before a byte of it is read, on the runs
     # and admin APIs too, as problem+json. The proxy route refuses (and counts) its own.
+    if match_info.handler is _proxy:
+        return
     limit = request.config_dict[SETTINGS].server.max_request_bytes
-    if (request.content_length is not None and request.content_length > limit
-            and request.match_info.handler is not _proxy):
+    if request.content_length is not None and request.content_length > limit:
         raise Problem("too-large", f"request body over {limit} bytes", max_request_bytes=limit)
-    return await handler(request)
 
 
 async def _proxy(request: web.Request) -> web.StreamResponse:

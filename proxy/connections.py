@@ -17,8 +17,8 @@ extension points (a RequestHandler subclass, a protocol factory, a BaseSite):
                  reported in one log line per ``REPORT_EVERY_S``, not one per refusal).
     ProxySite    a TCP site that listens through the Gate.
 
-``started`` (a middleware) tells a Connection that its request's head arrived whole;
-``finish_response`` that its answer went out.
+``request_started`` (called by the app's one middleware) tells a Connection that its
+request's head arrived whole; aiohttp's own bookkeeping, that its answer went out.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class Connection(web.RequestHandler):
     def __init__(self, manager: web.Server, gate: Gate, **kwargs) -> None:
         super().__init__(manager, **kwargs)
         self._gate = gate
-        self._request: web.BaseRequest | None = None  # being answered
+        self._request: web.BaseRequest | None = None  # the last one started (see _answering)
         self._head_since: float | None = None  # a request head is awaited since then
         self._last_read = 0.0
         self._timer: asyncio.TimerHandle | None = None
@@ -71,7 +71,7 @@ class Connection(web.RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         self._last_read = self._loop.time()
-        if self._request is None and self._head_since is None:  # a new request begins
+        if self._head_since is None and not self._request_in_progress:  # a new request begins
             self._head_since = self._last_read
             self._check_at(self._head_since + self._gate.settings.header_timeout)
         super().data_received(data)
@@ -89,12 +89,12 @@ class Connection(web.RequestHandler):
         if request.body_exists and not request.content.is_eof():
             self._check_at(self._last_read + self._gate.settings.body_timeout)
 
-    async def finish_response(self, request: web.BaseRequest, resp: web.StreamResponse,
-                              start_time: float | None) -> tuple[web.StreamResponse, bool]:
-        try:
-            return await super().finish_response(request, resp, start_time)
-        finally:
-            self._request = None  # idle now: aiohttp's keep-alive timeout takes over
+    def _answering(self) -> web.BaseRequest | None:
+        """The request being answered. aiohttp's ``_request_in_progress`` holds from the
+        handler's start until its answer is out (``finish_response``); overriding that
+        coroutine instead cost every request one more (issue 13). Once it is over, the
+        connection is idle, and aiohttp's keep-alive timeout takes over."""
+        return self._request if self._request_in_progress else None
 
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -125,8 +125,9 @@ class Connection(web.RequestHandler):
         """Close the connection if the client owes bytes it has not sent in time."""
         self._timer = None
         settings, now = self._gate.settings, self._loop.time()
-        if self._request is not None:
-            if self._request.content.is_eof():
+        request = self._answering()
+        if request is not None:
+            if request.content.is_eof():
                 return  # the whole body is in: nothing is owed until the answer is out
             due = self._last_read + settings.body_timeout
             why = f"request body silent for {settings.body_timeout:g}s"
@@ -225,12 +226,12 @@ class ProxySite(web.BaseSite):
             reuse_port=self._reuse_port)
 
 
-@web.middleware
-async def request_started(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Tell a guarded connection that its request's head is in (the header timeout ends)."""
-    if isinstance(request.protocol, Connection):
-        request.protocol.started(request)
-    return await handler(request)
+def request_started(request: web.BaseRequest) -> None:
+    """Tell a guarded connection that its request's head is in (the header timeout ends);
+    app._admit calls it first thing for every request."""
+    protocol = request.protocol
+    if isinstance(protocol, Connection):
+        protocol.started(request)
 
 
 def _reason(message: str) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import orjson
 from aiohttp import web
@@ -41,10 +42,14 @@ UPSTREAM_S = web.RequestKey("upstream_s", object)  # upstream time to headers, w
 RENDER_PROBLEM = web.RequestKey("render_problem", object)
 
 
-def problem_middleware(metrics: Metrics) -> Middleware:
+def problem_middleware(metrics: Metrics, admit: Callable[[web.Request], None] | None = None) -> Middleware:
+    """The app's one middleware (each one more costs every request a coroutine and a call:
+    issue 13): ``admit`` checks the request first, its refusals answered like any other."""
     @web.middleware
     async def problems(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
+            if admit is not None:
+                admit(request)
             return await handler(request)
         except Problem as problem:
             return answer(request, problem)

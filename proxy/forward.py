@@ -23,10 +23,17 @@ NEVER_STORED = frozenset({"set-cookie", "set-cookie2", "content-length", "date"}
 
 def _dropped(headers: CIMultiDictProxy[str], always: frozenset[str]) -> frozenset[str]:
     """``always``, plus the headers this message's ``Connection`` names as hop-by-hop."""
-    if "Connection" not in headers:
+    values = headers.getall("Connection", ())
+    if not values:
         return always
-    tokens = {t.strip().lower() for value in headers.getall("Connection") for t in value.split(",")}
-    return always | tokens
+    return always | _connection_tokens(tuple(values))
+
+
+@functools.lru_cache(maxsize=64)
+def _connection_tokens(values: tuple[str, ...]) -> frozenset[str]:
+    """Header names a ``Connection`` field lists. Nearly every upstream answer says
+    ``keep-alive``: parsed once, not once per answer (issue 13)."""
+    return frozenset(t.strip().lower() for value in values for t in value.split(","))
 
 
 @functools.lru_cache(maxsize=8)
@@ -40,6 +47,8 @@ def request_headers(incoming: CIMultiDictProxy[str], upstream: UpstreamSettings,
     """What the upstream sees: the agent's headers minus hop-by-hop and ours, then
     ``forwarding`` (X-Forwarded-For and friends, worked out in forwarded.py), then config."""
     drop = _dropped(incoming, _not_forwarded(tenant_header))
+    if not upstream.set_headers and not (upstream.idempotency_header and forwarded_key):
+        return [(k, v) for k, v in incoming.items() if k.lower() not in drop] + forwarding
     added = [(name, str(value)) for name, value in upstream.set_headers.items()]
     if upstream.idempotency_header and forwarded_key:
         added.append((upstream.idempotency_header, forwarded_key))

@@ -18,6 +18,7 @@ from multidict import CIMultiDictProxy
 # Every header that describes earlier hops: none passes on unchecked.
 FORWARDING = frozenset({"x-forwarded-for", "forwarded", "x-forwarded-host", "x-forwarded-proto",
                         "x-forwarded-port", "x-real-ip"})
+RELAYED = FORWARDING - {"x-forwarded-for", "forwarded"}  # passed on as they are, from a trusted proxy
 
 
 class Forwarding:
@@ -29,7 +30,7 @@ class Forwarding:
         kept = bool(self._trusted) and self._trusts(_address(peer))  # most deployments trust none
         prior = ", ".join(incoming.getall("X-Forwarded-For", ())) if kept else ""
         out = [(name, value) for name, value in incoming.items()
-               if kept and name.lower() in FORWARDING - {"x-forwarded-for", "forwarded"}]
+               if name.lower() in RELAYED] if kept else []
         out.append(("X-Forwarded-For", f"{prior}, {peer or 'unknown'}" if prior else peer or "unknown"))
         if "Forwarded" in incoming:
             ours = "for=" + _node(_address(peer))

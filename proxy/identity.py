@@ -7,7 +7,6 @@ clients send one.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import ipaddress
 import re
@@ -33,8 +32,9 @@ class Identity:
     run: str | None
     epoch: int | None
     policy: Policy | None
-    namespace: str  # whose runs these are (TenantResolver.namespace); the tenant, whose
-                    # journal entries, is worked out only for recorded calls
+    namespace: str  # whose runs these are (TenantResolver.namespace; "" for a passthrough
+                    # outside a run, which has none); the tenant, whose journal entries,
+                    # is worked out only for recorded calls
 
 
 def parse_key(values: list[str]) -> str | None:
@@ -150,12 +150,16 @@ class TenantResolver:
             return "t:" + namespace
         return self.of_credential(headers) if self._shared_runs else namespace
 
-    def namespace(self, headers: CIMultiDictProxy[str], peer: str | None) -> str:
+    def namespace(self, headers: CIMultiDictProxy[str], peer: str | None, *, derive: bool = True) -> str:
         """The run namespace: the trusted tenant header, else the credential's tenant (or
-        ``default`` with shared runs)."""
+        ``default`` with shared runs). ``derive=False`` checks a tenant header all the same
+        but answers "" where the namespace would be the credential's HMAC: a passthrough
+        outside a run never uses it, and its HMAC showed in every passthrough's profile (issue 13)."""
         named = headers.get(self._header)
         if named is None:
-            return DEFAULT_NAMESPACE if self._shared_runs else self.of_credential(headers)
+            if self._shared_runs:
+                return DEFAULT_NAMESPACE
+            return self.of_credential(headers) if derive else ""
         if not self._is_trusted(peer):
             raise Problem("untrusted-tenant", f"{self._header} is accepted only from trusted sources")
         if not TENANT_NAME.fullmatch(named):
@@ -184,7 +188,8 @@ class TenantResolver:
             return ANONYMOUS
         # surrogateescape: aiohttp reads header bytes that are not UTF-8 as lone surrogates
         raw = material.encode("utf-8", "surrogateescape")
-        return CREDENTIAL_PREFIX + hmac.new(self._secret, raw, hashlib.sha256).hexdigest()[:32]
+        # hmac.digest: OpenSSL's one-shot HMAC, the same value without hmac.HMAC's Python set-up
+        return CREDENTIAL_PREFIX + hmac.digest(self._secret, raw, "sha256").hex()[:32]
 
     def _material(self, headers: CIMultiDictProxy[str]) -> str:
         """What identifies the caller: its credential headers and cookies, "" for none."""

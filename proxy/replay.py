@@ -84,12 +84,18 @@ def _headers(headers, replayed: bool, timing: str) -> list[tuple[str, str]]:
     return [*headers, (REPLAYED, "true" if replayed else "false"), ("Server-Timing", timing)]
 
 
+def whole_record(request: web.Request, recorded: Recorded, started: float) -> web.Response:
+    """A replay of an answer that was not streamed: no coroutine needed (issue 13)."""
+    headers = _headers(recorded.headers, True, server_timing(time.perf_counter() - started))
+    return web.Response(status=recorded.status, body=replayed_body(request, recorded.body), headers=headers)
+
+
 async def send_record(request: web.Request, recorded: Recorded, started: float,
                       paced: bool = False) -> web.StreamResponse:
     """A replay: the recorded status, headers and body; a stream is replayed as a stream."""
-    headers = _headers(recorded.headers, True, server_timing(time.perf_counter() - started))
     if not recorded.streamed:
-        return web.Response(status=recorded.status, body=replayed_body(request, recorded.body), headers=headers)
+        return whole_record(request, recorded, started)
+    headers = _headers(recorded.headers, True, server_timing(time.perf_counter() - started))
     resp = await start_stream(request, recorded.status, headers, replayed=True)
     if paced and recorded.timing:
         clock = time.perf_counter()

@@ -63,6 +63,12 @@ class Scope:
     run: str | None
     upstream: str
     key: str
+    # the entry's address: worked out once (a record asks for it three times)
+    kid: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        raw = "\0".join((self.tenant, self.run or "", self.upstream, self.key))
+        object.__setattr__(self, "kid", hashlib.sha256(raw.encode()).hexdigest())
 
     @classmethod
     def of_key(cls, tenant: str, run: str | None, upstream: str, idempotency_key: str) -> "Scope":
@@ -74,11 +80,6 @@ class Scope:
     def agent_key(idempotency_key: str) -> str:
         """How an agent's own ``Idempotency-Key`` is kept as an entry's ``key``."""
         return "key:" + idempotency_key
-
-    @property
-    def kid(self) -> str:
-        raw = "\0".join((self.tenant, self.run or "", self.upstream, self.key))
-        return hashlib.sha256(raw.encode()).hexdigest()
 
 
 @dataclass(slots=True)

@@ -57,17 +57,24 @@ class Batches(Generic[Item, Result]):
         self._sender: asyncio.Task | None = None
 
     async def __call__(self, item: Item) -> Result:
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         self._queued.append((item, future))
         if self._sender is None or self._sender.done():
             self._sender = asyncio.create_task(self._drain(), name=f"idemproxy-batch-{self.what}")
+        # A caller that leaves settles its future: StoreUnavailable at the timeout, or
+        # cancelled with its task. That is the mark that it is gone, which the sender reads;
+        # a result or error is never left unread. (One timer handle, where asyncio.timeout
+        # cost every store call ~7 µs more: issue 13.)
+        timer = loop.call_later(self.timeout, self._expire, future)
         try:
-            async with asyncio.timeout(self.timeout):
-                # A caller that leaves (timeout, cancel) cancels the future: the mark that it
-                # is gone, which the sender reads; a result or error is never left unread.
-                return await future
-        except TimeoutError:
-            raise StoreUnavailable(f"{self.what}: no answer within {self.timeout}s") from None
+            return await future
+        finally:
+            timer.cancel()
+
+    def _expire(self, future: asyncio.Future) -> None:
+        if not future.done():
+            future.set_exception(StoreUnavailable(f"{self.what}: no answer within {self.timeout}s"))
 
     async def flushed(self) -> None:
         """Return once everything queued so far has been sent (for a clean close)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from typing import Any, Awaitable
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -208,7 +209,9 @@ class RedisConnection:
             results = []
             for _ in commands:
                 try:
-                    results.append(await conn.read_response())
+                    # math.inf: no timer per reply; do() bounds the whole pipeline (redis-py's
+                    # own per-read timeout cost every request ~5 us: issue 13)
+                    results.append(await conn.read_response(timeout=math.inf))
                 except ResponseError as exc:  # the server's error reply to this one command
                     results.append(exc)
             return results

@@ -16,6 +16,8 @@ from .connection import SQLiteConnection
 
 ENTRY_COLUMNS = ("kid, tenant, run, epoch, upstream, key, fingerprint, state, owner, lease_until, "
                  "created_at, completed_at, expires_at, replays, detail, method, path, namespace")
+GET = (f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing FROM journal "
+       "WHERE kid = ? AND expires_at > ?")
 NEXT_OCCURRENCE = ("INSERT INTO occurrences (tenant, run, epoch, fingerprint, n, expires_at) "
                    "VALUES (?, ?, ?, ?, 1, ?) ON CONFLICT DO UPDATE SET n = n + 1, "
                    "expires_at = excluded.expires_at RETURNING n")
@@ -50,8 +52,7 @@ class SQLiteJournal:
         self._waiters = db.waiters
 
     async def get(self, kid: str) -> Entry | None:
-        rows = self._db.read(f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing "
-                             "FROM journal WHERE kid = ? AND expires_at > ?", (kid, time.time()))
+        rows = self._db.read(GET, (kid, time.time()))
         return _entry(rows[0], _recorded(rows[0])) if rows else None
 
     async def claim(self, claim: Claim) -> ClaimResult:
