@@ -12,7 +12,7 @@ creation order (as a journal grows), so the oldest day's entries are expired and
 a purge (SQLite and PostgreSQL; Redis expires its keys by itself, so there every seeded
 entry is live):
 
-- half the entries (even i, not expired) belong to the benchmark's own credential, under
+- half the entries (even i, live for an hour yet) belong to the benchmark's own credential, under
   keys ``seed-{p}1-{n}``: wrk's fresh keys with the prefix ``seed-{p}`` (bench/wrk.lua)
   replay them, a different entry per request;
 - the others are steps of runs (50 a run) and plain calls of 97 other tenants, and of the
@@ -36,6 +36,7 @@ SEED_PREFIXES = "abcd"  # one per load run that replays seeded keys (warm-up and
 OTHER_TENANTS = 97
 STEPS_PER_RUN = 50
 DAY = 86400.0
+REPLAYABLE_FOR = 3600.0  # seeded keys to replay stay live at least this long after seeding
 COMPLETION_ID = "chatcmpl-bench0000000000000000000000"  # bench/nginx.py's; replaced per entry
 
 
@@ -61,8 +62,8 @@ class Layout:
     def created(self, i: int) -> float:
         return self.now - self.span - 60.0 + i * self.span / self.n
 
-    def is_expired(self, i: int) -> bool:
-        return self.created(i) + self.retention <= self.now
+    def is_expired(self, i: int, within: float = 0.0) -> bool:
+        return self.created(i) + self.retention <= self.now + within
 
     @property
     def per_day(self) -> int:
@@ -91,7 +92,7 @@ def entries(t: Template, layout: Layout) -> Iterator[tuple[int, dict]]:
     counters = dict.fromkeys(SEED_PREFIXES, 0)
     for i in range(layout.n):
         created = layout.created(i)
-        if i % 2 == 0 and not layout.is_expired(i):
+        if i % 2 == 0 and not layout.is_expired(i, within=REPLAYABLE_FOR):
             p = SEED_PREFIXES[(i // 2) % len(SEED_PREFIXES)]
             counters[p] += 1
             row, tenant, run = dict(t.plain), bench_tenant, None
@@ -117,7 +118,7 @@ def probes(t: Template, layout: Layout) -> list[Seeded]:
     last: dict[str, Seeded] = {}
     in_run = None
     for i, row in entries(t, layout):
-        if row["tenant"] != t.plain["tenant"] or layout.is_expired(i):
+        if row["tenant"] != t.plain["tenant"] or layout.is_expired(i, within=REPLAYABLE_FOR):
             continue
         agent_key = row["key"].removeprefix("key:")
         if row["run"] is None and agent_key.startswith("seed-"):
