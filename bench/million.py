@@ -74,7 +74,7 @@ def scenario(name: str) -> run.Scenario:
 def store_url(bench: MillionBench, store: str) -> tuple[str, callable]:
     a = bench.args
     if store == "redis" and a.redis_url == "private":  # used_memory is then ours alone
-        server = bench.procs.redis()
+        server = bench.procs.redis(*a.redis_config)
         return f"redis://127.0.0.1:{server.port}/0?prefix=idem:", lambda: bench.procs.stop(server)
     return make_store(store, bench.procs.workdir, a.postgres_url, a.redis_url)
 
@@ -245,6 +245,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "IDEMPROXY_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test"))
     p.add_argument("--redis-url", default="private",
                    help="'private' (default: a redis-server of our own, so used_memory is ours alone) or a URL")
+    p.add_argument("--redis-config", action="append", default=[], metavar='"NAME VALUE"',
+                   help="an option for the private redis-server, e.g. 'hash-max-listpack-value 1024'")
     args = p.parse_args(argv)
     args.provider, args.profile, args.scenarios = "nginx", None, [*FULL_SCENARIOS]
     if args.entries < 1000:
@@ -263,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     kind = loadgen.available(args.loadgen)
     meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadgen": kind, "duration_s": args.duration,
             "entries": args.entries, "cpus": os.cpu_count(), "python": platform.python_version(),
-            "git": run._git_head(), "loadavg_start": os.getloadavg(), "machine": platform.node()}
+            "git": run._git_head(), "loadavg_start": os.getloadavg(), "machine": platform.node(),
+            "redis_config": args.redis_config}
     results: list[dict] = []
     stores: dict[str, dict] = {}
     errors: dict[str, str] = {}

@@ -150,11 +150,13 @@ class Processes:
             time.sleep(1.0)  # one process answered; give the others their start
         return server
 
-    def redis(self) -> Server:
-        """A private redis-server (no persistence, as the shared one): its memory is ours alone."""
+    def redis(self, *config: str) -> Server:
+        """A private redis-server (no persistence, as the shared one): its memory is ours alone.
+        ``config``: more of its options, as ``"name value"``."""
         port = free_port()
+        options = [word for option in config for word in ("--" + option.split()[0], *option.split()[1:])]
         return self.start("redis", ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                    "--appendonly", "no", "--dir", str(self.workdir)],
+                                    "--appendonly", "no", "--dir", str(self.workdir), *options],
                           port, _listening)
 
     def mcp_tools(self) -> Server:
