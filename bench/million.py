@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -71,7 +72,7 @@ def scenario(name: str) -> run.Scenario:
     return SEEDED if name == SEEDED.name else run.SCENARIOS[name]
 
 
-def store_url(bench: MillionBench, store: str) -> tuple[str, callable]:
+def store_url(bench: MillionBench, store: str) -> tuple[str, Callable[[], None]]:
     a = bench.args
     if store == "redis" and a.redis_url == "private":  # used_memory is then ours alone
         server = bench.procs.redis(*a.redis_config)
@@ -98,7 +99,8 @@ def verify_seeded(bench: MillionBench, server: Server, probes: list[seed.Seeded]
         status, headers, body = http("POST", server.url + path, run.BODY.encode(),
                                      {**dict(run.HEADERS), "Idempotency-Key": probe.key})
         if (status, headers.get("Idempotent-Replayed"), body) != (200, "true", probe.body):
-            raise BenchError(f"seeded key {probe.key} (run {probe.run}) did not replay: {status} {headers} {body[:200]!r}")
+            raise BenchError(f"seeded key {probe.key} (run {probe.run}) did not replay: "
+                             f"{status} {headers} {body[:200]!r}")
     if bench.upstream_calls() != before:
         raise BenchError("replaying seeded keys reached the provider")
     return len(probes)
@@ -198,7 +200,8 @@ def markdown(results: list[dict], stores: dict, meta: dict) -> str:
     lines = [f"idemproxy million-entry benchmark, {meta['started']}, git {meta['git']}, {meta['cpus']} CPUs, "
              f"{meta['duration_s']:g}s per measurement; load average {_load(meta['loadavg_start'])} at start, "
              f"{_load(meta.get('loadavg_end'))} at end", "",
-             "| store | scenario | entries | req/s @32 | CPU µs/req @32 | p50 @32 | p99 @32 | p50 @1 | p99 @1 | checks |",
+             "| store | scenario | entries | req/s @32 | CPU µs/req @32 | p50 @32 | p99 @32 | p50 @1 | p99 @1 "
+             "| checks |",
              "|---|---|--:|--:|--:|--:|--:|--:|--:|---|"]
     rows: dict[tuple, dict] = {}
     for m in results:

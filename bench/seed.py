@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import sqlite3
 from dataclasses import dataclass
 from typing import Iterator
@@ -104,7 +103,8 @@ def entries(t: Template, layout: Layout) -> Iterator[tuple[int, dict]]:
             tenant = bench_tenant if i % 10 == 1 else tenants[i % OTHER_TENANTS]
             run = f"run-{i // (STEPS_PER_RUN * 2):07d}" if in_run else None
             key = Scope.agent_key(f"step-{i:08d}")
-            fingerprint = t.plain["fingerprint"] if tenant == bench_tenant else _hex(f"fp{i}", len(t.plain["fingerprint"]))
+            fingerprint = (t.plain["fingerprint"] if tenant == bench_tenant
+                           else _hex(f"fp{i}", len(t.plain["fingerprint"])))
         row.update(kid=Scope(tenant, run, row["upstream"], key).kid, tenant=tenant, run=run, key=key,
                    fingerprint=fingerprint, created_at=created, completed_at=created + 0.4,
                    lease_until=created + lease, expires_at=created + layout.retention, replays=0, replayed=None,
