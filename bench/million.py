@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import sys
 import tempfile
@@ -250,8 +251,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="'private' (default: a redis-server of our own, so used_memory is ours alone) or a URL")
     p.add_argument("--redis-config", action="append", default=[], metavar='"NAME VALUE"',
                    help="an option for the private redis-server, e.g. 'hash-max-listpack-value 1024'")
+    p.add_argument("--profile", metavar="DIR",
+                   help="sample idemproxy with py-spy at 32 connections (as bench/run.py); the full store's "
+                        "profiles overwrite the empty one's")
     args = p.parse_args(argv)
-    args.provider, args.profile, args.scenarios = "nginx", None, [*FULL_SCENARIOS]
+    args.provider, args.scenarios = "nginx", [*FULL_SCENARIOS]
+    if args.profile:
+        args.py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+        if args.py_spy is None:
+            p.error("--profile needs py-spy (pip install py-spy)")
     if args.entries < 1000:
         p.error("--entries: at least 1000")
     return args
