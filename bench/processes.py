@@ -150,6 +150,15 @@ class Processes:
             time.sleep(1.0)  # one process answered; give the others their start
         return server
 
+    def redis(self, *config: str) -> Server:
+        """A private redis-server (no persistence, as the shared one): its memory is ours alone.
+        ``config``: more of its options, as ``"name value"``."""
+        port = free_port()
+        options = [word for option in config for word in ("--" + option.split()[0], *option.split()[1:])]
+        return self.start("redis", ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                    "--appendonly", "no", "--dir", str(self.workdir), *options],
+                          port, _listening)
+
     def mcp_tools(self) -> Server:
         """examples/mcp_tool_server.py (the official MCP SDK's server), answering JSON."""
         port = free_port()
@@ -158,7 +167,8 @@ class Processes:
                           port, lambda s: http("GET", s.url + "/calls", timeout=1)[0] == 200)
 
     def idemproxy(self, name: str, upstream: str, store_url: str, workers: int,
-                  mcp: str | None = None) -> Server:
+                  mcp: str | None = None, env: dict[str, str] | None = None) -> Server:
+        """``env``: settings as ``IDEMPROXY_*`` variables, over the generated configuration."""
         port = free_port()
         config = self.workdir / f"{name}.toml"
         config.write_text(
@@ -171,7 +181,7 @@ class Processes:
         argv = [sys.executable, "-m", "idemproxy.proxy.cli", "--log-level", "WARNING", "serve",
                 "--config", str(config), "--no-supervisor"]
         server = self.start(name, argv, port,
-                            lambda s: http("GET", s.url + "/readyz", timeout=1)[0] == 200, timeout=60)
+                            lambda s: http("GET", s.url + "/readyz", timeout=1)[0] == 200, timeout=60, env=env)
         if workers > 1:
             time.sleep(1.0)  # /readyz answered from one worker; give the others their start
         return server

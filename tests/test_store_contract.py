@@ -515,6 +515,24 @@ async def test_expired_entries_run_as_new_and_are_purged(store):
     assert (await store.journal.get(keep.kid)).state == EntryState.IN_FLIGHT
 
 
+async def test_a_backlog_many_batches_long_is_purged_in_one_call(store):
+    """A day's backlog after a stop: more expired entries than a batch holds, in and out of
+    runs, with a stream's partial bytes; one purge takes them all, and nothing live."""
+    expired = [scope(f"old-{i}", run=None if i % 3 else "run-1") for i in range(230)]
+    await asyncio.gather(*(claimed(store, sc, retention_s=0.3) for sc in expired))
+    await store.journal.append_partial(expired[1].kid, "owner-1", 0, b"half a stream")
+    live = [scope(f"live-{i}") for i in range(3)]
+    for sc in live:
+        await claimed(store, sc)
+    await asyncio.sleep(0.5)
+    purged = await store.journal.purge(time.time(), batch=50)
+    assert 0 < purged <= len(expired)  # Redis expires entries itself: it counts what indexed them
+    assert await store.journal.purge(time.time()) == 0
+    assert {e.key for e in await store.journal.entries(NS, "run-1")} == {sc.key for sc in live}
+    assert await store.journal.read_partial(expired[1].kid, -1) == []
+    assert all([(await store.journal.get(sc.kid)).state == EntryState.IN_FLIGHT for sc in live])
+
+
 async def test_expired_occurrence_counters_are_purged(store):
     assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 0.2, tenant=TENANT) == 0
     assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 0.2, tenant=TENANT) == 1

@@ -16,6 +16,7 @@ import asyncpg
 from ..base import (Claim, ClaimResult, Entry, EntryState, Recorded, StoreUnavailable, counted,
                     replayed_from)
 from ..batching import Batches, GiveBack
+from ..purging import paced
 from . import sql
 from .connection import PostgresConnection, json_text
 
@@ -219,13 +220,11 @@ class PostgresJournal:
                 sql.COUNT_REPLAYS, [(n, kid, now) for kid, n in sorted(counts.items())]))
 
     async def purge(self, now: float, batch: int = 1000) -> int:
-        total = 0
-        while True:  # short transactions: never hold locks for a whole purge
+        async def step() -> tuple[int, bool]:  # short transactions: never hold locks for a whole purge
             n = (await self._db.fetchrow("purge", sql.PURGE_JOURNAL, now, batch))[0]
             m = _rows(await self._db.execute("purge", sql.PURGE_OCCURRENCES, now, batch))
-            total += n
-            if n < batch and m < batch:
-                return total
+            return n, n == batch or m == batch
+        return await paced(step)
 
     async def entries(self, namespace: str, run: str) -> list[Entry]:
         rows = await self._db.fetch("journal", sql.JOURNAL, namespace, run)

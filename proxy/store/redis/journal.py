@@ -16,6 +16,7 @@ import orjson
 
 from ..base import Claim, ClaimResult, Entry, EntryState, Recorded, counted, replayed_from
 from ..batching import Batches, GiveBack
+from ..purging import paced
 from .connection import RedisConnection, maybe, run_ref, text
 from .scripts import ENTRY_FIELDS, READ_FIELDS
 
@@ -201,13 +202,11 @@ class RedisJournal:
 
     async def purge(self, now: float, batch: int = 1000) -> int:
         """Forget the index entries of expired journal entries (Redis expires the entries)."""
-        total = 0
-        while True:  # in batches, so no script holds the server for long
+        async def step() -> tuple[int, bool]:  # in batches, so no script holds the server for long
             seen, gone = await self._db.script("purge", [self._db.key("steps-expiry")],
                                                [int(now * 1000), batch, self._db.prefix])
-            total += gone
-            if seen < batch or gone == 0:
-                return total
+            return gone, seen == batch and gone > 0
+        return await paced(step)
 
     async def entries(self, namespace: str, run: str) -> list[Entry]:
         client = self._db.client

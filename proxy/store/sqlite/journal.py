@@ -12,6 +12,7 @@ import time
 import orjson
 
 from ..base import Claim, ClaimResult, Entry, EntryState, Recorded, counted, replayed_from, tallied
+from ..purging import paced
 from .connection import SQLiteConnection
 
 ENTRY_COLUMNS = ("kid, tenant, run, epoch, upstream, key, fingerprint, state, owner, lease_until, "
@@ -21,6 +22,9 @@ GET = (f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing FROM jo
 NEXT_OCCURRENCE = ("INSERT INTO occurrences (tenant, run, epoch, fingerprint, n, expires_at) "
                    "VALUES (?, ?, ?, ?, 1, ?) ON CONFLICT DO UPDATE SET n = n + 1, "
                    "expires_at = excluded.expires_at RETURNING n")
+# Entries a purge deletes in one write: it shares the writer's group commit with the
+# requests queued beside it, so it is kept short (~15 ms of a loaded two-core machine).
+PURGE_BATCH = 100
 
 
 def _entry(row: sqlite3.Row, response: Recorded | None = None) -> Entry:
@@ -218,20 +222,22 @@ class SQLiteJournal:
                           (n, orjson.dumps({str(e): t for e, t in replayed.items()}), kid))
         await self._db.write(op)
 
-    async def purge(self, now: float, batch: int = 1000) -> int:
-        def op(c):
+    async def purge(self, now: float, batch: int = PURGE_BATCH) -> int:
+        def journal(c):
+            # oldest first: the rows and their expiry index go in runs of neighbouring pages
             kids = [r[0] for r in c.execute(
-                "SELECT kid FROM journal WHERE expires_at <= ? LIMIT ?", (now, batch))]
-            c.executemany("DELETE FROM journal WHERE kid = ?", [(k,) for k in kids])
+                "DELETE FROM journal WHERE rowid IN (SELECT rowid FROM journal WHERE expires_at <= ? "
+                "ORDER BY expires_at LIMIT ?) RETURNING kid", (now, batch))]
             c.executemany("DELETE FROM partials WHERE kid = ?", [(k,) for k in kids])
-            c.execute("DELETE FROM occurrences WHERE expires_at <= ?", (now,))
             return len(kids)
-        total = 0
-        while True:  # short transactions: never hold the write lock for a whole purge
-            n = await self._db.write(op)
-            total += n
-            if n < batch:
-                return total
+
+        async def step() -> tuple[int, bool]:
+            n = await self._db.write(journal)
+            if n < batch:  # the counters last (no index on their expiry: one scan a purge, not a batch)
+                await self._db.write(lambda c: c.execute("DELETE FROM occurrences WHERE expires_at <= ?", (now,)))
+            return n, n == batch
+        # small batches, paced: each rides in a group commit with the records queued beside it
+        return await paced(step)
 
     async def entries(self, namespace: str, run: str) -> list[Entry]:
         rows = self._db.read(f"SELECT {ENTRY_COLUMNS}, status, replayed FROM journal "
