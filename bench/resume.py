@@ -235,6 +235,8 @@ class Scenario:
             # CPU in the agent and in the proxy (all its threads, SQLite's writer included)
             "imports_s": round(process["imports_s"], 3) if process else None,
             "imports_cpu_s": round(process["imports_cpu_s"], 3) if process else None,
+            # the agent's CPU from its start to its first request: imports, clients, registration
+            "start_cpu_s": round(started["cpu_s"], 3) if started else None,
             "replay_agent_cpu_s": round(replayed["agent_cpu_s"], 3) if replayed else None,
             "replay_proxy_cpu_s": self.cpu.between(started["t"], replayed["t"]) if started and replayed else None,
             "checks": checks, "ok": all(checks.values()), "history": history,
@@ -306,7 +308,7 @@ def _seconds(value: float | None, target: float | None = None) -> str:
 
 def markdown(rows: list[dict], skipped: dict[str, str], direct: dict) -> str:
     lines = ["| store | detection | timeout_s | kill → restart (hook fired) | kill → step 201 live "
-             "| replay of steps 1–200 (in the proxy) | hook fired → first request (imports) "
+             "| replay of steps 1–200 (in the proxy) | hook fired → first request (imports; agent CPU) "
              "| replay CPU: agent, proxy | checks |",
              "|---|---|--:|--:|--:|--:|--:|--:|---|"]
     for r in rows:
@@ -316,7 +318,7 @@ def markdown(rows: list[dict], skipped: dict[str, str], direct: dict) -> str:
         lines.append(f"| {r['store']} | {r['path']} | {r['timeout_s']:g} | {_seconds(r['kill_to_restart_s'])} "
                      f"| {_seconds(r['kill_to_live_s'], TARGETS['kill_to_live_s'])} "
                      f"| {_seconds(r['replay_s'], TARGETS['replay_s'])} ({_seconds(r['replay_in_proxy_s'])}) "
-                     f"| {_seconds(to_request)} ({_seconds(r['imports_s'])}) "
+                     f"| {_seconds(to_request)} ({_seconds(r['imports_s'])}; CPU {_seconds(r['start_cpu_s'])}) "
                      f"| {_seconds(r['replay_agent_cpu_s'])}, {_seconds(r['replay_proxy_cpu_s'])} "
                      f"| {'ok' if not failed else 'FAILED: ' + ', '.join(failed)} |")
     for what, why in skipped.items():

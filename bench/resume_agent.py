@@ -80,7 +80,8 @@ def attempt() -> None:
     with Run(os.environ.get("AGENT_RUN_ID"), timeout_s=float(os.environ.get("AGENT_TIMEOUT_S", "60")),
              hook=os.environ.get("AGENT_HOOK", "agent") or None, **options) as run:
         agent = Agent(run.openai(), run.client("tools", timeout=30))
-        say("start", epoch=run.epoch, since_process_start=time.time() - PROCESS_STARTED)
+        say("start", epoch=run.epoch, since_process_start=time.time() - PROCESS_STARTED,
+            cpu_s=time.process_time())
         first_request, first_cpu, live_at = time.time(), time.process_time(), None
         for step in range(1, STEPS + 1):
             if not agent.step(step) and live_at is None:
