@@ -150,7 +150,8 @@ class Scenario:
             "upstreams.tools": {"url": self.provider.url + "/tools", "on_ambiguous": "quarantine",
                                 "anonymous": "shared"},  # the agent's tools send no credential
             "tenants": {"runs": "shared"},  # the agent and the admin API see one namespace, "default"
-            "runs": {"timeout_s": self.args.timeout_s, "max_restarts": 3},
+            "runs": {"timeout_s": self.args.timeout_s, "max_restarts": 3,
+                     "attach_grace_s": self.args.attach_grace_s},
             "hooks.agent": {"command": [sys.executable, str(AGENT)], "log_dir": str(self.logs), "env": env,
                             "allow_tenants": ["default"]},  # an agent started elsewhere arms it itself
             "supervisor": {"enabled": True},
@@ -223,6 +224,7 @@ class Scenario:
         }
         return {
             "store": self.store, "path": self.path, "timeout_s": self.args.timeout_s,
+            "attach_grace_s": self.args.attach_grace_s if self.path == "attach" else None,
             "kill_to_restart_s": _since(kill, fired),
             "kill_to_live_s": _since(kill, live_arrival),
             "replay_s": round(replayed["since_first_request"], 3) if replayed else None,
@@ -307,7 +309,7 @@ def _seconds(value: float | None, target: float | None = None) -> str:
 
 
 def markdown(rows: list[dict], skipped: dict[str, str], direct: dict) -> str:
-    lines = ["| store | detection | timeout_s | kill → restart (hook fired) | kill → step 201 live "
+    lines = ["| store | detection (grace) | timeout_s | kill → restart (hook fired) | kill → step 201 live "
              "| replay of steps 1–200 (in the proxy) | hook fired → first request (imports; agent CPU) "
              "| replay CPU: agent, proxy | checks |",
              "|---|---|--:|--:|--:|--:|--:|--:|---|"]
@@ -315,7 +317,8 @@ def markdown(rows: list[dict], skipped: dict[str, str], direct: dict) -> str:
         failed = [name for name, ok in r["checks"].items() if not ok]
         to_request = None if r["restart_to_process_s"] is None or r["process_to_first_request_s"] is None \
             else r["restart_to_process_s"] + r["process_to_first_request_s"]
-        lines.append(f"| {r['store']} | {r['path']} | {r['timeout_s']:g} | {_seconds(r['kill_to_restart_s'])} "
+        grace = f" ({r['attach_grace_s']:g} s)" if r.get("attach_grace_s") is not None else ""
+        lines.append(f"| {r['store']} | {r['path']}{grace} | {r['timeout_s']:g} | {_seconds(r['kill_to_restart_s'])} "
                      f"| {_seconds(r['kill_to_live_s'], TARGETS['kill_to_live_s'])} "
                      f"| {_seconds(r['replay_s'], TARGETS['replay_s'])} ({_seconds(r['replay_in_proxy_s'])}) "
                      f"| {_seconds(to_request)} ({_seconds(r['imports_s'])}; CPU {_seconds(r['start_cpu_s'])}) "
@@ -336,6 +339,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--paths", type=lambda v: [s for s in v.split(",") if s], default=list(PATHS),
                    help="hook (a child of the supervisor), attach (the held connection)")
     p.add_argument("--timeout-s", type=float, default=60.0, help="the run's silence timeout (default 60)")
+    p.add_argument("--attach-grace-s", type=float, default=1.0,
+                   help="[runs] attach_grace_s: how long a held connection may stay gone before its "
+                        "attempt is lost (default 1.0, the proxy's); the attach path's kill -> restart")
     p.add_argument("--steps", type=int, default=240)
     p.add_argument("--crash-at", type=int, default=200)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "resume.json"))
@@ -382,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
-            "steps": args.steps, "crash_at": args.crash_at, "direct_steps_s": direct.get("seconds"),
+            "steps": args.steps, "crash_at": args.crash_at, "attach_grace_s": args.attach_grace_s, "direct_steps_s": direct.get("seconds"),
             "direct_steps_cpu_s": direct.get("cpu_s")}
     out.write_text(json.dumps({"meta": meta, "rows": rows, "skipped": skipped}, indent=2) + "\n")
     print()
