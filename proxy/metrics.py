@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import re
 
@@ -41,6 +42,7 @@ class Metrics:
         self._savings: dict[str, tuple[str, dict[str, int], float | None]] = {}  # per key, worked out once
         # keys replayed whose price is still to be looked up: [upstream, model, tokens, replays]
         self._unpriced: dict[str, list] = {}
+        self._pricing = False  # a lookup is scheduled on the event loop
         self.replayed_from_memory = 0  # replays answered from an attempt's preloaded journal
         self.runs = Gauge("idemproxy_runs", "Runs by state", ["state"], registry=r)
         self.runs_counted_at = float("-inf")  # time.monotonic() of the last count (app.metrics)
@@ -58,9 +60,10 @@ class Metrics:
     def saved(self, upstream: UpstreamSettings, kid: str, recorded: Recorded) -> None:
         """Count the tokens, and what they cost (pricing.py), that a replay did not pay again.
 
-        The price of a key's tokens is looked up when the metrics are next read (``settle``),
-        not on its first replay: genai-prices takes 0.2-0.5 ms a lookup, and a restarted
-        attempt replays hundreds of keys for the first time, one after the other."""
+        A key's price is looked up after its first replay has been answered, one key per turn
+        of the event loop (``_price_next``), or when the metrics are read: genai-prices takes
+        0.2-0.5 ms a lookup, and a restarted attempt replays hundreds of keys for the first
+        time, one after the other, each while the agent waits."""
         savings = self._savings.get(kid)
         if savings is None:
             if len(self._savings) >= SAVINGS_CACHE:
@@ -70,26 +73,46 @@ class Metrics:
             savings = self._savings[kid] = named or "unknown", tokens, None if tokens else 0.0
             if tokens:
                 self._unpriced.setdefault(kid, [upstream, named, tokens, 0])
+                self._price_soon()
         model, tokens, cost = savings
         for kind, n in tokens.items():
             counted = (upstream.name, model, kind)
             self._tokens_saved[counted] = self._tokens_saved.get(counted, 0) + n
         if cost is None:
             self._unpriced[kid][3] += 1
-            if len(self._unpriced) >= SAVINGS_CACHE:  # nobody reads the metrics: price them now
-                self.settle()
         elif cost:
             self._cost_saved[upstream.name, model] = self._cost_saved.get((upstream.name, model), 0.0) + cost
 
     def settle(self) -> None:
-        """Price the replays whose keys' price has not been looked up yet (see ``saved``)."""
-        unpriced, self._unpriced = self._unpriced, {}
-        for kid, (upstream, named, tokens, replays) in unpriced.items():
-            model, cost = named or "unknown", cost_usd(upstream, named, tokens)
-            if kid in self._savings and self._savings[kid][2] is None:
-                self._savings[kid] = model, tokens, cost
-            if cost:
-                self._cost_saved[upstream.name, model] = self._cost_saved.get((upstream.name, model), 0.0) + cost * replays
+        """Price every replay whose key's price has not been looked up yet (see ``saved``)."""
+        while self._unpriced:
+            self._price(next(iter(self._unpriced)))
+
+    def _price_soon(self) -> None:
+        if self._pricing:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (a command, a test): at once
+            self.settle()
+            return
+        self._pricing = True
+        loop.call_soon(self._price_next)
+
+    def _price_next(self) -> None:
+        self._pricing = False
+        if self._unpriced:
+            self._price(next(iter(self._unpriced)))
+        if self._unpriced:
+            self._price_soon()
+
+    def _price(self, kid: str) -> None:
+        upstream, named, tokens, replays = self._unpriced.pop(kid)
+        model, cost = named or "unknown", cost_usd(upstream, named, tokens)
+        if kid in self._savings and self._savings[kid][2] is None:
+            self._savings[kid] = model, tokens, cost
+        if cost:
+            self._cost_saved[upstream.name, model] = self._cost_saved.get((upstream.name, model), 0.0) + cost * replays
 
     def set_runs(self, counts: dict[str, int]) -> None:
         """The runs gauge from the store's count by state (a state with no run shows 0)."""

@@ -72,8 +72,8 @@ def test_a_model_nobody_prices_costs_nothing_rather_than_a_guess():
 
 
 async def test_replays_before_and_after_a_scrape_are_each_priced_once(make_proxy, sqlite_url, http):
-    """A key's price is looked up when the metrics are read, not on its replay: replays
-    on either side of that moment all count, none twice."""
+    """A key's price is looked up after its replay is answered (or when the metrics are
+    read): replays on either side of that moment all count, none twice."""
     proxy = await make_proxy(sqlite_url, upstreams__openai={"prices": {"gpt-4o-mini": [1000.0, 2000.0]}})
     url, body = proxy.url + OPENAI, {"model": "gpt-4o-mini", "messages": []}
     await replay_twice(http, url, body, "d")  # recorded, then two replays
