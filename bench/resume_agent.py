@@ -37,6 +37,9 @@ IMPORTED = time.time(), time.process_time()  # what the agent's imports took (wa
 STEPS = int(os.environ.get("AGENT_STEPS", "240"))
 CRASH_AT = int(os.environ.get("AGENT_CRASH_AT", "200"))
 PROXY_TIME = re.compile(r"idemproxy;dur=([0-9.]+)")
+# A model the price database knows, as a real agent's is: the proxy prices what each replay
+# saved (idemproxy_cost_saved_usd_total) as it would in production. The fake upstream echoes it.
+MODEL = os.environ.get("AGENT_MODEL", "gpt-4o-mini")
 
 
 def say(event: str, **fields) -> None:
@@ -55,7 +58,7 @@ class Agent:
     def step(self, step: int) -> bool:
         """One step; whether its model call was a replay."""
         raw = self.llm.chat.completions.with_raw_response.create(
-            model="fake-model",
+            model=MODEL,
             messages=[{"role": "system", "content": "You send one email per step."},
                       {"role": "user", "content": f"step {step}; last tool result: {self.last_result}"}])
         completion = raw.parse()
