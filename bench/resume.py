@@ -45,12 +45,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
 
 from idemproxy_client import Run
-from processes import REPO, BenchError, Processes, Server, free_port, http, make_store
+from processes import CLOCK_TICKS, REPO, BenchError, Processes, Server, free_port, http, make_store
 
 BENCH = Path(__file__).resolve().parent
 AGENT = BENCH / "resume_agent.py"
@@ -71,6 +72,39 @@ def _toml(value) -> str:
     return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
 
 
+class CpuClock:
+    """The proxy's CPU time (user + system, all its threads), sampled every few ms from /proc
+    while a scenario runs, so that the part of it spent during the replay can be read off
+    afterwards: a steady measure where wall time depends on who else uses the machine."""
+
+    PERIOD_S = 0.005
+
+    def __init__(self, pid: int):
+        self._stat = Path(f"/proc/{pid}/stat")
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.PERIOD_S):
+            try:
+                fields = self._stat.read_text().rpartition(")")[2].split()
+            except OSError:  # the proxy has stopped
+                return
+            self.samples.append((time.time(), (int(fields[11]) + int(fields[12])) / CLOCK_TICKS))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def between(self, start: float, end: float) -> float | None:
+        """CPU seconds spent from ``start`` to ``end`` (UNIX times), to the nearest samples."""
+        before = [cpu for at, cpu in self.samples if at <= start]
+        after = [cpu for at, cpu in self.samples if at >= end]
+        return round(after[0] - before[-1], 3) if before and after else None
+
+
 class Scenario:
     """One store, one detection path: a proxy of its own on a fresh store."""
 
@@ -80,12 +114,14 @@ class Scenario:
         self.run_id = f"bench-resume-{path}-{uuid.uuid4().hex[:8]}"
         self.logs = procs.workdir / f"{store}-{path}"
         self.agents: list[int] = []  # pids of agent processes, stopped at the end if still alive
+        self.cpu: CpuClock | None = None
 
     def run(self) -> dict:
         url, drop = make_store(self.store, self.procs.workdir, self.args.postgres_url, self.args.redis_url)
         proxy = None
         try:
             proxy = self.start_proxy(url)
+            self.cpu = CpuClock(proxy.popen.pid)
             calls_before, chats_before = self.calls(), len(self.arrivals())
             first = self.start_first_attempt(proxy)
             run = self.wait_until_ended(proxy, first + 1)
@@ -93,6 +129,8 @@ class Scenario:
         finally:
             for pid in self.agents:
                 _kill(pid)
+            if self.cpu is not None:
+                self.cpu.stop()
             if proxy is not None:
                 self.procs.stop(proxy)
             drop()
@@ -112,7 +150,8 @@ class Scenario:
             "upstreams.tools": {"url": self.provider.url + "/tools", "on_ambiguous": "quarantine",
                                 "anonymous": "shared"},  # the agent's tools send no credential
             "tenants": {"runs": "shared"},  # the agent and the admin API see one namespace, "default"
-            "runs": {"timeout_s": self.args.timeout_s, "max_restarts": 3},
+            "runs": {"timeout_s": self.args.timeout_s, "max_restarts": 3,
+                     "attach_grace_s": self.args.attach_grace_s},
             "hooks.agent": {"command": [sys.executable, str(AGENT)], "log_dir": str(self.logs), "env": env,
                             "allow_tenants": ["default"]},  # an agent started elsewhere arms it itself
             "supervisor": {"enabled": True},
@@ -185,6 +224,7 @@ class Scenario:
         }
         return {
             "store": self.store, "path": self.path, "timeout_s": self.args.timeout_s,
+            "attach_grace_s": self.args.attach_grace_s if self.path == "attach" else None,
             "kill_to_restart_s": _since(kill, fired),
             "kill_to_live_s": _since(kill, live_arrival),
             "replay_s": round(replayed["since_first_request"], 3) if replayed else None,
@@ -193,6 +233,14 @@ class Scenario:
             "restart_to_process_s": round(process["started"] - fired, 3) if process and fired else None,
             "process_to_first_request_s": round(started["since_process_start"], 3) if started else None,
             "replay_in_proxy_s": round(replayed["in_proxy_s"], 3) if replayed else None,
+            # steady measures (CPU time) of the same: the agent's imports, and the replay's
+            # CPU in the agent and in the proxy (all its threads, SQLite's writer included)
+            "imports_s": round(process["imports_s"], 3) if process else None,
+            "imports_cpu_s": round(process["imports_cpu_s"], 3) if process else None,
+            # the agent's CPU from its start to its first request: imports, clients, registration
+            "start_cpu_s": round(started["cpu_s"], 3) if started else None,
+            "replay_agent_cpu_s": round(replayed["agent_cpu_s"], 3) if replayed else None,
+            "replay_proxy_cpu_s": self.cpu.between(started["t"], replayed["t"]) if started and replayed else None,
             "checks": checks, "ok": all(checks.values()), "history": history,
             "calls": calls,
         }
@@ -239,12 +287,13 @@ def _kill(pid: int) -> None:
         pass
 
 
-def direct_steps_s(provider: Server, steps: int) -> float | None:
-    """The agent's ``steps`` straight to the fake provider, no proxy: its own share of a replay."""
+def direct_steps(provider: Server, steps: int) -> dict:
+    """The agent's ``steps`` straight to the fake provider, no proxy: its own share of a replay
+    (``seconds``, and ``cpu_s`` in the agent)."""
     env = {**os.environ, "AGENT_DIRECT_URL": provider.url, "AGENT_CRASH_AT": str(steps)}
     done = subprocess.run([sys.executable, str(AGENT)], env=env, capture_output=True, text=True, timeout=120)
     found = [json.loads(line) for line in done.stdout.splitlines() if '"direct"' in line]
-    return round(found[0]["seconds"], 3) if found else None
+    return {"seconds": round(found[0]["seconds"], 3), "cpu_s": round(found[0]["cpu_s"], 3)} if found else {}
 
 
 def attach_available() -> bool:
@@ -259,22 +308,28 @@ def _seconds(value: float | None, target: float | None = None) -> str:
     return f"{value:.2f} s{mark}"
 
 
-def markdown(rows: list[dict], skipped: dict[str, str], direct_s: float | None) -> str:
-    lines = ["| store | detection | timeout_s | kill → restart (hook fired) | kill → step 201 live "
-             "| replay of steps 1–200 (in the proxy) | hook fired → first request | checks |",
-             "|---|---|--:|--:|--:|--:|--:|---|"]
+def markdown(rows: list[dict], skipped: dict[str, str], direct: dict) -> str:
+    lines = ["| store | detection (grace) | timeout_s | kill → restart (hook fired) | kill → step 201 live "
+             "| replay of steps 1–200 (in the proxy) | hook fired → first request (imports; agent CPU) "
+             "| replay CPU: agent, proxy | checks |",
+             "|---|---|--:|--:|--:|--:|--:|--:|---|"]
     for r in rows:
         failed = [name for name, ok in r["checks"].items() if not ok]
         to_request = None if r["restart_to_process_s"] is None or r["process_to_first_request_s"] is None \
             else r["restart_to_process_s"] + r["process_to_first_request_s"]
-        lines.append(f"| {r['store']} | {r['path']} | {r['timeout_s']:g} | {_seconds(r['kill_to_restart_s'])} "
+        grace = f" ({r['attach_grace_s']:g} s)" if r.get("attach_grace_s") is not None else ""
+        lines.append(f"| {r['store']} | {r['path']}{grace} | {r['timeout_s']:g} | {_seconds(r['kill_to_restart_s'])} "
                      f"| {_seconds(r['kill_to_live_s'], TARGETS['kill_to_live_s'])} "
                      f"| {_seconds(r['replay_s'], TARGETS['replay_s'])} ({_seconds(r['replay_in_proxy_s'])}) "
-                     f"| {_seconds(to_request)} | {'ok' if not failed else 'FAILED: ' + ', '.join(failed)} |")
+                     f"| {_seconds(to_request)} ({_seconds(r['imports_s'])}; CPU {_seconds(r['start_cpu_s'])}) "
+                     f"| {_seconds(r['replay_agent_cpu_s'])}, {_seconds(r['replay_proxy_cpu_s'])} "
+                     f"| {'ok' if not failed else 'FAILED: ' + ', '.join(failed)} |")
     for what, why in skipped.items():
-        lines.append(f"| {what} | – | – | – | – | – | – | not measured: {why} |")
-    lines.append(f"\nThe same steps straight to the fake provider, without the proxy: {_seconds(direct_s)} "
-                 "(the agent's own share of a replay on this machine, now).")
+        lines.append(f"| {what} | – | – | – | – | – | – | – | not measured: {why} |")
+    lines.append(f"\nThe same steps straight to the fake provider, without the proxy: {_seconds(direct.get('seconds'))}, "
+                 f"{_seconds(direct.get('cpu_s'))} of CPU in the agent (its own share of a replay on this "
+                 "machine, now). The agent's imports (openai, httpx, the client library) took "
+                 + ", ".join(f"{_seconds(r['imports_cpu_s'])}" for r in rows) + " of CPU in the restarted processes.")
     return "\n".join(lines)
 
 
@@ -284,6 +339,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--paths", type=lambda v: [s for s in v.split(",") if s], default=list(PATHS),
                    help="hook (a child of the supervisor), attach (the held connection)")
     p.add_argument("--timeout-s", type=float, default=60.0, help="the run's silence timeout (default 60)")
+    p.add_argument("--attach-grace-s", type=float, default=1.0,
+                   help="[runs] attach_grace_s: how long a held connection may stay gone before its "
+                        "attempt is lost (default 1.0, the proxy's); the attach path's kill -> restart")
     p.add_argument("--steps", type=int, default=240)
     p.add_argument("--crash-at", type=int, default=200)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "resume.json"))
@@ -310,8 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         provider = procs.start("provider", [sys.executable, str(BENCH / "provider.py"), "--port", str(port),
                                             "--arrivals"], port,
                                lambda s: http("GET", s.url + "/_calls", timeout=1)[0] == 200)
-        direct_s = direct_steps_s(provider, args.crash_at)
-        print(f"  {args.crash_at} steps straight to the provider: {_seconds(direct_s)}", flush=True)
+        direct = direct_steps(provider, args.crash_at)
+        print(f"  {args.crash_at} steps straight to the provider: {_seconds(direct.get('seconds'))}", flush=True)
         for store in args.stores:
             for path in paths:
                 print(f"  {store:8} {path:6} ...", flush=True)
@@ -323,15 +381,18 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 rows.append(row)
                 print(f"  {store:8} {path:6} kill->restart {_seconds(row['kill_to_restart_s'])}, kill->live "
-                      f"{_seconds(row['kill_to_live_s'])}, replay {_seconds(row['replay_s'])}, "
+                      f"{_seconds(row['kill_to_live_s'])}, replay {_seconds(row['replay_s'])} (CPU: agent "
+                      f"{_seconds(row['replay_agent_cpu_s'])}, proxy {_seconds(row['replay_proxy_cpu_s'])}), "
+                      f"load {os.getloadavg()[0]:.2f}, "
                       f"{'ok' if row['ok'] else row['checks']}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
-            "steps": args.steps, "crash_at": args.crash_at, "direct_steps_s": direct_s}
+            "steps": args.steps, "crash_at": args.crash_at, "attach_grace_s": args.attach_grace_s, "direct_steps_s": direct.get("seconds"),
+            "direct_steps_cpu_s": direct.get("cpu_s")}
     out.write_text(json.dumps({"meta": meta, "rows": rows, "skipped": skipped}, indent=2) + "\n")
     print()
-    print(markdown(rows, skipped, direct_s))
+    print(markdown(rows, skipped, direct))
     print(f"\nwritten: {out}")
     return 0 if rows and all(r["ok"] for r in rows) else 1
 

@@ -32,9 +32,14 @@ import httpx  # noqa: E402 - after the clock starts: imports are part of a resta
 from idemproxy_client import Run  # noqa: E402
 from openai import OpenAI  # noqa: E402
 
+IMPORTED = time.time(), time.process_time()  # what the agent's imports took (wall, CPU)
+
 STEPS = int(os.environ.get("AGENT_STEPS", "240"))
 CRASH_AT = int(os.environ.get("AGENT_CRASH_AT", "200"))
 PROXY_TIME = re.compile(r"idemproxy;dur=([0-9.]+)")
+# A model the price database knows, as a real agent's is: the proxy prices what each replay
+# saved (idemproxy_cost_saved_usd_total) as it would in production. The fake upstream echoes it.
+MODEL = os.environ.get("AGENT_MODEL", "gpt-4o-mini")
 
 
 def say(event: str, **fields) -> None:
@@ -53,7 +58,7 @@ class Agent:
     def step(self, step: int) -> bool:
         """One step; whether its model call was a replay."""
         raw = self.llm.chat.completions.with_raw_response.create(
-            model="fake-model",
+            model=MODEL,
             messages=[{"role": "system", "content": "You send one email per step."},
                       {"role": "user", "content": f"step {step}; last tool result: {self.last_result}"}])
         completion = raw.parse()
@@ -78,15 +83,17 @@ def attempt() -> None:
     with Run(os.environ.get("AGENT_RUN_ID"), timeout_s=float(os.environ.get("AGENT_TIMEOUT_S", "60")),
              hook=os.environ.get("AGENT_HOOK", "agent") or None, **options) as run:
         agent = Agent(run.openai(), run.client("tools", timeout=30))
-        say("start", epoch=run.epoch, since_process_start=time.time() - PROCESS_STARTED)
-        first_request, live_at = time.time(), None
+        say("start", epoch=run.epoch, since_process_start=time.time() - PROCESS_STARTED,
+            cpu_s=time.process_time())
+        first_request, first_cpu, live_at = time.time(), time.process_time(), None
         for step in range(1, STEPS + 1):
             if not agent.step(step) and live_at is None:
                 live_at = step
                 say("live", step=step, replayed=dict(agent.replayed))
             if step == CRASH_AT:
                 say("replayed" if agent.replayed["chat"] else "kill", step=step, replayed=dict(agent.replayed),
-                    since_first_request=time.time() - first_request, in_proxy_s=agent.in_proxy_s)
+                    since_first_request=time.time() - first_request, in_proxy_s=agent.in_proxy_s,
+                    agent_cpu_s=time.process_time() - first_cpu)
                 if not agent.replayed["chat"]:  # the first attempt: die here
                     os.kill(os.getpid(), signal.SIGKILL)
     say("done", epoch=run.epoch, replayed=agent.replayed, live_at=live_at)
@@ -95,14 +102,15 @@ def attempt() -> None:
 def direct(upstream: str) -> None:
     agent = Agent(OpenAI(base_url=upstream + "/v1", api_key="sk-bench"),
                   httpx.Client(base_url=upstream + "/tools", timeout=30))
-    began = time.time()
+    began, cpu = time.time(), time.process_time()
     for step in range(1, CRASH_AT + 1):
         agent.step(step)
-    say("direct", steps=CRASH_AT, seconds=time.time() - began)
+    say("direct", steps=CRASH_AT, seconds=time.time() - began, cpu_s=time.process_time() - cpu)
 
 
 def main() -> int:
-    say("process", since_process_start=time.time() - PROCESS_STARTED, started=PROCESS_STARTED)
+    say("process", since_process_start=time.time() - PROCESS_STARTED, started=PROCESS_STARTED,
+        imports_s=IMPORTED[0] - PROCESS_STARTED, imports_cpu_s=IMPORTED[1])
     if os.environ.get("AGENT_DIRECT_URL"):
         direct(os.environ["AGENT_DIRECT_URL"])
     else:

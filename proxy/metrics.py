@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import re
 
@@ -38,7 +39,10 @@ class Metrics:
         r.register(_RequestCollector(self))
         self._tokens_saved: dict[tuple[str, str, str], int] = {}  # (upstream, model, kind) -> tokens
         self._cost_saved: dict[tuple[str, str], float] = {}  # (upstream, model) -> USD
-        self._savings: dict[str, tuple[str, dict[str, int], float]] = {}  # per key, worked out once
+        self._savings: dict[str, tuple[str, dict[str, int], float | None]] = {}  # per key, worked out once
+        # keys replayed whose price is still to be looked up: [upstream, model, tokens, replays]
+        self._unpriced: dict[str, list] = {}
+        self._pricing = False  # a lookup is scheduled on the event loop
         self.replayed_from_memory = 0  # replays answered from an attempt's preloaded journal
         self.runs = Gauge("idemproxy_runs", "Runs by state", ["state"], registry=r)
         self.runs_counted_at = float("-inf")  # time.monotonic() of the last count (app.metrics)
@@ -54,18 +58,61 @@ class Metrics:
             self._overhead.observe(total_s)
 
     def saved(self, upstream: UpstreamSettings, kid: str, recorded: Recorded) -> None:
-        """Count the tokens, and what they cost (pricing.py), that a replay did not pay again."""
+        """Count the tokens, and what they cost (pricing.py), that a replay did not pay again.
+
+        A key's price is looked up after its first replay has been answered, one key per turn
+        of the event loop (``_price_next``), or when the metrics are read: genai-prices takes
+        0.2-0.5 ms a lookup, and a restarted attempt replays hundreds of keys for the first
+        time, one after the other, each while the agent waits."""
         savings = self._savings.get(kid)
         if savings is None:
             if len(self._savings) >= SAVINGS_CACHE:
                 self._savings.clear()
-            savings = self._savings[kid] = spend(upstream, recorded)
+            tokens = usage(recorded)
+            named = model_of(recorded) if tokens else None
+            savings = self._savings[kid] = named or "unknown", tokens, None if tokens else 0.0
+            if tokens:
+                self._unpriced.setdefault(kid, [upstream, named, tokens, 0])
+                self._price_soon()
         model, tokens, cost = savings
         for kind, n in tokens.items():
             counted = (upstream.name, model, kind)
             self._tokens_saved[counted] = self._tokens_saved.get(counted, 0) + n
-        if cost:
+        if cost is None:
+            self._unpriced[kid][3] += 1
+        elif cost:
             self._cost_saved[upstream.name, model] = self._cost_saved.get((upstream.name, model), 0.0) + cost
+
+    def settle(self) -> None:
+        """Price every replay whose key's price has not been looked up yet (see ``saved``)."""
+        while self._unpriced:
+            self._price(next(iter(self._unpriced)))
+
+    def _price_soon(self) -> None:
+        if self._pricing:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (a command, a test): at once
+            self.settle()
+            return
+        self._pricing = True
+        loop.call_soon(self._price_next)
+
+    def _price_next(self) -> None:
+        self._pricing = False
+        if self._unpriced:
+            self._price(next(iter(self._unpriced)))
+        if self._unpriced:
+            self._price_soon()
+
+    def _price(self, kid: str) -> None:
+        upstream, named, tokens, replays = self._unpriced.pop(kid)
+        model, cost = named or "unknown", cost_usd(upstream, named, tokens)
+        if kid in self._savings and self._savings[kid][2] is None:
+            self._savings[kid] = model, tokens, cost
+        if cost:
+            self._cost_saved[upstream.name, model] = self._cost_saved.get((upstream.name, model), 0.0) + cost * replays
 
     def set_runs(self, counts: dict[str, int]) -> None:
         """The runs gauge from the store's count by state (a state with no run shows 0)."""
@@ -134,6 +181,7 @@ class _RequestCollector(Collector):
 
     def collect(self):
         m = self._metrics
+        m.settle()
         requests = CounterMetricFamily("idemproxy_requests", "Requests by outcome", labels=["outcome"])
         for outcome, n in sorted(m._outcomes.items()):
             requests.add_metric([outcome], n)

@@ -13,7 +13,12 @@ Why an entry in memory answers as the store would (what the README promises):
 - A deleted journal is seen at once when the delete went through this process
   (:meth:`ReplayCache.forget_run`), and within ``replay_cache_ttl`` otherwise.
 - Fencing and derived keys' occurrence numbers still come from the store, one round trip
-  per call (``Journal.replay_occurrence``): exact across replicas and workers.
+  per call (``Journal.replay_occurrence``): exact across replicas and workers. Counting
+  them in memory would need the store to grant one process an attempt's counters, take
+  them back when another process serves the same attempt (a lease and its revocation),
+  and lose the attempt when a holder dies with counts it had not written; that round
+  trip is most of what a replayed call costs on PostgreSQL and Redis (README, "Replay in
+  one read").
 
 The memory is bounded by ``[store] replay_cache_bytes`` (recorded bodies, all attempts
 together), and an attempt's entries are dropped when it goes live (its first call that

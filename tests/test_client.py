@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import ssl
 import subprocess
 import sys
 import textwrap
@@ -23,6 +24,8 @@ import pytest
 from idemproxy.proxy.identity import parse_key
 from idemproxy_client import (AsyncRun, ProxyUnreachable, Run, RunEnded, RunExists, RunInfo,
                               RunState, Superseded, step_key)
+from idemproxy_client.api import RunsAPI
+from idemproxy_client.tls import shared_context
 
 REPO = Path(__file__).resolve().parent.parent
 CLIENT = REPO / "clients" / "python"
@@ -528,3 +531,22 @@ def _link_distributions(names: list[str], folder: Path, site: Path) -> None:
             if (root / top).exists() and not (folder / top).exists():
                 (folder / top).symlink_to(root / top)
     (site / "httpx-only.pth").write_text(str(folder) + "\n")
+
+
+def test_the_clients_of_the_library_share_one_tls_context_unless_told_otherwise():
+    """httpx loads its CA bundle for each client (~50 ms of CPU): a restarted agent makes
+    three or four before its first call, so they share one context; a caller who chooses
+    its own TLS (``verify``, ``cert``, ...) keeps it."""
+    run = Run("tls-run", proxy_url="http://127.0.0.1:9", epoch=0)
+
+    def context(client: httpx.Client) -> ssl.SSLContext:
+        return client._transport._pool._ssl_context
+
+    with run.client("tools") as a, run.client("search") as b, run.client("mail", verify=False) as own:
+        assert context(a) is context(b) is shared_context()
+        assert context(own) is not shared_context() and context(own).verify_mode == ssl.CERT_NONE
+    api = RunsAPI("http://127.0.0.1:9")
+    try:
+        assert context(api._client) is shared_context()
+    finally:
+        api.close()

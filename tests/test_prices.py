@@ -69,3 +69,17 @@ def test_a_model_nobody_prices_costs_nothing_rather_than_a_guess():
     up = UpstreamSettings("tools", "http://127.0.0.1:9")
     assert cost_usd(up, "no-such-model-anywhere", {"prompt_tokens": 10}) == 0.0
     assert cost_usd(up, None, {"prompt_tokens": 10}) == 0.0
+
+
+async def test_replays_before_and_after_a_scrape_are_each_priced_once(make_proxy, sqlite_url, http):
+    """A key's price is looked up after its replay is answered (or when the metrics are
+    read): replays on either side of that moment all count, none twice."""
+    proxy = await make_proxy(sqlite_url, upstreams__openai={"prices": {"gpt-4o-mini": [1000.0, 2000.0]}})
+    url, body = proxy.url + OPENAI, {"model": "gpt-4o-mini", "messages": []}
+    await replay_twice(http, url, body, "d")  # recorded, then two replays
+    first = await scrape(http, proxy)
+    async with http.post(url, json=body, headers={"Idempotency-Key": "d"}) as resp:
+        assert resp.status == 200 and resp.headers["Idempotent-Replayed"] == "true"
+    second = await scrape(http, proxy)
+    label = 'idemproxy_cost_saved_usd_total{model="gpt-4o-mini",upstream="openai"}'
+    assert first[label] == pytest.approx(0.04) and second[label] == pytest.approx(0.06)

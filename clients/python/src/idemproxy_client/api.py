@@ -15,6 +15,7 @@ import httpx
 
 from .errors import IdemProxyError, ProxyUnreachable, problem_from_response
 from .info import RunInfo
+from .tls import shared_context
 
 RUN_HEADER = "Idem-Run"
 EPOCH_HEADER = "Idem-Epoch"
@@ -102,7 +103,8 @@ class RunsAPI:
     """Blocking client of the runs API (one ``httpx.Client``; not shared across threads)."""
 
     def __init__(self, proxy_url: str, *, tenant: str | None = None, timeout: float = 10.0):
-        self._client = httpx.Client(base_url=proxy_url, headers=_headers(tenant), timeout=timeout)
+        self._client = httpx.Client(base_url=proxy_url, headers=_headers(tenant), timeout=timeout,
+                                    verify=shared_context())
 
     def send(self, call: Call) -> Answer:
         """Send one call; raise :class:`ProblemError` or :class:`ProxyUnreachable`."""
@@ -122,7 +124,7 @@ class AsyncRunsAPI:
 
     def __init__(self, proxy_url: str, *, tenant: str | None = None, timeout: float = 10.0):
         self._client = httpx.AsyncClient(base_url=proxy_url, headers=_headers(tenant),
-                                         timeout=timeout)
+                                         timeout=timeout, verify=shared_context())
 
     async def send(self, call: Call) -> Answer:
         """Send one call; raise :class:`ProblemError` or :class:`ProxyUnreachable`."""

@@ -13,6 +13,7 @@ from .attach import AsyncAttachment
 from .base import BaseRun
 from .heartbeat import HeartbeatTask
 from .info import RunInfo, RunState
+from .tls import client_options
 
 if TYPE_CHECKING:
     # Imported by name: AsyncRun's own methods are called openai and anthropic.
@@ -40,7 +41,7 @@ class AsyncRun(BaseRun):
     def client(self, upstream: str, **kwargs: Any) -> httpx.AsyncClient:
         """An ``httpx.AsyncClient`` for ``upstream``: relative URLs join its run-scoped URL."""
         headers = self._client_headers(kwargs.pop("headers", None))
-        return httpx.AsyncClient(base_url=self.url(upstream), headers=headers, **kwargs)
+        return httpx.AsyncClient(base_url=self.url(upstream), headers=headers, **client_options(kwargs))
 
     def openai(self, upstream: str = "openai", **kwargs: Any) -> AsyncOpenAI:
         """An ``openai.AsyncOpenAI`` client on ``run.url(upstream, "/v1")`` (extra ``openai``)."""

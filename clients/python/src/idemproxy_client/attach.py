@@ -32,6 +32,7 @@ from . import api
 from .errors import IdemProxyError, ProblemError, RunEnded, Superseded, problem_from_response
 from .heartbeat import cancelled, ends_beating
 from .launch import DEFAULT_NAMESPACE, DEFAULT_PROXY_URL, Launch
+from .tls import shared_context
 
 log = logging.getLogger("idemproxy_client")
 
@@ -74,7 +75,8 @@ class _Holding:
             headers[api.TENANT_HEADER] = self.tenant
         timeout = httpx.Timeout(CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S)
         delay = 0.0
-        async with httpx.AsyncClient(base_url=self.proxy_url, headers=headers, timeout=timeout) as client:
+        async with httpx.AsyncClient(base_url=self.proxy_url, headers=headers, timeout=timeout,
+                                     verify=shared_context()) as client:
             while True:
                 held_before = self.connections
                 try:

@@ -13,6 +13,7 @@ from .attach import Attachment
 from .base import BaseRun
 from .heartbeat import HeartbeatThread
 from .info import RunInfo, RunState
+from .tls import client_options
 
 if TYPE_CHECKING:
     # Imported by name: Run's own methods are called openai and anthropic.
@@ -55,7 +56,7 @@ class Run(BaseRun):
     def client(self, upstream: str, **kwargs: Any) -> httpx.Client:
         """An ``httpx.Client`` for ``upstream``: relative URLs join its run-scoped URL."""
         headers = self._client_headers(kwargs.pop("headers", None))
-        return httpx.Client(base_url=self.url(upstream), headers=headers, **kwargs)
+        return httpx.Client(base_url=self.url(upstream), headers=headers, **client_options(kwargs))
 
     def openai(self, upstream: str = "openai", **kwargs: Any) -> OpenAI:
         """An ``openai.OpenAI`` client on ``run.url(upstream, "/v1")`` (extra ``openai``)."""
