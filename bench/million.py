@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import sys
 import tempfile
 import threading
@@ -41,6 +40,7 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import loadgen  # noqa: E402
+import processes  # noqa: E402
 import run  # noqa: E402
 import seed  # noqa: E402
 from processes import REPO, BenchError, Processes, Server, http, make_store  # noqa: E402
@@ -158,7 +158,7 @@ def measure_all(bench: MillionBench, store: str, server: Server, entries: int, n
 
 
 def run_store(bench: MillionBench, store: str, results: list[dict], stores: dict) -> None:
-    a, n = bench.args, bench.args.entries
+    n = bench.args.entries
     bench.prefixes = list(seed.SEED_PREFIXES)
     template_of, seed_into, bytes_of = seed.SEEDERS[store]
     url, drop = store_url(bench, store)
@@ -265,18 +265,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _terminate(signum, frame):
-    raise SystemExit(128 + signum)  # unwinds through every `finally`: processes are stopped
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _terminate)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    processes.stop_on_signals()
     kind = loadgen.available(args.loadgen)
     meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadgen": kind, "duration_s": args.duration,
             "entries": args.entries, "cpus": os.cpu_count(), "python": platform.python_version(),
-            "git": run._git_head(), "loadavg_start": os.getloadavg(), "machine": platform.node(),
+            "git": processes.git_head(), "loadavg_start": os.getloadavg(), "machine": platform.node(),
             "redis_config": args.redis_config}
     results: list[dict] = []
     stores: dict[str, dict] = {}

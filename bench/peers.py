@@ -30,9 +30,7 @@ import json
 import os
 import platform
 import resource
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,9 +41,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import loadgen  # noqa: E402
+import processes  # noqa: E402
 import nginx  # noqa: E402
 import peer_servers  # noqa: E402
-from processes import (BENCH, REPO, BenchError, Processes, Server, cpu_seconds, group_members,  # noqa: E402
+from processes import (BENCH, BenchError, Processes, Server, cpu_seconds, group_members,  # noqa: E402
                        http, machine_busy_seconds, make_store)
 from run import BODY, HEADERS  # noqa: E402
 
@@ -330,20 +329,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _terminate(signum, frame):
-    raise SystemExit(128 + signum)  # unwinds through every `finally`: servers are stopped
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _terminate)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    processes.stop_on_signals()
     peer_servers.install(Path(args.peers_dir))
     if args.install:
         return 0
     meta = {"started": time.strftime("%Y-%m-%d %H:%M %Z"), "rounds": args.rounds, "duration_s": args.duration,
             "warmup_s": args.warmup, "loadgen": args.loadgen, "cpus": os.cpu_count(),
-            "loadavg_start": os.getloadavg(), "git": _git_head(), "peers": peer_servers.installed(Path(args.peers_dir)),
+            "loadavg_start": os.getloadavg(), "git": processes.git_head(), "peers": peer_servers.installed(Path(args.peers_dir)),
             **peer_servers.runtimes(Path(args.peers_dir)), "platform": platform.platform()}
     began = time.monotonic()
     measurements: list[dict] = []
@@ -372,13 +366,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwritten: {out}")
     return 1 if any(r["problems"] for r in rows) else 0
 
-
-def _git_head() -> str | None:
-    try:
-        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 if __name__ == "__main__":

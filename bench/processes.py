@@ -39,6 +39,24 @@ class BenchError(RuntimeError):
     """Something the benchmark needs did not start or did not behave."""
 
 
+def stop_on_signals() -> None:
+    """SIGTERM unwinds through every `finally`, so every process a bench started is stopped;
+    Ctrl-C does too, even when a shell started the bench with SIGINT ignored."""
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def git_head() -> str | None:
+    """The checkout's short commit, for the record of a run."""
+    try:
+        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -20,7 +20,6 @@ import os
 import platform
 import resource
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from typing import Iterator
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import loadgen  # noqa: E402
+import processes  # noqa: E402
 import nginx  # noqa: E402
 import profile_summary  # noqa: E402
 import report  # noqa: E402
@@ -331,19 +331,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _terminate(signum, frame):
-    raise SystemExit(128 + signum)  # unwinds through every `finally`: processes are stopped
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _terminate)
-    # Ctrl-C must stop the servers even when a shell started us with SIGINT ignored.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    processes.stop_on_signals()
     kind = loadgen.available(args.loadgen)
     meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadgen": kind, "duration_s": args.duration,
             "warmup_s": args.warmup, "provider": args.provider, "cpus": os.cpu_count(), "python": platform.python_version(),
-            "git": _git_head(), "loadavg_start": os.getloadavg()}
+            "git": processes.git_head(), "loadavg_start": os.getloadavg()}
     results: list[dict] = []
     errors: dict[str, str] = {}
     began = time.monotonic()
@@ -377,13 +371,6 @@ def main(argv: list[str] | None = None) -> int:
     missed = [r for r in rows if r["ok"] is False]
     return 1 if errors or (args.strict and missed) else 0
 
-
-def _git_head() -> str | None:
-    try:
-        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 if __name__ == "__main__":
