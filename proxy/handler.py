@@ -405,8 +405,8 @@ class Proxy:
         ident = self._identify(request, route)
         body = await self._read_body(request)
         facts = self._note(request, route, ident, body)
-        tenant = functools.cache(lambda: self.tenants.tenant(request.headers, ident.namespace))
-        plan = self.mcp.plan(request, route.upstream, route.path_qs, ident, tenant, body)
+        plan = self.mcp.plan(request, route.upstream, route.path_qs, ident,
+                             lambda: self.tenants.tenant(request.headers, ident.namespace), body)
         if ident.run:
             since = time.perf_counter()
             await self._fence(ident, fail_open=plan.call is None)

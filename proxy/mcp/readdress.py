@@ -23,7 +23,7 @@ class Readdress:
     def __init__(self, request_id: Any, progress_token: Any) -> None:
         self.request_id = request_id
         self.progress_token = progress_token
-        self._events = EventSplitter()
+        self._events: EventSplitter | None = None  # made for a stream only: most answers are whole
 
     def body(self, data: bytes) -> bytes:
         message = loads(data) if data else None
@@ -32,10 +32,12 @@ class Readdress:
         return dumps({**message, "id": self.request_id})
 
     def chunk(self, data: bytes) -> bytes:
+        if self._events is None:
+            self._events = EventSplitter()
         return b"".join(self._event(event) for event in self._events.feed(data))
 
     def end(self) -> bytes:
-        return self._events.rest()
+        return self._events.rest() if self._events is not None else b""
 
     def _event(self, event: Event) -> bytes:
         message = event.message
