@@ -21,7 +21,7 @@ from .catalog import Catalog, tool_policy
 from .jsonrpc import INVALID_REQUEST, PROXY_ERROR, dumps
 from .messages import TOOLS_LIST, ToolCall, named, read
 from .occurrences import Occurrences, Site
-from .readdress import Readdress
+from .readdress import Cuts, Readdress
 
 
 @dataclass(eq=False)
@@ -38,11 +38,13 @@ class Plan:
 
 
 class McpUpstreams:
-    """Tool annotations and undelivered occurrences of this process, and the steps that use them."""
+    """Tool annotations, undelivered occurrences and recorded answers' cuts of this process, and the
+    steps that use them."""
 
     def __init__(self) -> None:
         self.catalog = Catalog()
         self.occurrences = Occurrences()
+        self.cuts = Cuts()
 
     def plan(self, request: web.Request, upstream: UpstreamSettings, path_qs: str, ident: Identity,
              tenant: Callable[[], str], body: bytes) -> Plan:
@@ -73,7 +75,7 @@ class McpUpstreams:
             or self._policy(upstream, whose, message.name)
         if chosen is Policy.PASSTHROUGH or (ident.policy is None and key is None and ident.run is None):
             return Plan(ident)  # SPEC §4: without a key or a run there is nothing to replay into
-        request[READDRESS] = Readdress(message.request_id, message.progress_token)
+        request[READDRESS] = Readdress(message.request_id, message.progress_token, self.cuts)
         fp = message.fingerprint(upstream.name, path_qs, whose)
         if key != ident.key:  # the key came in `_meta`
             ident = Identity(key=key, run=ident.run, epoch=ident.epoch, policy=ident.policy,
