@@ -416,7 +416,7 @@ class Proxy:
             return await self._passthrough(request, route, body, started, plan.tap)
         counted = functools.partial(self.mcp.occurrence, plan) if plan.site else None
         resp = await self._record(request, route, plan.ident, body, started, plan.fp, counted)
-        return self.mcp.deliver(request, plan, resp)
+        return self.mcp.deliver(request, plan, resp) if plan.site is not None else resp
 
     # -- background work ------------------------------------------------------------------
 

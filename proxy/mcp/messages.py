@@ -16,7 +16,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from multidict import CIMultiDictProxy
+from multidict import CIMultiDictProxy, istr
 
 from ..identity import MAX_KEY_LENGTH
 from ..problems import Problem
@@ -29,6 +29,8 @@ TOOLS_LIST = "tools/list"
 META_KEY = "dev.idemproxy/idempotencyKey"
 # Revisions whose servers must reject a request whose Mcp-Method/Mcp-Name disagree with its body
 VALIDATED_REVISIONS = frozenset({"2026-07-28"})
+# Header names as istr: a case-insensitive lookup by one skips folding the name's case each time
+PROTOCOL_VERSION, MCP_METHOD, MCP_NAME = istr("MCP-Protocol-Version"), istr("Mcp-Method"), istr("Mcp-Name")
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass sets each field through object.__setattr__
@@ -62,12 +64,12 @@ def named(headers: CIMultiDictProxy[str]) -> tuple[str | None, str | None]:
     """The method a request names in ``Mcp-Method``, when the revision obliges the server to
     hold the body to it, and the tool a ``tools/call`` names in ``Mcp-Name`` (plain ASCII
     form only); (None, None) for older revisions."""
-    if headers.get("MCP-Protocol-Version") not in VALIDATED_REVISIONS:
+    if headers.get(PROTOCOL_VERSION) not in VALIDATED_REVISIONS:
         return None, None
-    method = headers.get("Mcp-Method")
+    method = headers.get(MCP_METHOD)
     if method != TOOLS_CALL:
         return method, None
-    tool = headers.get("Mcp-Name")
+    tool = headers.get(MCP_NAME)
     return method, tool if tool and not tool.startswith("=?base64?") else None
 
 

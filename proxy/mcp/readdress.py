@@ -5,7 +5,8 @@ progress notifications under the first caller's progress token. A restarted agen
 that re-issued the call after a broken stream, asks with ids of its own, and an MCP client
 drops an answer that is not addressed to one of its requests. So the response gets the
 caller's id, each ``notifications/progress`` the caller's progress token, and progress is
-left out for a caller that asked for none. Everything else passes byte for byte.
+left out for a caller that asked for none. Everything else passes byte for byte. The proxy's
+own refusals reach the caller the same way: as JSON-RPC errors under its id.
 
 A whole answer is readdressed often (every replay of a recorded call), so the place of its id
 is remembered (``Cuts``): the next replay sends the bytes around it with the caller's id in
@@ -19,7 +20,8 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from .jsonrpc import LINE, Event, EventSplitter, dumps, is_response, loads
+from ..problems import PROBLEMS
+from .jsonrpc import INVALID_REQUEST, LINE, PROXY_ERROR, Event, EventSplitter, dumps, is_response, loads
 
 PROGRESS = "notifications/progress"
 MAX_CUT_BYTES = 4 * 1024 * 1024  # answers whose id's place is remembered, in bytes; then forgotten
@@ -73,13 +75,24 @@ def _cut(data: bytes) -> Cut:
 
 
 class Readdress:
-    """Rewrites one answer for a caller (``replay.Readdress``): a whole body, or a stream."""
+    """Rewrites one answer for a caller (``replay.Readdress``): a whole body, or a stream; and
+    puts the proxy's refusals as JSON-RPC errors (``errors.RENDER_PROBLEM``: :meth:`problem`).
+    Made before the request's body is read: its id and progress token are set once known."""
+    __slots__ = ("request_id", "progress_token", "_cuts", "_events")
 
-    def __init__(self, request_id: Any, progress_token: Any, cuts: Cuts) -> None:
+    def __init__(self, cuts: Cuts, request_id: Any = None, progress_token: Any = None) -> None:
         self.request_id = request_id
         self.progress_token = progress_token
         self._cuts = cuts
         self._events: EventSplitter | None = None  # made for a stream only: most answers are whole
+
+    def problem(self, problem: dict) -> bytes:
+        """A problem as a JSON-RPC error, which an MCP client surfaces to its caller (a
+        problem+json body it would report as a bare HTTP error). The problem is its ``data``."""
+        bad_input = PROBLEMS[problem["type"].rsplit("/", 1)[-1]].status in (400, 413)
+        return dumps({"jsonrpc": "2.0", "id": self.request_id, "error": {
+            "code": INVALID_REQUEST if bad_input else PROXY_ERROR,
+            "message": f"{problem['title']}: {problem['detail']}", "data": problem}})
 
     def body(self, data: bytes) -> bytes:
         cut = self._cuts.of(data)
