@@ -97,16 +97,15 @@ def read(method: str, named_method: str | None, body: bytes) -> ToolCall | Other
         return Other(TOOLS_CALL, request_id)  # malformed: the server refuses it, nothing runs
     meaning = dict(params)
     meta = meaning.pop("_meta", None)
-    if not isinstance(meta, dict):
-        meta = {}
     meaning.setdefault("arguments", {})
+    if not isinstance(meta, dict):
+        return ToolCall(request_id, params["name"], canonical(meaning), None, None)
+    key = meta.get(META_KEY)
     return ToolCall(request_id, params["name"], canonical(meaning), meta.get("progressToken"),
-                    _meta_key(meta.get(META_KEY)))
+                    None if key is None else _meta_key(key))
 
 
-def _meta_key(value: Any) -> str | None:
-    if value is None:
-        return None
+def _meta_key(value: Any) -> str:
     if (not isinstance(value, str) or not 1 <= len(value) <= MAX_KEY_LENGTH
             or not all(" " <= ch <= "~" for ch in value)):
         raise Problem("invalid-key", f"_meta {META_KEY} must be a string of 1-{MAX_KEY_LENGTH} "
