@@ -436,8 +436,8 @@ class Proxy:
         ident = self._identify(request, route)
         body = await self._read_body(request)
         facts = self._note(request, route, ident, body)
-        tenant = functools.cache(lambda: self.tenants.tenant(request.headers, ident.namespace))
-        plan = self.mcp.plan(request, route.upstream, route.path_qs, ident, tenant, body)
+        plan = self.mcp.plan(request, route.upstream, route.path_qs, ident,
+                             lambda: self.tenants.tenant(request.headers, ident.namespace), body)
         if ident.run:
             since = time.perf_counter()
             await self._fence(ident, fail_open=plan.call is None)
@@ -447,7 +447,7 @@ class Proxy:
             return await self._passthrough(request, route, body, started, plan.tap)
         counted = functools.partial(self.mcp.occurrence, plan) if plan.site else None
         resp = await self._record(request, route, plan.ident, body, started, plan.fp, counted)
-        return self.mcp.deliver(request, plan, resp)
+        return self.mcp.deliver(request, plan, resp) if plan.site is not None else resp
 
     # -- background work ------------------------------------------------------------------
 

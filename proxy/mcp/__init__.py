@@ -6,7 +6,8 @@ passed through.
     catalog.py      tool annotations learned from tools/list, and the policy they give
     occurrences.py  an undelivered call re-issued is the same call, not the next one
     outcome.py      what an answer to tools/call means for its journal entry
-    readdress.py    a recorded answer under the caller's own JSON-RPC id and progress token
+    readdress.py    a recorded answer (cut once around its id) and the proxy's refusals under the
+                    caller's own JSON-RPC id and progress token
     upstream.py     the steps Proxy._mcp (proxy/handler.py) takes with them
 """
 

@@ -42,6 +42,11 @@ class Catalog:
     def annotations(self, upstream: str, tenant: str, tool: str) -> dict[str, Any] | None:
         return self._tools.get((upstream, tenant, tool))
 
+    def policy(self, upstream: UpstreamSettings, tenant: str, tool: str) -> Policy:
+        """The policy of a call to ``tool`` (see :func:`tool_policy`)."""
+        annotations = self._tools.get((upstream.name, tenant, tool))
+        return tool_policy(upstream, annotations) if annotations else Policy.RECORD
+
     def listing(self, upstream: str, tenant: str) -> "Listing":
         """A tap for a ``tools/list`` answer on its way to the agent."""
         return Listing(self, upstream, tenant)

@@ -12,12 +12,12 @@ without its body being read. Older requests are read.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from multidict import CIMultiDictProxy
+from multidict import CIMultiDictProxy, istr
 
-from ..fingerprint import fingerprint
 from ..identity import MAX_KEY_LENGTH
 from ..problems import Problem
 from .jsonrpc import canonical, loads
@@ -29,9 +29,11 @@ TOOLS_LIST = "tools/list"
 META_KEY = "dev.idemproxy/idempotencyKey"
 # Revisions whose servers must reject a request whose Mcp-Method/Mcp-Name disagree with its body
 VALIDATED_REVISIONS = frozenset({"2026-07-28"})
+# Header names as istr: a case-insensitive lookup by one skips folding the name's case each time
+PROTOCOL_VERSION, MCP_METHOD, MCP_NAME = istr("MCP-Protocol-Version"), istr("Mcp-Method"), istr("Mcp-Name")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass sets each field through object.__setattr__
 class ToolCall:
     request_id: Any
     name: str
@@ -40,8 +42,14 @@ class ToolCall:
     key: str | None  # from `_meta`
 
     def fingerprint(self, upstream: str, path_qs: str, tenant: str) -> str:
-        """Per tenant: so are the derived key's occurrences, which the store counts by fingerprint."""
-        return fingerprint("MCP", upstream, path_qs, tenant.encode() + b"\0" + self.meaning, "")
+        """Per tenant: so are the derived key's occurrences, which the store counts by fingerprint.
+
+        The digest ``fingerprint.fingerprint("MCP", upstream, path_qs, tenant + b"\\0" + meaning, "")``
+        gives, hashed here directly: that body is never JSON (a tenant is not), so the generic
+        function would only find so through a failed parse whose exception costs more than the
+        hash (tests/test_mcp.py holds the two equal)."""
+        return hashlib.sha256(b"MCP\0%b\0%b\0%b\0%b" % (upstream.encode(), path_qs.encode(), tenant.encode(),
+                                                          self.meaning)).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,16 +58,28 @@ class Other:
     a tools/call, a GET stream or a DELETE."""
     method: str | None
     request_id: Any = None
-    tool: str | None = None  # a tools/call named by its header only (a read, see Catalog)
 
 
-def read(method: str, headers: CIMultiDictProxy[str], body: bytes) -> ToolCall | Other:
-    """What the request is. Raises ``invalid-request`` for a batch with a tools/call in it."""
+def named(headers: CIMultiDictProxy[str]) -> tuple[str | None, str | None]:
+    """The method a request names in ``Mcp-Method``, when the revision obliges the server to
+    hold the body to it, and the tool a ``tools/call`` names in ``Mcp-Name`` (plain ASCII
+    form only); (None, None) for older revisions."""
+    if headers.get(PROTOCOL_VERSION) not in VALIDATED_REVISIONS:
+        return None, None
+    method = headers.get(MCP_METHOD)
+    if method != TOOLS_CALL:
+        return method, None
+    tool = headers.get(MCP_NAME)
+    return method, tool if tool and not tool.startswith("=?base64?") else None
+
+
+def read(method: str, named_method: str | None, body: bytes) -> ToolCall | Other:
+    """What the request is, given the method its headers name (see :func:`named`). Raises
+    ``invalid-request`` for a batch with a tools/call in it."""
     if method != "POST":
         return Other(None)
-    named = _named_method(headers)
-    if named is not None and named != TOOLS_CALL:
-        return Other(named)
+    if named_method is not None and named_method != TOOLS_CALL:
+        return Other(named_method)
     message = loads(body) if body else None
     if isinstance(message, list):
         if any(isinstance(m, dict) and m.get("method") == TOOLS_CALL for m in message):
@@ -75,32 +95,17 @@ def read(method: str, headers: CIMultiDictProxy[str], body: bytes) -> ToolCall |
     params = message.get("params")
     if not isinstance(params, dict) or not isinstance(params.get("name"), str):
         return Other(TOOLS_CALL, request_id)  # malformed: the server refuses it, nothing runs
-    meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
-    meaning = {k: v for k, v in params.items() if k != "_meta"}
+    meaning = dict(params)
+    meta = meaning.pop("_meta", None)
     meaning.setdefault("arguments", {})
+    if not isinstance(meta, dict):
+        return ToolCall(request_id, params["name"], canonical(meaning), None, None)
+    key = meta.get(META_KEY)
     return ToolCall(request_id, params["name"], canonical(meaning), meta.get("progressToken"),
-                    _meta_key(meta.get(META_KEY)))
+                    None if key is None else _meta_key(key))
 
 
-def header_tool(headers: CIMultiDictProxy[str]) -> str | None:
-    """The tool a validated ``tools/call`` names in ``Mcp-Name`` (plain ASCII form only)."""
-    if _named_method(headers) == TOOLS_CALL:
-        name = headers.get("Mcp-Name")
-        if name and not name.startswith("=?base64?"):
-            return name
-    return None
-
-
-def _named_method(headers: CIMultiDictProxy[str]) -> str | None:
-    """``Mcp-Method``, when the revision obliges the server to hold the body to it."""
-    if headers.get("MCP-Protocol-Version") in VALIDATED_REVISIONS:
-        return headers.get("Mcp-Method")
-    return None
-
-
-def _meta_key(value: Any) -> str | None:
-    if value is None:
-        return None
+def _meta_key(value: Any) -> str:
     if (not isinstance(value, str) or not 1 <= len(value) <= MAX_KEY_LENGTH
             or not all(" " <= ch <= "~" for ch in value)):
         raise Problem("invalid-key", f"_meta {META_KEY} must be a string of 1-{MAX_KEY_LENGTH} "

@@ -8,23 +8,22 @@ the fence, passthrough, and ``_record``'s claim, record, replay and join.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
 from aiohttp import web
 
 from ..config import Policy, UpstreamSettings
 from ..errors import RENDER_PROBLEM
 from ..identity import Identity
-from ..problems import PROBLEMS, Problem
+from ..problems import Problem
 from ..replay import READDRESS
-from .catalog import Catalog, tool_policy
-from .jsonrpc import INVALID_REQUEST, PROXY_ERROR, dumps
-from .messages import TOOLS_LIST, ToolCall, header_tool, read
+from .catalog import Catalog
+from .messages import TOOLS_LIST, ToolCall, named, read
 from .occurrences import Occurrences, Site
-from .readdress import Readdress
+from .readdress import Cuts, Readdress
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Plan:
     """What the proxy does with one MCP request: pass it through (``call`` None, maybe
     reading a tools/list answer with ``tap``), or record a tools/call under ``ident``'s key,
@@ -38,38 +37,51 @@ class Plan:
 
 
 class McpUpstreams:
-    """Tool annotations and undelivered occurrences of this process, and the steps that use them."""
+    """Tool annotations, undelivered occurrences and recorded answers' cuts of this process, and the
+    steps that use them."""
 
     def __init__(self) -> None:
         self.catalog = Catalog()
         self.occurrences = Occurrences()
+        self.cuts = Cuts()
 
     def plan(self, request: web.Request, upstream: UpstreamSettings, path_qs: str, ident: Identity,
              tenant: Callable[[], str], body: bytes) -> Plan:
         """Read the request and decide. Refusals (a batch with a tools/call, a bad `_meta` key)
-        are raised, and answered as JSON-RPC errors."""
-        request[RENDER_PROBLEM] = jsonrpc_problem(None)
-        named = header_tool(request.headers)
-        named_policy = self._policy(upstream, tenant(), named) if named is not None else None
-        if named_policy is Policy.PASSTHROUGH and ident.policy is None:
-            return Plan(ident)  # a read, named in the headers the server must check: its body is not read
-        message = read(request.method, request.headers, body)
-        request[RENDER_PROBLEM] = jsonrpc_problem(message.request_id)
+        are raised, and answered as JSON-RPC errors. ``tenant`` is called once at most, when
+        the decision needs it (not for most passthroughs)."""
+        caller = Readdress(self.cuts)  # addressed to the caller's id once the body has named it
+        request[RENDER_PROBLEM] = caller.problem
+        named_method, named_tool = named(request.headers)
+        whose = named_policy = None
+        if named_tool is not None:
+            whose = tenant()
+            named_policy = self.catalog.policy(upstream, whose, named_tool)
+            if named_policy is Policy.PASSTHROUGH and ident.policy is None:
+                return Plan(ident)  # a read, named in the headers the server must check: its body is not read
+        message = read(request.method, named_method, body)
+        caller.request_id = message.request_id
         if not isinstance(message, ToolCall):
-            tap = self.catalog.listing(upstream.name, tenant()) if message.method == TOOLS_LIST else None
+            tap = None
+            if message.method == TOOLS_LIST:
+                tap = self.catalog.listing(upstream.name, whose if whose is not None else tenant())
             return Plan(ident, tap=tap)
         if message.key is not None and ident.key not in (None, message.key):
             raise Problem("invalid-key", "the Idempotency-Key header and the _meta key differ")
         key = ident.key or message.key
-        chosen = ident.policy or (named_policy if named == message.name else None) \
-            or self._policy(upstream, tenant(), message.name)
+        if whose is None:
+            whose = tenant()
+        chosen = ident.policy or (named_policy if named_tool == message.name else None) \
+            or self.catalog.policy(upstream, whose, message.name)
         if chosen is Policy.PASSTHROUGH or (ident.policy is None and key is None and ident.run is None):
             return Plan(ident)  # SPEC §4: without a key or a run there is nothing to replay into
-        request[READDRESS] = Readdress(message.request_id, message.progress_token)
-        fp = message.fingerprint(upstream.name, path_qs, tenant())
-        ident = Identity(key=key, run=ident.run, epoch=ident.epoch, policy=ident.policy,
-                         namespace=ident.namespace)
-        site = (tenant(), ident.namespace, ident.run, ident.epoch, fp) if key is None and ident.run else None
+        caller.progress_token = message.progress_token
+        request[READDRESS] = caller
+        fp = message.fingerprint(upstream.name, path_qs, whose)
+        if key != ident.key:  # the key came in `_meta`
+            ident = Identity(key=key, run=ident.run, epoch=ident.epoch, policy=ident.policy,
+                             namespace=ident.namespace)
+        site = (whose, ident.namespace, ident.run, ident.epoch, fp) if key is None and ident.run else None
         return Plan(ident, message, fp=fp, site=site)
 
     async def occurrence(self, plan: Plan, count: Callable[[], Awaitable[int]]) -> int:
@@ -83,22 +95,9 @@ class McpUpstreams:
         call (see occurrences.py). A stream has been written whole, or cut short (its connection
         closed); a JSON answer is written next, to a connection still open (the agent of a broken
         exchange has closed it by the time its answer is ready)."""
+        if plan.site is None or plan.occurrence is None:
+            return resp  # an explicit key: no occurrence to settle
         transport = request.transport
-        if plan.site is not None and plan.occurrence is not None and transport is not None \
-                and not transport.is_closing():
+        if transport is not None and not transport.is_closing():
             self.occurrences.delivered(plan.site, plan.occurrence)
         return resp
-
-    def _policy(self, upstream: UpstreamSettings, tenant: str, tool: str) -> Policy:
-        return tool_policy(upstream, self.catalog.annotations(upstream.name, tenant, tool))
-
-
-def jsonrpc_problem(request_id: Any) -> Callable[[dict], bytes]:
-    """Problems as JSON-RPC errors, which an MCP client surfaces to its caller (a problem+json
-    body it would report as a bare HTTP error). The problem is the error's ``data``."""
-    def render(problem: dict) -> bytes:
-        bad_input = PROBLEMS[problem["type"].rsplit("/", 1)[-1]].status in (400, 413)
-        return dumps({"jsonrpc": "2.0", "id": request_id, "error": {
-            "code": INVALID_REQUEST if bad_input else PROXY_ERROR,
-            "message": f"{problem['title']}: {problem['detail']}", "data": problem}})
-    return render
