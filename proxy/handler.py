@@ -438,6 +438,8 @@ class Proxy:
         facts = self._note(request, route, ident, body)
         plan = self.mcp.plan(request, route.upstream, route.path_qs, ident,
                              lambda: self.tenants.tenant(request.headers, ident.namespace), body)
+        if plan.call is not None:  # a tools/call is recorded: as for any call, not without a credential
+            self.tenants.check_recordable(request.headers, ident.namespace, route.upstream.name)
         if ident.run:
             since = time.perf_counter()
             await self._fence(ident, fail_open=plan.call is None)

@@ -299,6 +299,28 @@ async def test_tenants_never_see_each_others_tool_calls(make_proxy, sqlite_url, 
     assert answers["a", 1] == answers["a", 0] and answers["b", 1] == answers["b", 0]
 
 
+async def test_a_tool_call_without_a_credential_is_refused_unless_anonymous_callers_share(
+        make_proxy, sqlite_url, sse_tools):
+    """As for any recorded call (SPEC §10): callers without a credential would replay each
+    other's tool calls, so a recorded tools/call (here in a run) without one gets
+    `credential-required`, under the caller's JSON-RPC id; listing tools (passed through) still works."""
+    proxy = await make_proxy(sqlite_url, tenants={"anonymous": "refuse"}, **mcp_sections(sse_tools.url))
+    async with client(run_url(proxy, "r-anon"), STATELESS) as agent:
+        assert {t.name for t in (await agent.list_tools()).tools} >= {"send_email"}
+        with pytest.raises(MCPError) as refused:
+            await agent.call_tool("send_email", {"to": "x@y", "subject": "s"})
+    assert refused.value.data["type"].endswith("/credential-required")
+    assert sse_tools.calls["send_email"] == 0
+    async with client(run_url(proxy, "r-anon"), STATELESS, headers={"Authorization": "Bearer key-a"}) as agent:
+        assert text(await agent.call_tool("send_email", {"to": "x@y", "subject": "s"})).endswith("to x@y")
+    assert sse_tools.calls["send_email"] == 1
+    shared = await make_proxy(sqlite_url, tenants={"anonymous": "refuse"},
+                              **mcp_sections(sse_tools.url, anonymous="shared"))
+    async with client(run_url(shared, "r-anon"), STATELESS) as agent:
+        assert text(await agent.call_tool("send_email", {"to": "x@y", "subject": "t"})).endswith("to x@y")
+    assert sse_tools.calls["send_email"] == 2
+
+
 async def test_mcp_traffic_keeps_its_run_alive(make_proxy, sqlite_url, sse_tools):
     proxy = await make_proxy(sqlite_url, **mcp_sections(sse_tools.url))
     async with client(run_url(proxy, "r12"), STATELESS) as agent:
