@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import sys
 import tempfile
 import threading
@@ -257,7 +256,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.provider, args.scenarios = "nginx", [*FULL_SCENARIOS]
     if args.profile:
-        args.py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+        args.py_spy = processes.py_spy()
         if args.py_spy is None:
             p.error("--profile needs py-spy (pip install py-spy)")
     if args.entries < 1000:
@@ -269,9 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     processes.stop_on_signals()
     kind = loadgen.available(args.loadgen)
-    meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadgen": kind, "duration_s": args.duration,
-            "entries": args.entries, "cpus": os.cpu_count(), "python": platform.python_version(),
-            "git": processes.git_head(), "loadavg_start": os.getloadavg(), "machine": platform.node(),
+    meta = {**processes.run_facts(kind, args.duration), "entries": args.entries, "machine": platform.node(),
             "redis_config": args.redis_config}
     results: list[dict] = []
     stores: dict[str, dict] = {}

@@ -12,6 +12,8 @@ import asyncio
 import importlib.util
 import ipaddress
 import os
+import platform
+import shutil
 import signal
 import socket
 import subprocess
@@ -55,6 +57,18 @@ def git_head() -> str | None:
                               text=True, timeout=5).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def run_facts(loadgen: str, duration_s: float) -> dict:
+    """What every bench run's record starts with: when, where, on what code, how busy."""
+    return {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadgen": loadgen, "duration_s": duration_s,
+            "cpus": os.cpu_count(), "python": platform.python_version(), "git": git_head(),
+            "loadavg_start": os.getloadavg()}
+
+
+def py_spy() -> str | None:
+    """py-spy, on the PATH or beside this Python (pip installs it into the venv's bin)."""
+    return shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
 
 
 def free_port() -> int:

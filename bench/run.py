@@ -17,9 +17,7 @@ import dataclasses
 import itertools
 import json
 import os
-import platform
 import resource
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -317,7 +315,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown scenario(s): {', '.join(unknown)}")
     if args.profile:
-        args.py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+        args.py_spy = processes.py_spy()
         if args.py_spy is None:
             p.error("--profile needs py-spy (pip install py-spy)")
     if args.provider == "auto":
@@ -335,9 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     processes.stop_on_signals()
     kind = loadgen.available(args.loadgen)
-    meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadgen": kind, "duration_s": args.duration,
-            "warmup_s": args.warmup, "provider": args.provider, "cpus": os.cpu_count(), "python": platform.python_version(),
-            "git": processes.git_head(), "loadavg_start": os.getloadavg()}
+    meta = {**processes.run_facts(kind, args.duration), "warmup_s": args.warmup, "provider": args.provider}
     results: list[dict] = []
     errors: dict[str, str] = {}
     began = time.monotonic()
