@@ -81,7 +81,13 @@ async def _lifecycle(app: web.Application, make_launcher: LauncherFactory,
         settings, store, tenants, Heartbeats(store), app[METRICS],
         sessions={name: make_session(up, () if traces is None else (traces.trace_config(),))
                   for name, up in settings.upstreams.items()})
+    cached = settings.store.cache_lease > 0 and (settings.store.answer_cache_bytes > 0
+                                                  or settings.store.replay_cache_bytes > 0)
+    if cached:  # the first look before the first request, so memory answers from the start
+        with contextlib.suppress(StoreUnavailable):
+            await proxy.freshness.look()
     tasks = [asyncio.create_task(loop, name=name) for name, loop in (
+        *((("freshness", proxy.freshness.run()),) if cached else ()),
         ("heartbeats", proxy.heartbeats.run()),
         ("leases", proxy.renew_leases()),
         ("replay-counts", _every(1.0, proxy.flush_replay_counts)),

@@ -162,6 +162,12 @@ class StoreSettings:
     # each attempt's for at most replay_cache_ttl.
     replay_cache_bytes: int = 64 * 1024 * 1024
     replay_cache_ttl: float = 10.0
+    # Complete entries answered from memory (proxy/answercache.py): at most about this many
+    # bytes per process (bodies, headers, ~0.5 KiB each besides; 0: off).
+    answer_cache_bytes: int = 32 * 1024 * 1024
+    # How long both caches trust their last look at the journal's generation (proxy/freshness.py);
+    # a journal delete waits this long before it answers. Every replica must use the same.
+    cache_lease: float = 1.0
 
     def __repr__(self) -> str:
         return f"StoreSettings(url={mask_url(self.url)!r}, retention={self.retention})"
@@ -503,6 +509,9 @@ def _validate(s: Settings) -> None:
             raise ConfigError(f"server.{name} must be more than 0")
     if s.server.max_connections < 0:
         raise ConfigError("server.max_connections must be 0 (automatic) or more")
+    for name in ("replay_cache_bytes", "answer_cache_bytes", "cache_lease"):
+        if getattr(s.store, name) < 0:
+            raise ConfigError(f"store.{name} must be 0 (off) or more")
     for cidr in s.server.trusted_proxies:
         try:
             ipaddress.ip_network(cidr, strict=False)

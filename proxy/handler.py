@@ -7,20 +7,22 @@ import functools
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
 
 from . import policy
-from .calls import Call
+from .answercache import AnswerCache
+from .calls import Call, Fate
 from .config import Settings, UpstreamSettings
 from .errors import OUTCOME, STARTED, UPSTREAM_S
 from .facts import FACTS, Facts, key_kind
 from .fingerprint import fingerprint
 from .forward import forwarded_key, is_stream, request_headers, response_headers
 from .forwarded import Forwarding
+from .freshness import Freshness
 from .heartbeats import Heartbeats
 from .identity import Identity, TenantResolver, parse_epoch, parse_key, parse_policy, parse_run
 from .mcp import McpUpstreams, ToolAnswer
@@ -39,7 +41,6 @@ log = logging.getLogger("idemproxy.proxy")
 # Counts a derived key's occurrence, given the store's count of it (see Proxy._scope)
 Occurrence = Callable[[Callable[[], Awaitable[int]]], Awaitable[int]]
 
-ANSWERED_KEYS = 4096  # how many keys Proxy.answered remembers
 PASSED_WHOLE_BYTES = 1 << 20  # passthrough bodies up to this size go in one write; larger ones stream
 
 
@@ -54,13 +55,10 @@ class Proxy:
     calls: dict[str, Call] = field(default_factory=dict)  # recorded calls in flight here
     tasks: set[asyncio.Task] = field(default_factory=set)
     replays: dict[str, int] = field(default_factory=dict)  # replay counts not yet stored
-    # Keys recorded or replayed here lately, oldest first: a hint, never an answer. Their
-    # next request is likely a replay, so the journal is read first even where a claim
-    # would also read it (PostgreSQL: the claim statement costs a replay ~0.3 ms more than
-    # a read, issue 13). A key gone meanwhile is then claimed, as any other.
-    answered: dict[str, None] = field(default_factory=dict)
     on_ambiguous: dict[str, OnAmbiguous] = field(init=False)  # per upstream, worked out once
     forwarding: Forwarding = field(init=False)
+    freshness: Freshness = field(init=False)  # when the two caches below may answer
+    answers: AnswerCache = field(init=False)  # complete entries recorded or read here, in memory
     replay_cache: ReplayCache = field(init=False)  # restarted attempts' journals, in memory
     _epoch_reads: dict[tuple, asyncio.Future] = field(default_factory=dict)  # shared fence reads
     mcp: McpUpstreams = field(default_factory=McpUpstreams)  # kind = "mcp" upstreams' state
@@ -68,8 +66,10 @@ class Proxy:
     def __post_init__(self) -> None:
         self.on_ambiguous = {name: policy.on_ambiguous(up) for name, up in self.settings.upstreams.items()}
         self.forwarding = Forwarding(self.settings.server.trusted_proxies)
-        store = self.settings.store
-        self.replay_cache = ReplayCache(self.store.journal, store.replay_cache_bytes, store.replay_cache_ttl)
+        store, journal = self.settings.store, self.store.journal
+        self.freshness = Freshness(journal, store.cache_lease)
+        self.answers = AnswerCache(self.freshness, store.answer_cache_bytes)
+        self.replay_cache = ReplayCache(journal, self.freshness, store.replay_cache_bytes, store.replay_cache_ttl)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """Refusals and store failures are raised: ``errors.problem_middleware`` answers them
@@ -241,8 +241,8 @@ class Proxy:
                       started: float, fp: str | None = None, occurrence: Occurrence | None = None,
                       attempt: CachedAttempt | None = None) -> web.StreamResponse:
         """Claim the key and make the call, or answer from whoever holds it: the attempt's
-        journal in memory, a call in flight here, the journal, or a stream another proxy is
-        recording. While the key is in flight elsewhere and its stream has not begun, wait
+        journal in memory, the entries answered here before (answercache.py), a call in
+        flight here, the journal, or a stream another proxy is recording. While the key is in flight elsewhere and its stream has not begun, wait
         for it and look again.
 
         An upstream kind that knows better what makes two calls the same (MCP) gives the
@@ -263,6 +263,11 @@ class Proxy:
             answer = await self._from_journal(request, upstream, recorded, fp, started)
             self.metrics.replayed_from_memory += 1
             return answer
+        recorded = self.answers.get(kid)
+        if recorded is not None:
+            answer = await self._from_journal(request, upstream, recorded, fp, started)
+            self.metrics.replayed_from_cache += 1
+            return answer
         deadline = time.monotonic() + self.settings.server.in_flight_wait
         while True:
             call = self.calls.get(kid)
@@ -271,21 +276,23 @@ class Proxy:
                     request[OUTCOME] = Outcome.JOINED
                     return await listen(request, call, started, replayed=True)
                 continue  # it gave the key back meanwhile: claim it like any retry
-            # a store whose claim answers a taken key with its entry is asked that alone,
-            # unless the key was answered here before: a read is the cheaper statement
+            # a store whose claim answers a taken key with its entry is asked that alone
             since = time.perf_counter()
             journal = self.store.journal
-            entry = await journal.get(kid) if not journal.claim_reads or kid in self.answered else None
+            noted = self.freshness.generation  # before the store call: what it gives may be kept
+            entry = await journal.get(kid) if not journal.claim_reads else None
             if entry is None or _lapsed(entry):
                 result = await self._claim(request, route, ident, scope, fp)
                 facts.timed(since)
                 if result.won:
                     if attempt is not None:  # the attempt goes live: its replays are over
                         self.replay_cache.drop(attempt)
-                    return await self._call(request, route, result.entry, body, ident.namespace, started)
+                    return await self._call(request, route, result.entry, body, ident.namespace, started,
+                                            noted)
                 entry = result.entry
             else:
                 facts.timed(since)
+            self.answers.put(entry, noted)
             answer = await self._from_journal(request, upstream, entry, fp, started)
             if answer is not None:
                 return answer
@@ -353,24 +360,16 @@ class Proxy:
         return result
 
     async def _call(self, request: web.Request, route: Route, entry: Entry, body: bytes,
-                    namespace: str, started: float) -> web.StreamResponse:
-        """The key is ours: make the call, and answer as it goes."""
+                    namespace: str, started: float, noted: int | None) -> web.StreamResponse:
+        """The key is ours: make the call, and answer as it goes. ``noted``: the journal's
+        generation before the claim, under which its record may be kept in memory."""
         request[OUTCOME] = Outcome.RECORDED
-        call = self._start(request, route, entry, body, namespace)
+        call = self._start(request, route, entry, body, namespace, noted)
         try:
             return await listen(request, call, started, replayed=False)
         finally:
             request[UPSTREAM_S] = call.upstream_s if call.status else None
             request[FACTS].answer = call.answer
-            if call.answer is not None:
-                self._answered(entry.kid)
-
-    def _answered(self, kid: str) -> None:
-        """Remember a key recorded or replayed here, for a while (see ``answered``)."""
-        answered = self.answered
-        answered[kid] = None
-        if len(answered) > ANSWERED_KEYS:
-            del answered[next(iter(answered))]
 
     async def _from_journal(self, request: web.Request, upstream: UpstreamSettings, entry: Entry,
                             fp: str, started: float) -> web.StreamResponse | None:
@@ -381,7 +380,6 @@ class Proxy:
         state = entry.state
         if state == EntryState.COMPLETE:
             request[OUTCOME] = Outcome.REPLAYED
-            self._answered(entry.kid)
             self.replays[entry.kid] = self.replays.get(entry.kid, 0) + 1
             self.metrics.saved(upstream, entry.kid, entry.response)
             recorded = request[FACTS].answer = entry.response
@@ -406,7 +404,7 @@ class Proxy:
         await self.store.journal.wait(kid, remaining)
 
     def _start(self, request: web.Request, route: Route, entry: Entry, body: bytes,
-               namespace: str) -> Call:
+               namespace: str, noted: int | None) -> Call:
         upstream: UpstreamSettings = route.upstream
         call = Call(kid=entry.kid, owner=entry.owner, fingerprint=entry.fingerprint, upstream=upstream,
                     on_ambiguous=self.on_ambiguous[upstream.name],
@@ -425,6 +423,9 @@ class Proxy:
         def done(_):
             self.tasks.discard(task)
             self.calls.pop(entry.kid, None)
+            if call.result is not None and call.result.fate is Fate.RECORDED:  # committed: as the store has it
+                self.answers.put(replace(entry, state=EntryState.COMPLETE, owner=None, response=call.answer,
+                                         completed_at=time.time()), noted)
         task.add_done_callback(done)
         return call
 

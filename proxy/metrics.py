@@ -44,6 +44,7 @@ class Metrics:
         self._unpriced: dict[str, list] = {}
         self._pricing = False  # a lookup is scheduled on the event loop
         self.replayed_from_memory = 0  # replays answered from an attempt's preloaded journal
+        self.replayed_from_cache = 0  # replays answered from entries held here (answercache.py)
         self.runs = Gauge("idemproxy_runs", "Runs by state", ["state"], registry=r)
         self.runs_counted_at = float("-inf")  # time.monotonic() of the last count (app.metrics)
         self.restarts = Counter("idemproxy_restarts_total", "Runs restarted by the supervisor",
@@ -201,3 +202,5 @@ class _RequestCollector(Collector):
         yield cost
         yield CounterMetricFamily("idemproxy_replays_from_memory", "Replays answered from a restarted "
                                   "attempt's journal, loaded in one read", value=m.replayed_from_memory)
+        yield CounterMetricFamily("idemproxy_replays_from_answer_cache", "Replays answered from complete "
+                                  "entries held in the process's memory", value=m.replayed_from_cache)

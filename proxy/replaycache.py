@@ -10,8 +10,9 @@ Why an entry in memory answers as the store would (what the README promises):
 - Only COMPLETE entries are loaded, and a complete entry never changes until it expires
   or its run's journal is deleted: resolve changes quarantined entries only, release and
   takeovers in-flight ones. Expiry is checked against ``expires_at`` at each use.
-- A deleted journal is seen at once when the delete went through this process
-  (:meth:`ReplayCache.forget_run`), and within ``replay_cache_ttl`` otherwise.
+- A deleted journal is seen everywhere before the delete answers: the attempts held
+  answer under the lease of proxy/freshness.py, as the answer cache does, and are all
+  dropped when the journal's generation changes.
 - Fencing and derived keys' occurrence numbers still come from the store, one round trip
   per call (``Journal.replay_occurrence``): exact across replicas and workers. Counting
   them in memory would need the store to grant one process an attempt's counters, take
@@ -33,6 +34,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from .freshness import Freshness
 from .store import StoreUnavailable
 from .store.base import Entry, Journal
 
@@ -60,8 +62,9 @@ class CachedAttempt:
 class ReplayCache:
     """Attempts' recorded entries in this process; see the module docstring."""
 
-    def __init__(self, journal: Journal, max_bytes: int, ttl_s: float):
+    def __init__(self, journal: Journal, freshness: Freshness, max_bytes: int, ttl_s: float):
         self._journal = journal
+        self._freshness = freshness
         self._max_bytes = max_bytes
         self._ttl_s = ttl_s
         self._attempts: dict[AttemptKey, CachedAttempt] = {}
@@ -69,11 +72,15 @@ class ReplayCache:
         self._seen: OrderedDict[AttemptKey, None] = OrderedDict()
         self._used = 0  # bytes of the bodies held
         self.loads = 0  # attempts loaded (for /metrics)
+        freshness.on_change(self.clear)
 
     def get(self, namespace: str, run: str, epoch: int | None) -> CachedAttempt | None:
-        """The attempt's entries while they are fresh; a dict lookup for every other request."""
+        """The attempt's entries while they are fresh and memory may answer (freshness.py); a
+        dict lookup for every other request."""
         attempt = self._attempts.get((namespace, run, epoch))  # type: ignore[arg-type]
-        if attempt is not None and time.monotonic() - attempt.loaded_at > self._ttl_s:
+        if attempt is None or not self._freshness.fresh():
+            return None
+        if time.monotonic() - attempt.loaded_at > self._ttl_s:
             self.drop(attempt)
             return None
         return attempt
@@ -100,11 +107,14 @@ class ReplayCache:
         if room <= 0:  # full: this attempt replays through the store
             self._remember(key)
             return None
+        noted = self._freshness.generation
         try:
             # the oldest entries that fit: a replay goes in order, the rest from the store
             entries, _ = await self._journal.recorded(namespace, run, room)
         except StoreUnavailable as exc:  # the request goes on through the store, which says how
             log.warning("recorded entries of run %s not loaded: %s", run, exc)
+            return None
+        if not self._freshness.current(noted):  # a delete meanwhile, or no generation read yet
             return None
         self._remember(key)
         for other in [a for a in self._attempts.values() if a.key[:2] == key[:2] and a.key[2] < epoch]:
@@ -123,10 +133,11 @@ class ReplayCache:
             del self._attempts[attempt.key]
             self._used -= attempt.size
 
-    def forget_run(self, namespace: str, run: str) -> None:
-        """The run's journal was deleted: no attempt of it answers from memory any more."""
-        for attempt in [a for a in self._attempts.values() if a.key[:2] == (namespace, run)]:
-            self.drop(attempt)
+    def clear(self) -> None:
+        """A journal was deleted somewhere: let go of every attempt (an attempt seen already
+        replays through the store from now on)."""
+        self._attempts.clear()
+        self._used = 0
 
     def _remember(self, key: AttemptKey) -> None:
         self._seen[key] = None

@@ -583,6 +583,26 @@ async def test_delete_journal_removes_only_that_run(store):
     assert await store.journal.next_occurrence(NS, "run-1", 0, "fp", 3600, tenant=TENANT) == 0  # numbering starts over
 
 
+
+async def test_generation_rises_with_every_journal_delete_and_nothing_else(store):
+    # Entries held in a proxy's memory answer only under the generation they were read in
+    # (proxy/freshness.py): a delete raises it; records, resolves and purges of expired
+    # entries change no complete entry a proxy may hold, and leave it be.
+    journal = store.journal
+    assert await journal.generation() == 0
+    sc = scope()
+    await journal.complete(sc.kid, await claimed(store, sc), REPLY)
+    quarantined = scope("s2")
+    await claimed(store, quarantined, owner="a")
+    await journal.quarantine(quarantined.kid, "a", "upstream answered 502")
+    assert await journal.resolve(quarantined.kid, REPLY)
+    await journal.purge(time.time() + 10 * 86400)
+    assert await journal.generation() == 0
+    assert await journal.delete_run(NS, "run-1") >= 0
+    assert await journal.generation() == 1
+    assert await journal.delete_run(NS, "no-such-run") == 0  # raised all the same: it is cheap
+    assert await journal.generation() == 2
+
 # -- runs ----------------------------------------------------------------------------------
 
 async def test_upsert_get_and_list_runs(store):

@@ -34,7 +34,7 @@ import hmac
 
 from aiohttp import web
 
-from ..appkeys import METRICS, PROXY, RUNS, SETTINGS
+from ..appkeys import METRICS, RUNS, SETTINGS
 from ..identity import TENANT_NAME
 from ..problems import Problem
 from ..store.base import RUN_STATES, RunState
@@ -135,8 +135,6 @@ async def delete_journal(request: web.Request) -> web.Response:
     service = request.config_dict[RUNS]
     run = await service.find(run_id(request), request.query.get("namespace"))
     deleted = await service.delete_journal(run)
-    # an attempt replaying from this process's memory must not answer from the deleted journal
-    request.config_dict[PROXY].replay_cache.forget_run(run.namespace, run.run_id)
     return json_response({"deleted": deleted, "namespace": run.namespace, "run_id": run.run_id})
 
 

@@ -9,6 +9,7 @@ hands in (supervisor/hooks.py's ``Hooks``), so this package never imports the su
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Protocol
@@ -198,7 +199,12 @@ class RunsService:
         return runs, await self.store.journal.count_steps([(r.namespace, r.run_id) for r in runs])
 
     async def delete_journal(self, run: Run) -> int:
-        return await self.store.journal.delete_run(run.namespace, run.run_id)
+        """Delete the run's journal; answer once no process can replay it from memory: the
+        delete raised the journal's generation, and every process's memory answers only
+        within ``cache_lease`` of a look at it (proxy/freshness.py)."""
+        deleted = await self.store.journal.delete_run(run.namespace, run.run_id)
+        await asyncio.sleep(self.settings.store.cache_lease)
+        return deleted
 
     async def purge(self) -> tuple[int, int]:
         """Delete expired journal entries, and the runs neither seen nor ended for a retention;

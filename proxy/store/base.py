@@ -363,7 +363,14 @@ class Journal(Protocol):
     async def purge(self, now: float, batch: int = 1000) -> int: """Delete expired entries."""
     async def entries(self, namespace: str, run: str) -> list[Entry]:
         """A run's entries (every tenant's), oldest first, with status but no body."""
-    async def delete_run(self, namespace: str, run: str) -> int: """Delete a run's entries."""
+    async def delete_run(self, namespace: str, run: str) -> int:
+        """Delete a run's entries, and raise the generation in the same transaction."""
+    async def generation(self) -> int:
+        """The journal's invalidation generation: 0 at first, raised by every change to complete
+        entries other than their expiry (``delete_run``; a resolve changes quarantined entries
+        only). Entries held in memory answer only under the generation they were read in
+        (proxy/freshness.py). Raised in the same transaction as the change, never before it:
+        a read that sees the new generation then also sees the change."""
     async def count_steps(self, runs: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
         """Journal entries of each (namespace, run) not purged yet; runs without any are left out."""
     async def search(self, *, state: str | None = None, key: str | None = None, tenant: str | None = None,

@@ -238,6 +238,10 @@ class PostgresJournal:
     async def delete_run(self, namespace: str, run: str) -> int:
         return (await self._db.fetchrow("delete_journal", sql.DELETE_JOURNAL, namespace, run))[0]
 
+    async def generation(self) -> int:
+        row = await self._db.fetchrow("generation", sql.GENERATION)
+        return row[0] if row else 0
+
     async def count_steps(self, runs: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
         if not runs:
             return {}

@@ -43,6 +43,9 @@ ALTER TABLE runs ADD COLUMN attachments BIGINT NOT NULL DEFAULT 0;
 """), (4, """
 -- replays by the epoch of their run, {"epoch": [replays, first seen]}: the console's timeline
 ALTER TABLE journal ADD COLUMN replayed JSONB;
+"""), (5, """
+-- the journal's invalidation generation (Journal.generation): no row reads as 0
+CREATE TABLE cache_generation (id INTEGER PRIMARY KEY CHECK (id = 0), generation BIGINT NOT NULL);
 """)]
 
 

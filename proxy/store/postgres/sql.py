@@ -147,8 +147,11 @@ DELETE FROM occurrences WHERE ctid IN (SELECT ctid FROM occurrences WHERE expire
 DELETE_JOURNAL = """
 WITH p AS (DELETE FROM partials WHERE kid IN (SELECT kid FROM journal WHERE namespace = $1 AND run = $2)),
 o AS (DELETE FROM occurrences WHERE tenant = $1 AND run = $2),
-j AS (DELETE FROM journal WHERE namespace = $1 AND run = $2 RETURNING kid)
+j AS (DELETE FROM journal WHERE namespace = $1 AND run = $2 RETURNING kid),
+g AS (INSERT INTO cache_generation (id, generation) VALUES (0, 1)
+      ON CONFLICT (id) DO UPDATE SET generation = cache_generation.generation + 1)
 SELECT count(*) FROM j"""
+GENERATION = "SELECT generation FROM cache_generation"
 
 # $1..$19: the columns of RUN_COLUMNS, in order
 UPSERT_RUN = f"""

@@ -16,6 +16,7 @@ unambiguous whatever the namespace holds. The layout::
     runs-named:{id}    set    rks of the runs called {id} (one per namespace)
     runs-idle          zset   rk -> max(last_seen, ended_at): runs purge() deletes
     secret:{name}      string
+    generation         string the journal's invalidation generation (Journal.generation)
     channel {prefix}changed   pub/sub: a kid whose entry changed, to wake waiters
 
 - :mod:`.connection`: the client, its scripts, pipelines and the pub/sub reader, shared by

@@ -244,7 +244,11 @@ class RedisJournal:
     async def delete_run(self, namespace: str, run: str) -> int:
         rk = run_ref(namespace, run)
         return await self._db.script("delete_journal", [self._db.key("steps", rk), self._db.key("occ", rk),
-                                                        self._db.key("steps-expiry")], [self._db.prefix, rk])
+                                                        self._db.key("steps-expiry"), self._db.key("generation")],
+                                     [self._db.prefix, rk])
+
+    async def generation(self) -> int:
+        return int(await self._db.do(self._db.client.get(self._db.key("generation"))) or 0)
 
     async def count_steps(self, runs: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
         if not runs:

@@ -230,7 +230,7 @@ return {#due, gone}
 """
 
 DELETE_JOURNAL = """
--- KEYS: steps, occ, steps-expiry; ARGV: prefix, rk
+-- KEYS: steps, occ, steps-expiry, generation; ARGV: prefix, rk
 local deleted = 0
 for _, kid in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   deleted = deleted + redis.call('DEL', ARGV[1] .. 'entry:' .. kid)
@@ -238,6 +238,7 @@ for _, kid in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   redis.call('ZREM', KEYS[3], kid .. ' ' .. ARGV[2])
 end
 redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('INCR', KEYS[4])  -- in the same script: see Journal.generation
 return deleted
 """
 

@@ -22,6 +22,8 @@ GET = (f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing FROM jo
 NEXT_OCCURRENCE = ("INSERT INTO occurrences (tenant, run, epoch, fingerprint, n, expires_at) "
                    "VALUES (?, ?, ?, ?, 1, ?) ON CONFLICT DO UPDATE SET n = n + 1, "
                    "expires_at = excluded.expires_at RETURNING n")
+BUMP_GENERATION = ("INSERT INTO cache_generation (id, generation) VALUES (0, 1) "
+                   "ON CONFLICT (id) DO UPDATE SET generation = generation + 1")
 # Entries a purge deletes in one write: it shares the writer's group commit with the
 # requests queued beside it, so it is kept short (~15 ms of a loaded two-core machine).
 PURGE_BATCH = 100
@@ -259,9 +261,15 @@ class SQLiteJournal:
             c.execute("DELETE FROM partials WHERE kid IN (SELECT kid FROM journal WHERE namespace = ? "
                       "AND run = ?)", (namespace, run))
             c.execute("DELETE FROM occurrences WHERE tenant = ? AND run = ?", (namespace, run))
-            return c.execute("DELETE FROM journal WHERE namespace = ? AND run = ?",
-                             (namespace, run)).rowcount
+            deleted = c.execute("DELETE FROM journal WHERE namespace = ? AND run = ?",
+                                (namespace, run)).rowcount
+            c.execute(BUMP_GENERATION)  # in the same transaction: see Journal.generation
+            return deleted
         return await self._db.write(op)
+
+    async def generation(self) -> int:
+        rows = self._db.read("SELECT generation FROM cache_generation")
+        return rows[0][0] if rows else 0
 
     async def count_steps(self, runs: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
         if not runs:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS journal (
     kid TEXT PRIMARY KEY, tenant TEXT NOT NULL, run TEXT, epoch INTEGER,
@@ -30,12 +30,17 @@ CREATE TABLE IF NOT EXISTS runs (
     PRIMARY KEY (tenant, run_id));
 CREATE INDEX IF NOT EXISTS runs_by_state ON runs (state, last_seen);
 CREATE TABLE IF NOT EXISTS secrets (name TEXT PRIMARY KEY, value BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS cache_generation (
+    id INTEGER PRIMARY KEY CHECK (id = 0), generation INTEGER NOT NULL);
 """
 # What takes a file made by version N-1 to version N (SCHEMA above is already the latest).
 UPGRADES = {2: "ALTER TABLE runs ADD COLUMN restart_times BLOB",
             3: "ALTER TABLE runs ADD COLUMN lost_epoch INTEGER; "
                "ALTER TABLE runs ADD COLUMN attachments INTEGER NOT NULL DEFAULT 0",
-            4: "ALTER TABLE journal ADD COLUMN replayed BLOB"}  # replays by epoch (Entry.replayed)
+            4: "ALTER TABLE journal ADD COLUMN replayed BLOB",  # replays by epoch (Entry.replayed)
+            # the journal's invalidation generation (Journal.generation): no row reads as 0
+            5: "CREATE TABLE IF NOT EXISTS cache_generation ("
+               "id INTEGER PRIMARY KEY CHECK (id = 0), generation INTEGER NOT NULL)"}
 
 
 def migrate(conn: sqlite3.Connection) -> None:
