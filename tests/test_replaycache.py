@@ -117,6 +117,20 @@ async def test_a_deleted_journal_is_not_replayed_from_memory(make_proxy, store_u
     assert provider.calls["tool:send_email"] == 3
 
 
+
+async def test_a_journal_deleted_through_another_replica_is_not_replayed_from_memory(
+        make_proxy, store_url, provider, http):
+    a, b = await make_proxy(store_url), await make_proxy(store_url)
+    await record_steps(Agent(http, a.url, "r5", 0), 2)
+    again = Agent(http, b.url, "r5", 1)
+    assert (await again.chat(1))[:2] == (200, "true")  # B holds the attempt's journal
+    assert b.proxy.metrics.replayed_from_memory == 1
+    async with http.delete(f"{a.url}/admin/runs/r5/journal", headers=ADMIN) as r:
+        assert (await r.json())["deleted"] == 4
+    assert (await again.tool("step 1"))[:2] == (200, "false")  # not from B's memory: recorded anew
+    assert b.proxy.metrics.replayed_from_memory == 1
+    assert provider.calls["tool:send_email"] == 3
+
 async def test_quarantined_entries_come_from_the_store_and_a_resolve_is_seen(make_proxy, store_url, provider, http):
     proxy = await make_proxy(store_url)
     before = Agent(http, proxy.url, "r6", 0)
