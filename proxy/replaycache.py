@@ -88,7 +88,7 @@ class ReplayCache:
     def wanted(self, namespace: str, run: str, epoch: int | None) -> bool:
         """Whether a request of this attempt should load its entries: an attempt after the
         first, not loaded here before, while there is room."""
-        return (epoch is not None and epoch > 0 and self._max_bytes > 0
+        return (epoch is not None and epoch > 0 and self._max_bytes > 0 and self._freshness.lease_s > 0
                 and (namespace, run, epoch) not in self._seen)
 
     async def load(self, namespace: str, run: str, epoch: int) -> CachedAttempt | None:
@@ -108,13 +108,15 @@ class ReplayCache:
             self._remember(key)
             return None
         noted = self._freshness.generation
+        if noted is None:  # no look at the generation yet (the store was down at start): later
+            return None
         try:
             # the oldest entries that fit: a replay goes in order, the rest from the store
             entries, _ = await self._journal.recorded(namespace, run, room)
         except StoreUnavailable as exc:  # the request goes on through the store, which says how
             log.warning("recorded entries of run %s not loaded: %s", run, exc)
             return None
-        if not self._freshness.current(noted):  # a delete meanwhile, or no generation read yet
+        if not self._freshness.current(noted):  # a journal deleted meanwhile: later
             return None
         self._remember(key)
         for other in [a for a in self._attempts.values() if a.key[:2] == key[:2] and a.key[2] < epoch]:
