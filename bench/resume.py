@@ -23,7 +23,6 @@ Detection paths:
   restarted through the admin API), so the supervisor has the agent as a child process.
 - ``attach``: the benchmark starts the first attempt itself, as a Kubernetes Job or systemd
   would, with ``Run(..., attach=True)``: the client holds ``POST /runs/{id}/attach`` open.
-  Skipped (and said so) while the client library has no ``attach`` option.
 
 Without either, only silence is noticed: the restart then comes ``timeout_s`` after the
 last sign of life. Every part is checked, not only timed: exactly 240 model and 240 tool
@@ -32,12 +31,12 @@ replayed exactly 200 steps of each and went live at 201.
 
     python bench/resume.py                        # sqlite, postgres, redis; a few minutes
     python bench/resume.py --stores sqlite --paths hook --timeout-s 60
+    python bench/resume.py --agent httpx          # model calls as plain httpx POSTs, no SDK
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import secrets
@@ -50,7 +49,6 @@ import time
 import uuid
 from pathlib import Path
 
-from idemproxy_client import Run
 from processes import CLOCK_TICKS, REPO, BenchError, Processes, Server, free_port, http, make_store
 
 BENCH = Path(__file__).resolve().parent
@@ -140,7 +138,8 @@ class Scenario:
     def start_proxy(self, store_url: str) -> Server:
         port = free_port()
         env = {"OPENAI_API_KEY": "sk-bench", "AGENT_TIMEOUT_S": str(self.args.timeout_s),
-               "AGENT_STEPS": str(self.args.steps), "AGENT_CRASH_AT": str(self.args.crash_at)}
+               "AGENT_STEPS": str(self.args.steps), "AGENT_CRASH_AT": str(self.args.crash_at),
+               "AGENT_SDK": self.args.agent}
         if self.path == "attach":
             env["AGENT_ATTACH"] = "1"
         sections = {
@@ -176,7 +175,8 @@ class Scenario:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("IDEM_", "IDEMPROXY_"))}
         env.update(OPENAI_API_KEY="sk-bench", AGENT_ATTACH="1", AGENT_RUN_ID=self.run_id,
                    IDEM_PROXY_URL=proxy.url, AGENT_TIMEOUT_S=str(self.args.timeout_s),
-                   AGENT_STEPS=str(self.args.steps), AGENT_CRASH_AT=str(self.args.crash_at))
+                   AGENT_STEPS=str(self.args.steps), AGENT_CRASH_AT=str(self.args.crash_at),
+                   AGENT_SDK=self.args.agent)
         with open(self.first_log(0), "wb") as out:
             agent = subprocess.Popen([sys.executable, str(AGENT)], stdout=out, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env, start_new_session=True)
@@ -184,11 +184,20 @@ class Scenario:
         return 0
 
     def wait_until_ended(self, proxy: Server, last_epoch: int) -> dict:
-        """The run, once it ended and its last attempt's process exited (its log is whole)."""
+        """The run, once it ended and its last attempt's process exited (its log is whole).
+
+        The run (its history and journal) is read every 2 s, or at once when the last attempt's
+        log says it is done: each read costs the proxy ~2 ms of CPU, which read every 0.2 s
+        showed up in the replay's figures."""
         deadline = time.monotonic() + self.args.timeout_s + 120
-        run = {}
+        run, last_read = {}, time.monotonic()
         while time.monotonic() < deadline:
-            time.sleep(0.2)
+            time.sleep(0.05)
+            log = self.logs / f"default.{self.run_id}.{last_epoch}.log"
+            done = log.exists() and '"event": "done"' in log.read_text()  # (its last line may be half written)
+            if not done and time.monotonic() - last_read < 2.0:
+                continue
+            last_read = time.monotonic()
             run = self.api(proxy, "GET", f"/admin/runs/{self.run_id}", missing_ok=True)
             if run is None:  # an agent started by us has not registered its run yet
                 continue
@@ -287,18 +296,13 @@ def _kill(pid: int) -> None:
         pass
 
 
-def direct_steps(provider: Server, steps: int) -> dict:
+def direct_steps(provider: Server, steps: int, agent: str) -> dict:
     """The agent's ``steps`` straight to the fake provider, no proxy: its own share of a replay
     (``seconds``, and ``cpu_s`` in the agent)."""
-    env = {**os.environ, "AGENT_DIRECT_URL": provider.url, "AGENT_CRASH_AT": str(steps)}
+    env = {**os.environ, "AGENT_DIRECT_URL": provider.url, "AGENT_CRASH_AT": str(steps), "AGENT_SDK": agent}
     done = subprocess.run([sys.executable, str(AGENT)], env=env, capture_output=True, text=True, timeout=120)
     found = [json.loads(line) for line in done.stdout.splitlines() if '"direct"' in line]
     return {"seconds": round(found[0]["seconds"], 3), "cpu_s": round(found[0]["cpu_s"], 3)} if found else {}
-
-
-def attach_available() -> bool:
-    """Whether the client library can hold the attach connection (issue 14, item 2)."""
-    return "attach" in inspect.signature(Run.__init__).parameters
 
 
 def _seconds(value: float | None, target: float | None = None) -> str:
@@ -342,6 +346,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attach-grace-s", type=float, default=1.0,
                    help="[runs] attach_grace_s: how long a held connection may stay gone before its "
                         "attempt is lost (default 1.0, the proxy's); the attach path's kill -> restart")
+    p.add_argument("--agent", choices=("openai", "httpx"), default="openai",
+                   help="the agent's model calls: the openai SDK (default), or plain httpx POSTs (the same "
+                        "requests without the SDK's own work per call)")
     p.add_argument("--steps", type=int, default=240)
     p.add_argument("--crash-at", type=int, default=200)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "resume.json"))
@@ -360,15 +367,12 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     skipped: dict[str, str] = {}
     paths = list(args.paths)
-    if "attach" in paths and not attach_available():
-        paths.remove("attach")
-        skipped["attach"] = "the client library has no Run(..., attach=True) yet (issue 14, item 2)"
     with tempfile.TemporaryDirectory(prefix="idem-resume-") as tmp, Processes(Path(tmp)) as procs:
         port = free_port()
         provider = procs.start("provider", [sys.executable, str(BENCH / "provider.py"), "--port", str(port),
                                             "--arrivals"], port,
                                lambda s: http("GET", s.url + "/_calls", timeout=1)[0] == 200)
-        direct = direct_steps(provider, args.crash_at)
+        direct = direct_steps(provider, args.crash_at, args.agent)
         print(f"  {args.crash_at} steps straight to the provider: {_seconds(direct.get('seconds'))}", flush=True)
         for store in args.stores:
             for path in paths:
@@ -388,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
-            "steps": args.steps, "crash_at": args.crash_at, "attach_grace_s": args.attach_grace_s, "direct_steps_s": direct.get("seconds"),
+            "agent": args.agent, "steps": args.steps, "crash_at": args.crash_at, "attach_grace_s": args.attach_grace_s, "direct_steps_s": direct.get("seconds"),
             "direct_steps_cpu_s": direct.get("cpu_s")}
     out.write_text(json.dumps({"meta": meta, "rows": rows, "skipped": skipped}, indent=2) + "\n")
     print()

@@ -13,6 +13,11 @@ Started by the benchmark itself (the held-connection path), it registers
 With ``AGENT_DIRECT_URL`` it does ``AGENT_CRASH_AT`` steps straight to that upstream, no
 proxy: what the same calls cost the agent alone.
 
+``AGENT_SDK=httpx`` makes the model call a plain httpx POST instead of the openai SDK's: the
+same request and answer without the SDK's own work per call (request types transformed,
+answer parsed into models), which on this machine is most of what a replay costs the agent.
+What is left is what the proxy and the client library cost a replay.
+
 One JSON line per milestone on stdout (process, start, kill, replayed, live, done,
 direct), with ``time.time()``, for the benchmark to read from the log.
 """
@@ -25,6 +30,7 @@ import re
 import signal
 import sys
 import time
+from typing import Callable
 
 PROCESS_STARTED = time.time()
 
@@ -40,6 +46,25 @@ PROXY_TIME = re.compile(r"idemproxy;dur=([0-9.]+)")
 # A model the price database knows, as a real agent's is: the proxy prices what each replay
 # saved (idemproxy_cost_saved_usd_total) as it would in production. The fake upstream echoes it.
 MODEL = os.environ.get("AGENT_MODEL", "gpt-4o-mini")
+SDK = os.environ.get("AGENT_SDK", "openai")  # or "httpx"
+CREDENTIAL = {"Authorization": f"Bearer {os.environ.get('OPENAI_API_KEY', 'sk-bench')}"}  # what the SDK sends
+
+Chat = Callable[[list], tuple[str, httpx.Headers]]  # messages -> the answer's text and headers
+
+
+def sdk_chat(llm: OpenAI) -> Chat:
+    def chat(messages: list) -> tuple[str, httpx.Headers]:
+        raw = llm.chat.completions.with_raw_response.create(model=MODEL, messages=messages)
+        return raw.parse().choices[0].message.content, raw.headers
+    return chat
+
+
+def httpx_chat(llm: httpx.Client) -> Chat:
+    def chat(messages: list) -> tuple[str, httpx.Headers]:
+        answer = llm.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
+        answer.raise_for_status()
+        return answer.json()["choices"][0]["message"]["content"], answer.headers
+    return chat
 
 
 def say(event: str, **fields) -> None:
@@ -49,26 +74,24 @@ def say(event: str, **fields) -> None:
 class Agent:
     """The steps, and what came of them: replays, and the proxy's own time (its Server-Timing)."""
 
-    def __init__(self, llm: OpenAI, tools: httpx.Client):
-        self.llm, self.tools = llm, tools
+    def __init__(self, chat: Chat, tools: httpx.Client):
+        self.chat, self.tools = chat, tools
         self.last_result = "none"
         self.replayed = {"chat": 0, "tool": 0}
         self.in_proxy_s = 0.0
 
     def step(self, step: int) -> bool:
         """One step; whether its model call was a replay."""
-        raw = self.llm.chat.completions.with_raw_response.create(
-            model=MODEL,
-            messages=[{"role": "system", "content": "You send one email per step."},
-                      {"role": "user", "content": f"step {step}; last tool result: {self.last_result}"}])
-        completion = raw.parse()
-        sent = self.tools.post("/send_email", json={"step": step, "text": completion.choices[0].message.content})
+        text, chat_headers = self.chat(
+            [{"role": "system", "content": "You send one email per step."},
+             {"role": "user", "content": f"step {step}; last tool result: {self.last_result}"}])
+        sent = self.tools.post("/send_email", json={"step": step, "text": text})
         sent.raise_for_status()
         self.last_result = str(sent.json()["n"])
-        chat_replayed = raw.headers.get("idempotent-replayed") == "true"
+        chat_replayed = chat_headers.get("idempotent-replayed") == "true"
         self.replayed["chat"] += chat_replayed
         self.replayed["tool"] += sent.headers.get("idempotent-replayed") == "true"
-        self.in_proxy_s += (_proxy_ms(raw.headers) + _proxy_ms(sent.headers)) / 1000
+        self.in_proxy_s += (_proxy_ms(chat_headers) + _proxy_ms(sent.headers)) / 1000
         return chat_replayed
 
 
@@ -82,7 +105,8 @@ def attempt() -> None:
     options = {"attach": True} if os.environ.get("AGENT_ATTACH") == "1" else {}
     with Run(os.environ.get("AGENT_RUN_ID"), timeout_s=float(os.environ.get("AGENT_TIMEOUT_S", "60")),
              hook=os.environ.get("AGENT_HOOK", "agent") or None, **options) as run:
-        agent = Agent(run.openai(), run.client("tools", timeout=30))
+        llm = sdk_chat(run.openai()) if SDK == "openai" else httpx_chat(run.client("openai", timeout=30, headers=CREDENTIAL))
+        agent = Agent(llm, run.client("tools", timeout=30))
         say("start", epoch=run.epoch, since_process_start=time.time() - PROCESS_STARTED,
             cpu_s=time.process_time())
         first_request, first_cpu, live_at = time.time(), time.process_time(), None
@@ -100,8 +124,9 @@ def attempt() -> None:
 
 
 def direct(upstream: str) -> None:
-    agent = Agent(OpenAI(base_url=upstream + "/v1", api_key="sk-bench"),
-                  httpx.Client(base_url=upstream + "/tools", timeout=30))
+    llm = (sdk_chat(OpenAI(base_url=upstream + "/v1", api_key="sk-bench")) if SDK == "openai" else
+           httpx_chat(httpx.Client(base_url=upstream, headers=CREDENTIAL, timeout=30)))
+    agent = Agent(llm, httpx.Client(base_url=upstream + "/tools", timeout=30))
     began, cpu = time.time(), time.process_time()
     for step in range(1, CRASH_AT + 1):
         agent.step(step)

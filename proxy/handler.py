@@ -179,10 +179,15 @@ class Proxy:
         if chosen is Policy.PASSTHROUGH:
             await self._fence(ident, fail_open=True)
             return None
-        cache = self.replay_cache
-        attempt = cache.get(ident.namespace, ident.run, ident.epoch)
+        attempt = self.replay_cache.get(ident.namespace, ident.run, ident.epoch)
         if attempt is None or ident.key is not None:
             await self._fence(ident, fail_open=False)
+        return attempt if attempt is not None else await self._preloaded(ident)
+
+    async def _preloaded(self, ident: Identity) -> CachedAttempt | None:
+        """The attempt's journal in memory, loaded here by its first request that wants it."""
+        cache = self.replay_cache
+        attempt = cache.get(ident.namespace, ident.run, ident.epoch)
         if attempt is None and cache.wanted(ident.namespace, ident.run, ident.epoch):
             attempt = await cache.load(ident.namespace, ident.run, ident.epoch)
         return attempt
@@ -441,15 +446,20 @@ class Proxy:
                              lambda: self.tenants.tenant(request.headers, ident.namespace), body)
         if plan.call is not None:  # a tools/call is recorded: as for any call, not without a credential
             self.tenants.check_recordable(request.headers, ident.namespace, route.upstream.name)
+        attempt = None
         if ident.run:
             since = time.perf_counter()
+            # fenced first, always: a re-issued call takes its occurrence without the store
+            # (mcp/occurrences.py), so the occurrence's round trip cannot be the fence
             await self._fence(ident, fail_open=plan.call is None)
+            if plan.call is not None:  # a restarted attempt's replays come from its journal in memory
+                attempt = await self._preloaded(plan.ident)
             facts.timed(since)
         if plan.call is None:
             request[OUTCOME] = Outcome.PASSTHROUGH
             return await self._passthrough(request, route, body, started, plan.tap)
         counted = functools.partial(self.mcp.occurrence, plan) if plan.site else None
-        resp = await self._record(request, route, plan.ident, body, started, plan.fp, counted)
+        resp = await self._record(request, route, plan.ident, body, started, plan.fp, counted, attempt)
         return self.mcp.deliver(request, plan, resp) if plan.site is not None else resp
 
     # -- background work ------------------------------------------------------------------

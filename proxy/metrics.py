@@ -23,6 +23,12 @@ OWN_TIME_ONLY = frozenset({Outcome.REPLAYED, Outcome.REJECTED})
 USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "input_tokens", "output_tokens",
                 "cache_read_input_tokens", "cache_creation_input_tokens")
 SAVINGS_CACHE = 4096  # keys whose savings are remembered between replays
+# Replays of keys not priced yet come in bursts (a restarted attempt replays hundreds, one
+# after the other): they are priced once no new one has come for PRICE_WHEN_QUIET_S, so a
+# lookup (0.2-0.5 ms) does not take the CPU from the burst; past PRICE_BACKLOG keys waiting,
+# one per turn of the event loop at once.
+PRICE_WHEN_QUIET_S = 0.25
+PRICE_BACKLOG = 1000
 MODEL = re.compile(rb'"model"\s*:\s*"([^"]{1,200})"')
 STREAM_USAGE = re.compile(rb'"(' + b"|".join(f.encode() for f in USAGE_FIELDS) + rb')"\s*:\s*(\d+)')
 
@@ -42,7 +48,7 @@ class Metrics:
         self._savings: dict[str, tuple[str, dict[str, int], float | None]] = {}  # per key, worked out once
         # keys replayed whose price is still to be looked up: [upstream, model, tokens, replays]
         self._unpriced: dict[str, list] = {}
-        self._pricing = False  # a lookup is scheduled on the event loop
+        self._pricing: asyncio.Handle | None = None  # the next lookup, scheduled on the event loop
         self.replayed_from_memory = 0  # replays answered from an attempt's preloaded journal
         self.replayed_from_cache = 0  # replays answered from entries held here (answercache.py)
         self.runs = Gauge("idemproxy_runs", "Runs by state", ["state"], registry=r)
@@ -61,10 +67,10 @@ class Metrics:
     def saved(self, upstream: UpstreamSettings, kid: str, recorded: Recorded) -> None:
         """Count the tokens, and what they cost (pricing.py), that a replay did not pay again.
 
-        A key's price is looked up after its first replay has been answered, one key per turn
-        of the event loop (``_price_next``), or when the metrics are read: genai-prices takes
-        0.2-0.5 ms a lookup, and a restarted attempt replays hundreds of keys for the first
-        time, one after the other, each while the agent waits."""
+        A key's price is looked up after its first replay has been answered, once such replays
+        pause (``_price_soon``), or when the metrics are read: genai-prices takes 0.2-0.5 ms a
+        lookup, and a restarted attempt replays hundreds of keys for the first time, one after
+        the other, each while the agent waits."""
         savings = self._savings.get(kid)
         if savings is None:
             if len(self._savings) >= SAVINGS_CACHE:
@@ -90,22 +96,26 @@ class Metrics:
             self._price(next(iter(self._unpriced)))
 
     def _price_soon(self) -> None:
-        if self._pricing:
-            return
+        """(Re)schedule the lookups: PRICE_WHEN_QUIET_S after this key, unless too many wait."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no event loop (a command, a test): at once
             self.settle()
             return
-        self._pricing = True
-        loop.call_soon(self._price_next)
+        if self._pricing is not None:
+            self._pricing.cancel()
+        if len(self._unpriced) >= PRICE_BACKLOG:
+            self._pricing = loop.call_soon(self._price_next)
+        else:
+            self._pricing = loop.call_later(PRICE_WHEN_QUIET_S, self._price_next)
 
     def _price_next(self) -> None:
-        self._pricing = False
+        """One key, then the next on the loop's next turn (a new key's replay defers them again)."""
+        self._pricing = None
         if self._unpriced:
             self._price(next(iter(self._unpriced)))
         if self._unpriced:
-            self._price_soon()
+            self._pricing = asyncio.get_running_loop().call_soon(self._price_next)
 
     def _price(self, kid: str) -> None:
         upstream, named, tokens, replays = self._unpriced.pop(kid)

@@ -45,8 +45,9 @@ def output_tokens(tokens: dict[str, int]) -> int:
 
 
 def load() -> None:
-    """Import the database ahead of the first replay (~0.4 s; run it in a thread)."""
-    _database()
+    """Import the database ahead of the first replay (~0.4 s; run it in a thread). Its data
+    module is imported by the first lookup, unless ``get_snapshot`` has run before: here."""
+    _database().data_snapshot.get_snapshot()
 
 
 @functools.cache

@@ -115,9 +115,11 @@ async def test_a_restarted_agent_replays_its_tool_calls(make_proxy, store_url, t
         await agent.list_tools()
         replayed = [text(await agent.call_tool("send_email", {"subject": "s", "to": f"p{n}@x"})) for n in range(3)]
         assert text(await agent.call_tool("send_email", {"to": "p0@x", "subject": "s"})) == again
+        assert proxy.proxy.metrics.replayed_from_memory == 4  # the attempt's journal, loaded in one read
         live = text(await agent.call_tool("send_email", {"to": "p9@x", "subject": "s"}))
     assert replayed == first
     assert tools.calls["send_email"] == 5 and live.endswith("p9@x")
+    assert proxy.proxy.replay_cache.get("default", "r1", 1) is None  # live: the memory is let go
 
 
 @pytest.mark.parametrize("revision", REVISIONS)

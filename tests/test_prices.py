@@ -3,10 +3,13 @@ models; ``[upstreams.x] prices`` overrides it; the counters carry a ``model`` la
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from genai_prices import Usage, calc_price
 
 from idemproxy.proxy.config import UpstreamSettings
+from idemproxy.proxy.metrics import PRICE_WHEN_QUIET_S
 from idemproxy.proxy.pricing import cost_usd
 
 OPENAI = "/openai/v1/chat/completions"
@@ -83,3 +86,21 @@ async def test_replays_before_and_after_a_scrape_are_each_priced_once(make_proxy
     second = await scrape(http, proxy)
     label = 'idemproxy_cost_saved_usd_total{model="gpt-4o-mini",upstream="openai"}'
     assert first[label] == pytest.approx(0.04) and second[label] == pytest.approx(0.06)
+
+
+async def test_a_burst_of_new_keys_is_priced_once_it_pauses(make_proxy, sqlite_url, http):
+    """A restarted attempt replays hundreds of keys for the first time, one after the other:
+    their prices are looked up once such replays pause, not between them (each lookup is
+    0.2-0.5 ms of the event loop), and all of them then."""
+    proxy = await make_proxy(sqlite_url)
+    metrics, url = proxy.proxy.metrics, proxy.url + OPENAI
+    for n in range(5):
+        await replay_twice(http, url, {"model": "gpt-4o-mini", "messages": [], "n": n}, f"burst-{n}")
+        await asyncio.sleep(0.01)  # turns of the event loop: a lookup scheduled per key would run
+    assert len(metrics._unpriced) == 5
+    await asyncio.sleep(PRICE_WHEN_QUIET_S + 0.2)
+    assert not metrics._unpriced
+    gpt = float(calc_price(Usage(input_tokens=10, output_tokens=5), "gpt-4o-mini", provider_id="openai")
+                .total_price)
+    assert (await scrape(http, proxy))['idemproxy_cost_saved_usd_total{model="gpt-4o-mini",upstream="openai"}'] \
+        == pytest.approx(10 * gpt)
