@@ -74,6 +74,25 @@ async def test_once_a_delete_has_answered_no_replica_replays_the_deleted_entry(
     assert b.proxy.metrics.replayed_from_cache == 1
 
 
+
+async def test_an_entry_read_while_a_delete_committed_is_not_kept(make_proxy, store_url, http):
+    # A read that started before a delete may return the entry after the delete has raised
+    # the generation: it is kept only under the generation noted before the read.
+    a = await make_proxy(store_url)
+    await send(http, a.url, "k-1", run="wipe")
+    async with http.get(f"{a.url}/admin/runs/wipe", headers=ADMIN) as r:
+        kid = (await r.json())["steps"][0]["kid"]
+    answers, freshness, journal = a.proxy.answers, a.proxy.freshness, a.store.journal
+    answers.clear()
+    noted = freshness.generation
+    entry = await journal.get(kid)  # read before the delete
+    await journal.delete_run("default", "wipe")
+    await freshness.look()
+    answers.put(entry, noted)
+    assert len(answers) == 0
+    answers.put(entry, freshness.generation)  # what refused it above was the generation alone
+    assert len(answers) == 1
+
 async def test_a_resolve_is_seen_everywhere_and_then_held(make_proxy, store_url, provider, http):
     # A resolve changes a quarantined entry, which no memory holds: B answers the resolution
     # at once, from the journal, and then from its memory.
