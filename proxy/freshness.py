@@ -48,6 +48,7 @@ class Freshness:
         self.lease_s = lease_s
         self.generation: int | None = None  # None until the first read
         self._fresh_until = 0.0  # time.monotonic() when the last read's lease ends
+        self._sent = float("-inf")  # time.monotonic() when the read that set it was sent
         self._on_change: list[Callable[[], None]] = []
         self._failing = False  # the last read failed (logged once per outage)
 
@@ -67,6 +68,9 @@ class Freshness:
         """Read the generation; on a change, drop what is held before anything answers again."""
         started = time.monotonic()  # before the read is sent: the lease errs short, never long
         generation = await self._journal.generation()
+        if started < self._sent:  # a look sent later has answered already: this one is older news
+            return
+        self._sent = started
         if generation != self.generation:
             if self.generation is not None:
                 log.info("journal generation %d -> %d: entries held in memory dropped",
