@@ -23,8 +23,9 @@ cannot be reached the reads fail, the lease lapses within W, and requests go to 
 (which answers 503 as it does without memory).
 
 What it does not see: a change made in the store by hand (SQL, redis-cli) without raising
-the generation, and Redis evicting keys under ``maxmemory`` (a journal must not be evicted
-anyway). The README ("Replays from memory") says how to raise the generation by hand.
+the generation, a store restored from a backup or a Redis that lost its data, and Redis
+evicting keys under ``maxmemory`` (a journal must not be evicted anyway). The README
+("Replays from memory") says how to raise the generation by hand.
 """
 
 from __future__ import annotations
