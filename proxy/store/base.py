@@ -347,7 +347,8 @@ class Journal(Protocol):
         """Durably record the outcome; False if the claim was lost."""
     async def release(self, kid: str, owner: str) -> None: """Give the key back: nothing happened."""
     async def quarantine(self, kid: str, owner: str | None, detail: str) -> None:
-        """Keep the key as outcome-unknown."""
+        """Keep the key as outcome-unknown. For in-flight entries (``owner`` None: whoever holds
+        it); never a complete one, which proxies may hold in memory (see ``generation``)."""
     async def mark_unrecordable(self, kid: str, owner: str, detail: str) -> None:
         """The response was too large to keep."""
     async def resolve(self, kid: str, recorded: Recorded | None) -> bool:
