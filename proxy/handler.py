@@ -19,6 +19,7 @@ from .calls import Call, Fate
 from .config import Settings, UpstreamSettings
 from .errors import OUTCOME, STARTED, UPSTREAM_S
 from .facts import FACTS, Facts, key_kind
+from .fencing import Fence
 from .fingerprint import fingerprint
 from .forward import forwarded_key, is_stream, request_headers, response_headers
 from .forwarded import Forwarding
@@ -30,11 +31,12 @@ from .metrics import Metrics
 from .outcomes import Outcome
 from .policy import OnAmbiguous, Policy
 from .problems import Problem
-from .replay import STREAM, join_remote, listen, send_record, server_timing, start_stream, whole_record
+from .replay import (STREAM, in_flight, join_remote, key_reused, listen, outcome_unknown, send_record,
+                     server_timing, start_stream, whole_record)
 from .replaycache import CachedAttempt, ReplayCache
 from .routing import Route, parse_route, upstream_url
 from .store import Store, StoreUnavailable
-from .store.base import Claim, ClaimResult, Entry, EntryState, Run, Scope
+from .store.base import Claim, ClaimResult, Entry, EntryState, Scope
 
 log = logging.getLogger("idemproxy.proxy")
 
@@ -57,15 +59,16 @@ class Proxy:
     replays: dict[str, int] = field(default_factory=dict)  # replay counts not yet stored
     on_ambiguous: dict[str, OnAmbiguous] = field(init=False)  # per upstream, worked out once
     forwarding: Forwarding = field(init=False)
+    fence: Fence = field(init=False)  # superseded attempts refused
     freshness: Freshness = field(init=False)  # when the two caches below may answer
     answers: AnswerCache = field(init=False)  # complete entries recorded or read here, in memory
     replay_cache: ReplayCache = field(init=False)  # restarted attempts' journals, in memory
-    _epoch_reads: dict[tuple, asyncio.Future] = field(default_factory=dict)  # shared fence reads
     mcp: McpUpstreams = field(default_factory=McpUpstreams)  # kind = "mcp" upstreams' state
 
     def __post_init__(self) -> None:
         self.on_ambiguous = {name: policy.on_ambiguous(up) for name, up in self.settings.upstreams.items()}
         self.forwarding = Forwarding(self.settings.server.trusted_proxies)
+        self.fence = Fence(self.settings, self.store, self.heartbeats)
         store, journal = self.settings.store, self.store.journal
         self.freshness = Freshness(journal, store.cache_lease)
         self.answers = AnswerCache(self.freshness, store.answer_cache_bytes)
@@ -146,42 +149,16 @@ class Proxy:
                 raise Problem("too-large", f"request body over {limit} bytes", max_request_bytes=limit)
         return bytes(body)
 
-    async def _fence(self, ident: Identity, fail_open: bool) -> None:
-        """Refuse a superseded attempt (a zombie) before anything is forwarded.
-
-        A passthrough request records nothing, so when the store is down it goes on
-        unfenced (SPEC §7: passthrough still works); a record request fails closed.
-        """
-        runs = self.settings.runs
-        # traffic arms no hook by itself: the [runs] hook only where its tenants may (README)
-        defaults = Run(ident.namespace, ident.run, timeout_s=runs.timeout_s, grace_s=runs.grace_s,
-                       max_restarts=runs.max_restarts, hook=self.settings.default_hook(ident.namespace))
-        try:
-            current = await self._observe_epoch(ident, defaults)
-        except StoreUnavailable:
-            if not fail_open:
-                raise
-            log.warning("store unavailable: passthrough for run %s forwarded unfenced", ident.run)
-            return
-        if ident.epoch is not None and ident.epoch < current:
-            raise Problem("stale-epoch", f"run {ident.run} is at epoch {current}; this attempt "
-                          f"(epoch {ident.epoch}) has been superseded", epoch=current)
-        if ident.epoch is not None and ident.epoch > current:  # the store raises it by one at most
-            raise Problem("epoch-ahead", f"run {ident.run} is at epoch {current}; a request may start "
-                          f"epoch {current + 1} at most, not {ident.epoch} (POST /runs/{ident.run}/attempts "
-                          "starts the next attempt)", epoch=current)
-        self.heartbeats.beat(ident.namespace, ident.run)  # a fenced zombie is no sign of life
-
     async def _fence_or_preloaded(self, ident: Identity, chosen: Policy) -> CachedAttempt | None:
         """Fence the request; for a recorded call, also find its attempt's journal in memory,
         loaded on the attempt's first request here. A derived key in a preloaded attempt is
         fenced later, with its occurrence (_scope): one store round trip for both."""
         if chosen is Policy.PASSTHROUGH:
-            await self._fence(ident, fail_open=True)
+            await self.fence.check(ident, fail_open=True)
             return None
         attempt = self.replay_cache.get(ident.namespace, ident.run, ident.epoch)
         if attempt is None or ident.key is not None:
-            await self._fence(ident, fail_open=False)
+            await self.fence.check(ident, fail_open=False)
         return attempt if attempt is not None else await self._preloaded(ident)
 
     async def _preloaded(self, ident: Identity) -> CachedAttempt | None:
@@ -191,18 +168,6 @@ class Proxy:
         if attempt is None and cache.wanted(ident.namespace, ident.run, ident.epoch):
             attempt = await cache.load(ident.namespace, ident.run, ident.epoch)
         return attempt
-
-    async def _observe_epoch(self, ident: Identity, defaults: Run) -> int:
-        """The run's current epoch. Requests of one attempt that arrive together share one
-        store call (in flight for a round trip), so a busy run costs the store one read per
-        round trip, not one per request."""
-        key = (ident.namespace, ident.run, ident.epoch)
-        shared = self._epoch_reads.get(key)
-        if shared is None:
-            shared = self._epoch_reads[key] = asyncio.ensure_future(self.store.runs.observe_epoch(
-                ident.namespace, ident.run, ident.epoch, defaults, time.time()))
-            shared.add_done_callback(lambda _: self._epoch_reads.pop(key, None))
-        return await asyncio.shield(shared)
 
     # -- passthrough ----------------------------------------------------------------------
 
@@ -331,7 +296,7 @@ class Proxy:
                 return n
             # the run is no longer at this epoch: the fence says how (412 for a superseded attempt)
             self.replay_cache.drop(attempt)
-            await self._fence(ident, fail_open=False)
+            await self.fence.check(ident, fail_open=False)
         return await journal.next_occurrence(ident.namespace, ident.run, ident.epoch, fp, retention, tenant=tenant)
 
     @staticmethod
@@ -340,7 +305,7 @@ class Proxy:
         ``in_flight_wait``, for the call's outcome, or for its stream to begin (then it joins
         the stream live). False: the call gave the key back meanwhile."""
         if call.fingerprint != fp:
-            raise _key_reused("is in use")
+            raise key_reused("is in use")
 
         async def joinable() -> None:
             await call.headers_ready()
@@ -349,7 +314,7 @@ class Proxy:
         try:
             await asyncio.wait_for(joinable(), max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
-            raise _in_flight() from None
+            raise in_flight() from None
         return not call.gave_back
 
     async def _claim(self, request: web.Request, route: Route, ident: Identity, scope: Scope,
@@ -381,7 +346,7 @@ class Proxy:
         """Answer from a key someone else claimed: its replay, a refusal, or the stream
         another proxy is recording. None: in flight, and its stream has not begun."""
         if entry.fingerprint != fp:
-            raise _key_reused("was first used")
+            raise key_reused("was first used")
         state = entry.state
         if state == EntryState.COMPLETE:
             request[OUTCOME] = Outcome.REPLAYED
@@ -393,7 +358,7 @@ class Proxy:
             paced = request.headers.get("Idem-Replay", "").lower() == "paced"
             return await send_record(request, recorded, started, paced)
         if state == EntryState.UNKNOWN:
-            raise _outcome_unknown(entry)
+            raise outcome_unknown(entry)
         if state == EntryState.UNRECORDABLE:
             raise Problem("not-replayable", entry.detail or "the response was too large to record")
         joined = await join_remote(request, self.store, entry.kid, started)
@@ -405,7 +370,7 @@ class Proxy:
         """Until the key changes in the store, within ``in_flight_wait``."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise _in_flight()
+            raise in_flight()
         await self.store.journal.wait(kid, remaining)
 
     def _start(self, request: web.Request, route: Route, entry: Entry, body: bytes,
@@ -451,7 +416,7 @@ class Proxy:
             since = time.perf_counter()
             # fenced first, always: a re-issued call takes its occurrence without the store
             # (mcp/occurrences.py), so the occurrence's round trip cannot be the fence
-            await self._fence(ident, fail_open=plan.call is None)
+            await self.fence.check(ident, fail_open=plan.call is None)
             if plan.call is not None:  # a restarted attempt's replays come from its journal in memory
                 attempt = await self._preloaded(plan.ident)
             facts.timed(since)
@@ -494,23 +459,3 @@ def _lapsed(entry: Entry) -> bool:
     """An in-flight entry whose proxy stopped renewing its lease: claimable again."""
     return entry.state == EntryState.IN_FLIGHT and entry.lease_until < time.time()
 
-
-def _key_reused(how: str) -> Problem:
-    return Problem("key-reused", f"this Idempotency-Key {how} with a different request "
-                   "(method, path or body)")
-
-
-def _outcome_unknown(entry: Entry) -> Problem:
-    """502 for a quarantined key: it names the entry, and how an operator settles it."""
-    kid = entry.kid
-    command = f"idemproxy journal resolve {kid} --retry"
-    endpoint = f"POST /admin/journal/{kid}/resolve"
-    return Problem("outcome-unknown", f"the first call's outcome is unknown ({entry.detail or 'ambiguous'}); "
-                   f"an operator must resolve journal entry {kid}: `{command}` (or --status N --body ...), "
-                   f"{endpoint}, or the console's quarantine page", kid=kid,
-                   resolve={"command": command, "endpoint": endpoint, "console": f"/ui/journal/{kid}"})
-
-
-def _in_flight() -> Problem:
-    return Problem("in-flight", "the first request with this key has not finished",
-                   headers={"Retry-After": "1"})

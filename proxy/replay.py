@@ -178,3 +178,24 @@ async def join_remote(request: web.Request, store: Store, kid: str,
             await resp.write(data)
             seq, sent = s, sent + len(data)
         await store.journal.wait(kid, 1.0)
+
+
+def key_reused(how: str) -> Problem:
+    return Problem("key-reused", f"this Idempotency-Key {how} with a different request "
+                   "(method, path or body)")
+
+
+def outcome_unknown(entry: Entry) -> Problem:
+    """502 for a quarantined key: it names the entry, and how an operator settles it."""
+    kid = entry.kid
+    command = f"idemproxy journal resolve {kid} --retry"
+    endpoint = f"POST /admin/journal/{kid}/resolve"
+    return Problem("outcome-unknown", f"the first call's outcome is unknown ({entry.detail or 'ambiguous'}); "
+                   f"an operator must resolve journal entry {kid}: `{command}` (or --status N --body ...), "
+                   f"{endpoint}, or the console's quarantine page", kid=kid,
+                   resolve={"command": command, "endpoint": endpoint, "console": f"/ui/journal/{kid}"})
+
+
+def in_flight() -> Problem:
+    return Problem("in-flight", "the first request with this key has not finished",
+                   headers={"Retry-After": "1"})
