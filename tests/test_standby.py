@@ -12,6 +12,8 @@ import asyncio
 import json
 import os
 import signal
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -233,3 +235,31 @@ async def test_an_agent_that_does_not_wait_is_never_handed_a_run(standby_proxy, 
 async def _ended(proxy) -> Run | None:
     run = await the_run(proxy)
     return run if run.state in ("completed", "failed", "dead") else None
+
+
+WAITER = """
+import sys
+from idemproxy_client import wait_for_assignment
+print(wait_for_assignment())
+"""
+
+
+def test_a_standby_let_go_without_a_run_exits_quietly(tmp_path):
+    ours, theirs = socket.socketpair()
+    env = {**os.environ, "IDEM_STANDBY": "1"}
+    env.pop("IDEM_RUN_ID", None)
+    with theirs:
+        waiter = subprocess.Popen([sys.executable, "-c", WAITER], stdin=theirs, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert ours.recv(64) == b"ready\n"
+    ours.close()  # the supervisor went away
+    out, err = waiter.communicate(timeout=20)
+    assert (waiter.returncode, out, err) == (0, b"", b"")
+
+
+def test_a_copied_standby_marker_is_refused_clearly():
+    env = {**os.environ, "IDEM_STANDBY": "1"}
+    env.pop("IDEM_RUN_ID", None)
+    done = subprocess.run([sys.executable, "-c", WAITER], stdin=subprocess.DEVNULL, env=env,
+                          capture_output=True, text=True, timeout=20)
+    assert done.returncode == 1 and "stdin is not a supervisor's standby channel" in done.stderr
