@@ -51,6 +51,7 @@ BACKOFF_S = 0.5  # before replacing the first standby of a series that died idle
 BACKOFF_MAX_S = 30.0
 HEALTHY_S = 10.0  # a standby idle this long ends a series of deaths
 STOP_GRACE_S = 2.0  # after SIGTERM, before SIGKILL, when the pool stops
+REPLACE_AFTER_S = 3.0  # from a standby taken to its replacement started
 
 
 @dataclass(eq=False)
@@ -86,7 +87,9 @@ class StandbyPool:
         for standby in self._idle:
             if standby.ready and not standby.ended.done():
                 self._idle.remove(standby)
-                self._wanted.set()
+                # not at once: the replacement's imports would take the CPU the new attempt's
+                # replay needs (measured: its replay 2.7 s instead of 1.2 s on two cores)
+                asyncio.get_running_loop().call_later(REPLACE_AFTER_S, self._wanted.set)
                 return standby
         return None
 
