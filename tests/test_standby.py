@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import until
+from conftest import proxy_sections, until
 from idemproxy.proxy.store.base import Run
 
 pytestmark = pytest.mark.slow  # agent processes, started ahead, killed and restarted
@@ -230,6 +230,22 @@ async def test_an_agent_that_does_not_wait_is_never_handed_a_run(standby_proxy, 
     run = await the_run(proxy)
     assert spawned["run"] == "r" and started(run, 1)["pid"] == spawned["pid"] != plain["pid"]
     assert "standby" not in started(run, 1)
+
+
+async def test_idle_standbys_do_not_outlive_a_supervisor_killed_hard(proxy_process, provider, sqlite_url, tmp_path):
+    path = tmp_path / "agent.py"
+    path.write_text(AGENT)
+    agents = Agents(tmp_path / "said.jsonl")
+    sections = proxy_sections(provider.url, sqlite_url, supervisor={"enabled": True},
+                              hooks__agent={"command": [sys.executable, str(path), str(agents.path), "*=complete"],
+                                            "standby": 2, "log_dir": str(tmp_path / "logs")})
+    proxy = proxy_process(sections)
+    idle = [e["pid"] for e in await agents.up(2)]
+    await asyncio.sleep(0.3)
+    proxy.kill()  # SIGKILL: nothing of ours runs to stop them; their channel's far end closes
+    # they are the killed proxy's children, reparented and reaped by whoever adopts them
+    await until(lambda: asyncio.sleep(0, not any(map(alive, idle))), 10, "idle standbys gone")
+    assert agents.said("assigned") == []
 
 
 async def _ended(proxy) -> Run | None:

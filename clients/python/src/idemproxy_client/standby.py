@@ -27,8 +27,9 @@ _lock = threading.Lock()
 
 
 class StandbyDismissed(SystemExit):
-    """The supervisor let this standby go without a run (it stopped, or died): the process
-    has nothing to do and exits with code 0, unless caught."""
+    """The supervisor let this standby go without a run (it stopped, or died: a standby
+    never outlives its supervisor idle): the process has nothing to do and exits with
+    code 0, unless caught."""
 
     def __init__(self) -> None:
         super().__init__(0)
@@ -55,6 +56,9 @@ def wait_for_assignment() -> dict[str, str] | None:
             if not stat.S_ISSOCK(os.fstat(CHANNEL_FD).st_mode):
                 raise OSError("not a socket")
             os.write(CHANNEL_FD, READY)
+        except (BrokenPipeError, ConnectionResetError):  # the supervisor is gone already
+            _stdin_from_devnull()
+            raise StandbyDismissed() from None
         except OSError as exc:
             raise RuntimeError(f"{STANDBY_ENV}=1, but stdin is not a supervisor's standby channel "
                                f"({exc}); unset {STANDBY_ENV}") from None
