@@ -17,8 +17,9 @@ them in ``os.environ``, points its stdin at /dev/null and goes on as a spawned a
 Only a standby that said ``ready`` is handed a run: a process that does not wait (an agent
 not on the client library) would ignore the assignment, so it never gets one. One that
 stays silent past ``READY_TIMEOUT_S`` is terminated and the hook's standbys are turned off
-(every restart spawns, as without them). A standby that dies idle is replaced, after a
-backoff that grows with each death in a row, so a broken argv cannot spin. Stopping the pool
+(every restart spawns, as without them); so are they after ``MAX_UNREADY`` in a row that
+end, or cannot start, before saying ``ready`` (a broken argv, an agent that exits). A
+standby that dies idle is replaced after a backoff that grows with each death in a row. Stopping the pool
 terminates idle standbys (its own process group each); an assigned one is an agent, left
 running as any spawned agent is.
 """
@@ -52,6 +53,7 @@ BACKOFF_MAX_S = 30.0
 HEALTHY_S = 10.0  # a standby idle this long ends a series of deaths
 STOP_GRACE_S = 2.0  # after SIGTERM, before SIGKILL, when the pool stops
 REPLACE_AFTER_S = 3.0  # from a standby taken to its replacement started
+MAX_UNREADY = 5  # standbys in a row that end before saying ready: the hook's standbys are turned off
 
 
 @dataclass(eq=False)
@@ -77,6 +79,7 @@ class StandbyPool:
         self._wanted = asyncio.Event()  # a standby was taken or died: start another
         self._keeper: asyncio.Task | None = None
         self._deaths = 0  # idle deaths in a row
+        self._unready = 0  # standbys in a row that ended (or never started) before saying ready
         self._off = False
 
     def start(self) -> None:
@@ -156,6 +159,7 @@ class StandbyPool:
             ours.close()
             self._deaths += 1
             log.warning("hook %s: standby not started: %s", self.hook.name, exc)
+            self._count_unready(str(exc))
             return
         finally:
             theirs.close()
@@ -181,8 +185,10 @@ class StandbyPool:
             said.cancel()
             if said in done and not said.cancelled() and said.result() == READY:
                 standby.ready = True
+                self._unready = 0
             elif not done and standby in self._idle:
-                self._turn_off(standby)
+                self._turn_off(f"pid {standby.pid} did not say it waits for a run within "
+                               f"{READY_TIMEOUT_S:g}s (log {standby.log_path})", standby)
             status = await ended
         except BaseException:
             ended.cancel()
@@ -197,22 +203,29 @@ class StandbyPool:
         healthy = standby.ready and time.time() - standby.started_at >= HEALTHY_S
         self._deaths = 1 if healthy else self._deaths + 1
         log.warning("hook %s: idle standby pid %d %s%s; replacing it", self.hook.name, standby.pid, how,
-                    "" if standby.ready else " before it waited for a run (is the agent on "
-                    "idemproxy-client? see its log " + str(standby.log_path) + ")")
+                    "" if standby.ready else " before it said it waits for a run (log " + str(standby.log_path) + ")")
+        if not standby.ready:
+            self._count_unready(f"the last, pid {standby.pid}, {how}; log {standby.log_path}")
         self._wanted.set()
 
-    def _turn_off(self, standby: Standby) -> None:
-        log.error("hook %s: standby pid %d did not wait for a run within %gs: an agent not on the "
-                  "idemproxy-client library cannot be a standby. Standbys are off for this hook; "
-                  "each restart spawns its command. Log: %s", self.hook.name, standby.pid,
-                  READY_TIMEOUT_S, standby.log_path)
+    def _count_unready(self, last: str) -> None:
+        self._unready += 1
+        if self._unready >= MAX_UNREADY:
+            self._turn_off(f"{self._unready} standbys in a row ended before they said they wait for a run ({last})")
+
+    def _turn_off(self, why: str, standby: Standby | None = None) -> None:
+        """Standbys are not working for this hook: no more of them (restarts spawn the command)."""
+        log.error("hook %s: standbys turned off: %s. An agent not on the idemproxy-client library cannot "
+                  "be a standby; restarts spawn the command.", self.hook.name, why)
         self._off = True
+        self._wanted.set()
+        if standby is None:
+            return
         self._idle.remove(standby)
         standby.channel.close()
         _signal(standby.pid, signal.SIGTERM)
         asyncio.get_running_loop().call_later(
             STOP_GRACE_S, lambda: standby.ended.done() or _signal(standby.pid, signal.SIGKILL))
-        self._wanted.set()
 
 
 async def _read_line(channel: socket.socket, limit: int = 64) -> bytes:

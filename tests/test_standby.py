@@ -232,6 +232,18 @@ async def test_an_agent_that_does_not_wait_is_never_handed_a_run(standby_proxy, 
     assert "standby" not in started(run, 1)
 
 
+async def test_a_command_that_exits_at_once_is_not_started_again_and_again(standby_proxy, sqlite_url, caplog):
+    broken = "import json, os, sys, time\n" + PLAIN.split("if not", 1)[0] + "sys.exit(3)\n"
+    proxy, agents = await standby_proxy(sqlite_url, "*=complete", script=broken)
+    # replaced after 0.5, 1, 2 and 4 s; the fifth death in a row turns standbys off
+    starts = await until(lambda: asyncio.sleep(0, len(agents.said("up")) >= 5 and agents.said("up")), 20, "5 starts")
+    gaps = [b["t"] - a["t"] for a, b in zip(starts, starts[1:])]
+    assert all(wait <= gap < wait + 1.0 for wait, gap in zip([0.5, 1.0, 2.0, 4.0], gaps)), gaps
+    await asyncio.sleep(3)
+    assert len(agents.said("up")) == 5
+    assert "standbys turned off: 5 standbys in a row ended before they said they wait" in caplog.text
+
+
 async def test_idle_standbys_do_not_outlive_a_supervisor_killed_hard(proxy_process, provider, sqlite_url, tmp_path):
     path = tmp_path / "agent.py"
     path.write_text(AGENT)
