@@ -178,6 +178,30 @@ async def test_a_killed_standby_agent_is_restarted_at_once_by_another_standby(st
     assert provider.calls["chat"] == 1
 
 
+async def test_with_two_supervisors_exactly_one_standby_takes_each_restart(make_proxy, store_url, tmp_path, http,
+                                                                          provider):
+    path = tmp_path / "agent.py"
+    path.write_text(AGENT)
+    agents = Agents(tmp_path / "said.jsonl")
+    hook = {"command": [sys.executable, str(path), str(agents.path), "1=sleep,2=complete"], "standby": 1,
+            "log_dir": str(tmp_path / "logs"), "allow_tenants": ["default"]}
+    replicas = [await make_proxy(store_url, supervisor={"enabled": True, "interval_s": 1.0},
+                                 runs={"timeout_s": 60, "grace_s": 30}, hooks__agent=hook) for _ in range(2)]
+    async with http.post(f"{replicas[0].url}/runs/r", json={"hook": "agent"}) as resp:
+        assert resp.status == 201
+    await agents.up(2)  # one standby each
+    await asyncio.sleep(0.3)
+    await restart(http, replicas[0])
+    first = await agents.assigned(1)
+    os.kill(first["pid"], signal.SIGKILL)  # both supervisors see the attempt lost; one claims the restart
+    await agents.assigned(2)
+    run = await until(lambda: _ended(replicas[0]), 20, "completed")
+    await asyncio.sleep(1.5)  # time for a second, wrong, assignment to show
+    assert [e["epoch"] for e in agents.said("assigned")] == [1, 2]
+    assert [e["event"] for e in run.history].count("hook-started") == 2 and run.epoch == 2
+    assert provider.calls["chat"] == 1
+
+
 async def test_an_idle_standby_that_dies_is_replaced(standby_proxy, sqlite_url, http):
     proxy, agents = await standby_proxy(sqlite_url, "*=complete")
     (first,) = await agents.up(1)
