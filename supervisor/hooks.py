@@ -29,7 +29,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Mapping
+from typing import Mapping
 
 import aiohttp
 import orjson
@@ -201,7 +201,7 @@ class Hooks:
                  call.epoch, pid, log_path)
         await self._record(call, {"event": "hook-started", "hook": hook.name, "epoch": call.epoch,
                                   "pid": pid, "log": str(log_path)})
-        _background(self._watchers, self._watch(hook, call, pid, exited(pid)))
+        _background(self._watchers, self._watch(hook, call, pid))
         return None
 
     async def _hand_to_standby(self, hook: HookSettings, call: HookCall, log_path: Path) -> bool:
@@ -228,8 +228,9 @@ class Hooks:
         return Path(hook.log_dir) / f"{name}.log"
 
     async def _watch(self, hook: HookSettings, call: HookCall, pid: int,
-                     ended: Awaitable[int | None]) -> None:
-        facts = exit_facts(await ended)
+                     ended: asyncio.Future | None = None) -> None:
+        """Wait for the agent's exit (a standby's is heard by its pool: ``ended``)."""
+        facts = exit_facts(await (exited(pid) if ended is None else ended))
         log.info("hook %s for run %s epoch %d %s", hook.name, call.run_id, call.epoch, describe(facts))
         event = {"event": "hook-exit", "hook": hook.name, "epoch": call.epoch, "pid": pid, **facts}
         if hook.watch_exit and call.event == "restart" and await self._lose(call, event):
