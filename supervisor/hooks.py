@@ -167,6 +167,11 @@ class Hooks:
                 pool = self._standbys[hook.name] = StandbyPool(hook, standby_environment(hook))
                 pool.start()
 
+    def standbys_waiting(self, name: str) -> int:
+        """Idle standbys of hook ``name`` ready to take a run now."""
+        pool = self._standbys.get(name)
+        return pool.waiting if pool is not None else 0
+
     async def stop_standbys(self) -> None:
         """Terminate the idle standbys; assigned ones are agents, and keep running."""
         await asyncio.gather(*(pool.stop() for pool in self._standbys.values()))

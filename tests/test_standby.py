@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import proxy_sections, until
+from idemproxy.proxy.appkeys import RUNS
 from idemproxy.proxy.store.base import Run
 
 pytestmark = pytest.mark.slow  # agent processes, started ahead, killed and restarted
@@ -101,6 +102,13 @@ async def standby_proxy(make_proxy, tmp_path, http):
     return make
 
 
+async def waiting(proxy, count: int = 1) -> None:
+    """Until the proxy's supervisor has ``count`` standbys that said they wait for a run."""
+    launcher = proxy.app[RUNS].launcher
+    await until(lambda: asyncio.sleep(0, launcher.standbys_waiting("agent") >= count), 20,
+                f"{count} standbys waiting")
+
+
 async def restart(http, proxy) -> int:
     async with http.post(f"{proxy.url}/admin/runs/r/restart", headers=ADMIN) as resp:
         assert resp.status == 200
@@ -131,14 +139,14 @@ def alive(pid: int) -> bool:
 async def test_a_restart_is_served_by_a_standby_started_before_it(standby_proxy, sqlite_url, http, provider,
                                                                    tmp_path):
     proxy, agents = await standby_proxy(sqlite_url, "*=complete")
-    (waiting,) = await agents.up(1)
-    assert (waiting["standby"], waiting["run"]) == ("1", None)  # no run in its environment
-    await asyncio.sleep(0.3)  # past `ready` on its channel: Run() is waiting
+    (ahead,) = await agents.up(1)
+    assert (ahead["standby"], ahead["run"]) == ("1", None)  # no run in its environment
+    await waiting(proxy)  # it said `ready` on its channel: Run() is waiting
     fired = time.time()
     assert await restart(http, proxy) == 1
     assigned = await agents.assigned(1)
     run = await until(lambda: _ended(proxy), 20, "the run completed by the standby")
-    assert waiting["pid"] == assigned["pid"] == started(run, 1)["pid"] and waiting["t"] < fired
+    assert ahead["pid"] == assigned["pid"] == started(run, 1)["pid"] and ahead["t"] < fired
     assert started(run, 1)["standby"] is True and started(run, 1)["started_ahead_s"] > 0.3
     assert (run.state, run.epoch) == ("completed", 1)
     # the facts a spawned hook has; stdin is /dev/null again, the marker is gone
@@ -150,19 +158,19 @@ async def test_a_restart_is_served_by_a_standby_started_before_it(standby_proxy,
     assert log == tmp_path / "logs" / "default.r.1.log" and log.exists()
     # and a replacement was started after it was taken
     replacement = (await agents.up(2))[1]
-    assert replacement["pid"] != waiting["pid"] and alive(replacement["pid"])
+    assert replacement["pid"] != ahead["pid"] and alive(replacement["pid"])
 
 
 async def test_a_killed_standby_agent_is_restarted_at_once_by_another_standby(standby_proxy, store_url, http,
                                                                               provider):
     proxy, agents = await standby_proxy(store_url, "1=sleep,2=complete")
     await agents.up(1)
-    await asyncio.sleep(0.3)
+    await waiting(proxy)
     await restart(http, proxy)
     first = await agents.assigned(1)
     await until(lambda: asyncio.sleep(0, [e for e in agents.said("called") if e["epoch"] == 1]), 10, "called")
     second_up = (await agents.up(2))[1]  # the replacement, started after the first was taken
-    await asyncio.sleep(0.3)
+    await waiting(proxy)
     killed = time.time()
     os.kill(first["pid"], signal.SIGKILL)
     second = await agents.assigned(2)
@@ -189,8 +197,8 @@ async def test_with_two_supervisors_exactly_one_standby_takes_each_restart(make_
                                  runs={"timeout_s": 60, "grace_s": 30}, hooks__agent=hook) for _ in range(2)]
     async with http.post(f"{replicas[0].url}/runs/r", json={"hook": "agent"}) as resp:
         assert resp.status == 201
-    await agents.up(2)  # one standby each
-    await asyncio.sleep(0.3)
+    for replica in replicas:  # one standby each
+        await waiting(replica)
     await restart(http, replicas[0])
     first = await agents.assigned(1)
     os.kill(first["pid"], signal.SIGKILL)  # both supervisors see the attempt lost; one claims the restart
@@ -208,8 +216,8 @@ async def test_an_idle_standby_that_dies_is_replaced(standby_proxy, sqlite_url, 
     os.kill(first["pid"], signal.SIGKILL)
     replacement = (await agents.up(2))[1]
     assert replacement["pid"] != first["pid"] and alive(replacement["pid"])
-    await asyncio.sleep(0.3)
-    assert not alive(first["pid"])  # reaped
+    await until(lambda: asyncio.sleep(0, not alive(first["pid"])), 5, "the killed standby reaped")
+    await waiting(proxy)
     run = await the_run(proxy)
     assert run.epoch == 0 and not run.history[1:]  # nothing happened to any run
     await restart(http, proxy)
@@ -219,7 +227,7 @@ async def test_an_idle_standby_that_dies_is_replaced(standby_proxy, sqlite_url, 
 async def test_stopping_the_supervisor_ends_idle_standbys_not_assigned_ones(standby_proxy, sqlite_url, http):
     proxy, agents = await standby_proxy(sqlite_url, "*=sleep", standby=2)
     await agents.up(2)
-    await asyncio.sleep(0.3)
+    await waiting(proxy, 2)
     await restart(http, proxy)
     agent = await agents.assigned(1)
     idle = [e["pid"] for e in (await agents.up(3)) if e["pid"] != agent["pid"]]
@@ -248,7 +256,7 @@ async def test_without_standby_each_restart_spawns_the_command(standby_proxy, sq
 async def test_an_agent_that_does_not_wait_is_never_handed_a_run(standby_proxy, sqlite_url, http):
     proxy, agents = await standby_proxy(sqlite_url, "*=complete", script=PLAIN)
     (plain,) = await agents.up(1)  # started ahead, but it never says it waits
-    await asyncio.sleep(0.5)
+    await asyncio.sleep(1.0)  # time enough to have said it, had it been waiting
     await restart(http, proxy)
     spawned = (await agents.up(2))[1]
     run = await the_run(proxy)
@@ -277,7 +285,7 @@ async def test_idle_standbys_do_not_outlive_a_supervisor_killed_hard(proxy_proce
                                             "standby": 2, "log_dir": str(tmp_path / "logs")})
     proxy = proxy_process(sections)
     idle = [e["pid"] for e in await agents.up(2)]
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(1.0)  # past their imports: waiting
     proxy.kill()  # SIGKILL: nothing of ours runs to stop them; their channel's far end closes
     # they are the killed proxy's children, reparented and reaped by whoever adopts them
     await until(lambda: asyncio.sleep(0, not any(map(alive, idle))), 10, "idle standbys gone")
