@@ -21,6 +21,10 @@ Detection paths:
 
 - ``hook``: the first attempt is itself started by the hook (the run is registered, then
   restarted through the admin API), so the supervisor has the agent as a child process.
+- ``standby``: the same hook with ``standby = 1``: the supervisor keeps one process of the
+  agent started ahead, imported and waiting in ``Run()``; the restart hands it the run instead
+  of spawning. Its "hook fired -> first request" has no imports in it (its negative
+  ``restart_to_process_s`` says how long before the restart the process had started).
 - ``attach``: the benchmark starts the first attempt itself, as a Kubernetes Job or systemd
   would, with ``Run(..., attach=True)``: the client holds ``POST /runs/{id}/attach`` open.
 
@@ -53,7 +57,7 @@ from processes import CLOCK_TICKS, REPO, BenchError, Processes, Server, free_por
 
 BENCH = Path(__file__).resolve().parent
 AGENT = BENCH / "resume_agent.py"
-PATHS = ("hook", "attach")
+PATHS = ("hook", "standby", "attach")
 CHAT = "/v1/chat/completions"
 TARGETS = {"kill_to_live_s": 1.5, "replay_s": 0.5}  # issue 14
 
@@ -152,7 +156,8 @@ class Scenario:
             "runs": {"timeout_s": self.args.timeout_s, "max_restarts": 3,
                      "attach_grace_s": self.args.attach_grace_s},
             "hooks.agent": {"command": [sys.executable, str(AGENT)], "log_dir": str(self.logs), "env": env,
-                            "allow_tenants": ["default"]},  # an agent started elsewhere arms it itself
+                            "allow_tenants": ["default"],  # an agent started elsewhere arms it itself
+                            "standby": 1 if self.path == "standby" else 0},
             "supervisor": {"enabled": True},
             "admin": {"token": self.token},
         }
@@ -166,7 +171,7 @@ class Scenario:
 
     def start_first_attempt(self, proxy: Server) -> int:
         """Start the attempt that will die; its epoch."""
-        if self.path == "hook":  # registered (a hook is armed through the admin API), then started by it
+        if self.path in ("hook", "standby"):  # registered (a hook is armed through the admin API), then started by it
             self.api(proxy, "POST", f"/admin/runs/{self.run_id}?namespace=default",
                      {"hook": "agent", "timeout_s": self.args.timeout_s})
             return self.api(proxy, "POST", f"/admin/runs/{self.run_id}/restart")["epoch"]
@@ -231,6 +236,9 @@ class Scenario:
             "replayed_then_live": (done is not None and live is not None and live["step"] == crash_at + 1
                                    and done["replayed"] == {"chat": crash_at, "tool": crash_at}),
         }
+        if self.path == "standby":  # the restart was handed to a process started ahead, not spawned
+            checks["served_by_standby"] = any(e["event"] == "hook-started" and e["epoch"] == first + 1
+                                              and e.get("standby") for e in history)
         return {
             "store": self.store, "path": self.path, "timeout_s": self.args.timeout_s,
             "attach_grace_s": self.args.attach_grace_s if self.path == "attach" else None,
@@ -333,7 +341,7 @@ def markdown(rows: list[dict], skipped: dict[str, str], direct: dict) -> str:
     lines.append(f"\nThe same steps straight to the fake provider, without the proxy: {_seconds(direct.get('seconds'))}, "
                  f"{_seconds(direct.get('cpu_s'))} of CPU in the agent (its own share of a replay on this "
                  "machine, now). The agent's imports (openai, httpx, the client library) took "
-                 + ", ".join(f"{_seconds(r['imports_cpu_s'])}" for r in rows) + " of CPU in the restarted processes.")
+                 + ", ".join(f"{_seconds(r['imports_cpu_s'])}" for r in rows) + " of CPU in the restarted processes (a standby paid them before the restart).")
     return "\n".join(lines)
 
 
@@ -341,7 +349,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stores", type=lambda v: [s for s in v.split(",") if s], default=["sqlite", "postgres", "redis"])
     p.add_argument("--paths", type=lambda v: [s for s in v.split(",") if s], default=list(PATHS),
-                   help="hook (a child of the supervisor), attach (the held connection)")
+                   help="hook (a child of the supervisor), standby (the same, started ahead: standby = 1), "
+                        "attach (the held connection)")
     p.add_argument("--timeout-s", type=float, default=60.0, help="the run's silence timeout (default 60)")
     p.add_argument("--attach-grace-s", type=float, default=1.0,
                    help="[runs] attach_grace_s: how long a held connection may stay gone before its "

@@ -36,6 +36,7 @@ class Policy(StrEnum):
 
 
 ANONYMOUS_CHOICES = ("refuse", "shared")  # [tenants] and [upstreams.*] anonymous
+MAX_STANDBY = 64  # [hooks.*] standby: idle processes per hook and supervisor
 
 # Path words with a meaning of their own in the proxy's routes; no upstream may take these names.
 RESERVED_NAMES = frozenset({"runs", "admin", "healthz", "readyz", "metrics", "epochs",
@@ -259,6 +260,9 @@ class HookSettings:
     # The command is the agent: its exit without complete/fail restarts the run at once.
     # False for a launcher that hands the agent to something else and exits (kubectl, systemd-run).
     watch_exit: bool = True
+    # Processes of `command` kept started ahead, imported and waiting to be told their run
+    # (agents on the client library only); 0: each restart spawns the command.
+    standby: int = 0
 
     __repr__ = _repr_masking_urls
 
@@ -490,6 +494,8 @@ def _validate(s: Settings) -> None:
     for hook in s.hooks.values():
         if bool(hook.command) == bool(hook.url):
             raise ConfigError(f"hooks.{hook.name}: set exactly one of command or url")
+        if not 0 <= hook.standby <= MAX_STANDBY or (hook.standby and not hook.command):
+            raise ConfigError(f"hooks.{hook.name}: standby is for command hooks, from 0 to {MAX_STANDBY}")
     for name in (s.runs.hook, s.runs.on_dead):
         if name and name not in s.hooks:
             raise ConfigError(f"runs: hook {name!r} is not defined under [hooks]")

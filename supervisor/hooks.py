@@ -6,7 +6,9 @@ file per attempt, and the exit code and signal written into the run's history wh
 ends. The command is taken for the agent itself (``watch_exit``): when it ends while its
 attempt is still current and neither completed nor failed, the attempt is marked lost and
 the supervisor restarts the run at once, without waiting for ``timeout_s``. Its
-environment is described at :func:`hook_environment`.
+environment is described at :func:`hook_environment`. With ``standby = N`` the supervisor
+keeps N processes of the argv started ahead (supervisor/standby.py); a fired hook hands
+one of them the facts of the call instead of spawning, and watches it the same way.
 ``http`` hooks POST the same facts as JSON, signed with HMAC-SHA256 over the raw body in
 ``Idem-Signature: sha256=<hex>``, retried with exponential backoff.
 
@@ -36,6 +38,8 @@ from ..proxy.config import ENV_PREFIX, HookSettings, Settings
 from ..proxy.store import Store, StoreUnavailable
 from ..proxy.store.base import Run
 from .reaper import describe, exit_facts, exited
+from .spawn import SpawnError, spawn_detached
+from .standby import StandbyPool
 
 log = logging.getLogger("idemproxy.supervisor")
 
@@ -43,6 +47,7 @@ HTTP_TIMEOUT_S = 10.0     # per delivery try
 HTTP_BACKOFF_S = 0.5      # first wait between tries; doubles each time
 HTTP_BACKOFF_MAX_S = 30.0
 SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
+FACTS_PREFIX = "IDEM_"  # the facts of a call (HookCall.environment), and a standby's marker
 # Credentials of the supervisor's own stores and cloud account, by their well-known names.
 # Agents have no use for them; provider keys (OPENAI_API_KEY, ...) are not among them,
 # since agents need those. A hook's `pass_env` or `env` can still hand any of them on.
@@ -88,12 +93,22 @@ def hook_environment(hook: HookSettings, call: HookCall,
     2. the hook's ``env``;
     3. the facts of the call (``IDEM_RUN_ID``, ``IDEM_EPOCH``, ...), which nothing overrides.
     """
+    return {**_without_facts(hook, environ), **call.environment()}
+
+
+def standby_environment(hook: HookSettings, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """A standby's environment: a command hook's without the facts of a call (no ``IDEM_*``
+    at all, so nothing it finds there can be taken for a run), which come on its channel."""
+    return {k: v for k, v in _without_facts(hook, environ).items() if not k.startswith(FACTS_PREFIX)}
+
+
+def _without_facts(hook: HookSettings, environ: Mapping[str, str]) -> dict[str, str]:
     if hook.pass_env is not None:
         inherited = {k: environ[k] for k in hook.pass_env if k in environ}
     else:
         inherited = {k: v for k, v in environ.items()
                      if not k.startswith(ENV_PREFIX) and k not in INFRA_SECRETS}
-    return {**inherited, **{k: str(v) for k, v in hook.env.items()}, **call.environment()}
+    return {**inherited, **{k: str(v) for k, v in hook.env.items()}}
 
 
 def sign(secret: str, body: bytes) -> str:
@@ -114,6 +129,7 @@ class Hooks:
         self._watchers: set[asyncio.Task] = set()  # started commands, until they exit
         self._session: aiohttp.ClientSession | None = None
         self._max_processes = settings.supervisor.max_hook_processes
+        self._standbys: dict[str, StandbyPool] = {}  # by hook name, while a supervisor runs here
 
     async def fire(self, name: str | None, event: str, run: Run) -> str | None:
         """Start hook ``name`` for ``run``'s current attempt: None once started, else why
@@ -143,6 +159,23 @@ class Hooks:
         this process started are still running."""
         return len(self._watchers) < self._max_processes
 
+    def keep_standbys(self) -> None:
+        """Start keeping ``standby`` processes of each command hook that asks for them (the
+        supervisor's loop calls this: a CLI command firing one hook has no use for them)."""
+        for hook in self._hooks.values():
+            if hook.command and hook.standby and hook.name not in self._standbys:
+                pool = self._standbys[hook.name] = StandbyPool(hook, standby_environment(hook))
+                pool.start()
+
+    def standbys_waiting(self, name: str) -> int:
+        """Idle standbys of hook ``name`` ready to take a run now."""
+        pool = self._standbys.get(name)
+        return pool.waiting if pool is not None else 0
+
+    async def stop_standbys(self) -> None:
+        """Terminate the idle standbys; assigned ones are agents, and keep running."""
+        await asyncio.gather(*(pool.stop() for pool in self._standbys.values()))
+
     async def aclose(self, timeout: float = 5.0) -> None:
         """Let deliveries in flight finish (bounded); started processes keep running."""
         if self._deliveries:
@@ -151,6 +184,8 @@ class Hooks:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        pools, self._standbys = self._standbys, {}
+        await asyncio.gather(*(pool.aclose() for pool in pools.values()))
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -161,29 +196,34 @@ class Hooks:
         if not self.has_room():  # a bound whoever asks: supervisor, operator, or anything else
             return f"{self._max_processes} hook processes are running ([supervisor] max_hook_processes)"
         log_path = self._log_path(hook, call)
+        if await self._hand_to_standby(hook, call, log_path):
+            return None
         try:
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        except OSError as exc:
-            return f"cannot open log file {log_path}: {exc}"
-        try:
-            # posix_spawn rather than subprocess.Popen: the child is not ours to kill or
-            # wait for when we stop, and Popen objects complain when dropped while running.
-            pid = os.posix_spawnp(hook.command[0], list(hook.command), hook_environment(hook, call),
-                                  file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-                                                (os.POSIX_SPAWN_DUP2, fd, 1),
-                                                (os.POSIX_SPAWN_DUP2, fd, 2)],
-                                  setsid=True)
-        except (OSError, ValueError) as exc:  # ValueError: an `env` name the OS refuses
-            return f"cannot start {hook.command[0]!r}: {exc}"
-        finally:
-            os.close(fd)
+            pid = spawn_detached(hook.command, hook_environment(hook, call), log_path)
+        except SpawnError as exc:
+            return str(exc)
         log.info("hook %s started for run %s epoch %d: pid %d, log %s", hook.name, call.run_id,
                  call.epoch, pid, log_path)
         await self._record(call, {"event": "hook-started", "hook": hook.name, "epoch": call.epoch,
                                   "pid": pid, "log": str(log_path)})
         _background(self._watchers, self._watch(hook, call, pid))
         return None
+
+    async def _hand_to_standby(self, hook: HookSettings, call: HookCall, log_path: Path) -> bool:
+        """Give the call to an idle standby of ``hook``, if one waits: whether one took it."""
+        pool = self._standbys.get(hook.name)
+        while pool is not None and (standby := pool.take()) is not None:
+            logged = await pool.assign(standby, call.environment(), log_path)
+            if logged is None:
+                continue  # it died meanwhile; try the next one
+            log.info("hook %s: standby pid %d took run %s epoch %d, log %s", hook.name, standby.pid,
+                     call.run_id, call.epoch, logged)
+            await self._record(call, {"event": "hook-started", "hook": hook.name, "epoch": call.epoch,
+                                      "pid": standby.pid, "log": str(logged), "standby": True,
+                                      "started_ahead_s": round(time.time() - standby.started_at, 3)})
+            _background(self._watchers, self._watch(hook, call, standby.pid, asyncio.shield(standby.ended)))
+            return True
+        return False
 
     @staticmethod
     def _log_path(hook: HookSettings, call: HookCall) -> Path:
@@ -192,8 +232,10 @@ class Hooks:
             name += f".{call.event}"
         return Path(hook.log_dir) / f"{name}.log"
 
-    async def _watch(self, hook: HookSettings, call: HookCall, pid: int) -> None:
-        facts = exit_facts(await exited(pid))
+    async def _watch(self, hook: HookSettings, call: HookCall, pid: int,
+                     ended: asyncio.Future | None = None) -> None:
+        """Wait for the agent's exit (a standby's is heard by its pool: ``ended``)."""
+        facts = exit_facts(await (exited(pid) if ended is None else ended))
         log.info("hook %s for run %s epoch %d %s", hook.name, call.run_id, call.epoch, describe(facts))
         event = {"event": "hook-exit", "hook": hook.name, "epoch": call.epoch, "pid": pid, **facts}
         if hook.watch_exit and call.event == "restart" and await self._lose(call, event):

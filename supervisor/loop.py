@@ -55,14 +55,18 @@ class Supervisor:
         """Tick every ``interval_s`` until ``stop`` is set."""
         interval = self.settings.supervisor.interval_s
         log.info("supervisor watching %r every %.2fs", self.store, interval)
-        while not stop.is_set():
-            try:
-                await self.tick()
-            except StoreUnavailable as exc:
-                log.warning("supervisor tick skipped: %s", exc)
-            except Exception:  # noqa: BLE001 - one bad run must not stop the supervision of all
-                log.exception("supervisor tick failed")
-            await self._pause(stop, interval)
+        self.runs.launcher.keep_standbys()  # hooks' processes started ahead live as long as we do
+        try:
+            while not stop.is_set():
+                try:
+                    await self.tick()
+                except StoreUnavailable as exc:
+                    log.warning("supervisor tick skipped: %s", exc)
+                except Exception:  # noqa: BLE001 - one bad run must not stop the supervision of all
+                    log.exception("supervisor tick failed")
+                await self._pause(stop, interval)
+        finally:
+            await self.runs.launcher.stop_standbys()
         log.info("supervisor stopped")
 
     async def _pause(self, stop: asyncio.Event, interval: float) -> None:

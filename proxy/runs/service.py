@@ -36,6 +36,10 @@ class Launcher(Protocol):
 
     def has_room(self) -> bool: """Whether another hook may start now (a bound on processes)."""
 
+    def keep_standbys(self) -> None: """Keep command hooks' ``standby`` processes started ahead."""
+
+    async def stop_standbys(self) -> None: """Terminate idle standbys (never an assigned one)."""
+
 
 class RunsService:
     """Runs in a store, changed by the rules of SPEC §8: fenced by epoch, ended for good."""

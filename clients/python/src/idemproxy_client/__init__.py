@@ -19,6 +19,10 @@ asyncio code uses ``AsyncRun`` the same way, with async clients and awaited meth
 restarts the run the moment this process dies (within the proxy's ``attach_grace_s``),
 not after ``timeout_s`` of silence.
 
+In a standby (a process the supervisor started ahead, ``[hooks.NAME] standby = N``),
+``Run()`` waits until the supervisor names its run; ``wait_for_assignment()`` does the
+same for code that reads ``IDEM_*`` itself.
+
 A crashed run restarted by the supervisor (or started again by anything else) replays
 its recorded calls from the proxy's journal and goes live where it stopped.
 ``run.info.state`` is a ``RunState`` (running, restarting, completed, failed, dead).
@@ -32,10 +36,12 @@ from .info import RunInfo, RunState
 from .keys import step_key
 from .launch import Launch
 from .run import Run
+from .standby import StandbyDismissed, wait_for_assignment
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AsyncAttachment", "AsyncRun", "Attachment", "IdemProxyError", "Launch", "ProblemError", "ProxyUnreachable", "Run",
-    "RunEnded", "RunExists", "RunInfo", "RunNotFound", "RunState", "Superseded", "step_key",
+    "RunEnded", "RunExists", "RunInfo", "RunNotFound", "RunState", "StandbyDismissed", "Superseded",
+    "step_key", "wait_for_assignment",
 ]

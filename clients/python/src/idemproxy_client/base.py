@@ -20,6 +20,7 @@ from .heartbeat import interval_for
 from .info import RunInfo, RunState
 from .keys import KeyPart, step_key
 from .launch import DEFAULT_PROXY_URL, Launch, tenant_of
+from .standby import wait_for_assignment
 
 log = logging.getLogger("idemproxy_client")
 
@@ -52,7 +53,9 @@ class BaseRun:
             ``IDEM_NAMESPACE`` when it names a trusted tenant (not ``default``, nor a
             credential's namespace: ``anonymous``, ``k:…``).
         http_timeout: timeout of runs-API calls, in seconds.
-        env: the environment to read ``IDEM_*`` from (default ``os.environ``).
+        env: the environment to read ``IDEM_*`` from (default ``os.environ``; then, in a
+            standby the supervisor started ahead, construction waits until it names the run:
+            see :mod:`.standby`).
     """
 
     def __init__(self, run_id: str | None = None, *, proxy_url: str | None = None,
@@ -62,6 +65,8 @@ class BaseRun:
                  metadata: Mapping[str, Any] | None = None, heartbeat: bool | float = True,
                  finish: bool = True, tenant: str | None = None, http_timeout: float = 10.0,
                  env: Mapping[str, str] | None = None, attach: bool = False) -> None:
+        if env is None:
+            wait_for_assignment()
         launch = Launch.from_env(env)
         handed = launch.run_id is not None and run_id in (None, launch.run_id)
         self.run_id: str = run_id or launch.run_id or f"run-{uuid.uuid4().hex}"
