@@ -36,15 +36,18 @@ replayed exactly 200 steps of each and went live at 201.
     python bench/resume.py                        # sqlite, postgres, redis; a few minutes
     python bench/resume.py --stores sqlite --paths hook --timeout-s 60
     python bench/resume.py --agent httpx          # model calls as plain httpx POSTs, no SDK
+    python bench/resume.py --rounds 5 --paths hook,standby   # medians and ranges of 5 interleaved rounds
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import secrets
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -320,28 +323,45 @@ def _seconds(value: float | None, target: float | None = None) -> str:
     return f"{value:.2f} s{mark}"
 
 
-def markdown(rows: list[dict], skipped: dict[str, str], direct: dict) -> str:
-    lines = ["| store | detection (grace) | timeout_s | kill → restart (hook fired) | kill → step 201 live "
-             "| replay of steps 1–200 (in the proxy) | hook fired → first request (imports; agent CPU) "
+def _spread(values: list[float | None], target: float | None = None) -> str:
+    """The median of a figure over the rounds (judged against ``target``), and its range."""
+    found = sorted(v for v in values if v is not None)
+    if not found:
+        return "–"
+    median = _seconds(statistics.median(found), target)
+    return median if len(found) == 1 else f"{median} ({found[0]:.2f}–{found[-1]:.2f})"
+
+
+def markdown(rows: list[dict], skipped: dict[str, str], direct: list[dict]) -> str:
+    """One line per store and path: the median of its rounds and, with several, their range."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["store"], row["path"]), []).append(row)
+    rounds = max((len(g) for g in groups.values()), default=1)
+    lines = [f"Median{f' (range) of {rounds} rounds' if rounds > 1 else ''}; ✓/✗ against issue 14's targets.\n",
+             "| store | detection (grace) | timeout_s | kill → restart (hook fired) | kill → step 201 live "
+             "| replay of steps 1–200 | of it in the proxy | hook fired → first request | agent's imports (CPU) "
              "| replay CPU: agent, proxy | checks |",
-             "|---|---|--:|--:|--:|--:|--:|--:|---|"]
-    for r in rows:
-        failed = [name for name, ok in r["checks"].items() if not ok]
-        to_request = None if r["restart_to_process_s"] is None or r["process_to_first_request_s"] is None \
-            else r["restart_to_process_s"] + r["process_to_first_request_s"]
-        grace = f" ({r['attach_grace_s']:g} s)" if r.get("attach_grace_s") is not None else ""
-        lines.append(f"| {r['store']} | {r['path']}{grace} | {r['timeout_s']:g} | {_seconds(r['kill_to_restart_s'])} "
-                     f"| {_seconds(r['kill_to_live_s'], TARGETS['kill_to_live_s'])} "
-                     f"| {_seconds(r['replay_s'], TARGETS['replay_s'])} ({_seconds(r['replay_in_proxy_s'])}) "
-                     f"| {_seconds(to_request)} ({_seconds(r['imports_s'])}; CPU {_seconds(r['start_cpu_s'])}) "
-                     f"| {_seconds(r['replay_agent_cpu_s'])}, {_seconds(r['replay_proxy_cpu_s'])} "
+             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
+    for (store, path), group in groups.items():
+        def of(name: str) -> list[float | None]:
+            return [r[name] for r in group]
+        to_request = [None if r["restart_to_process_s"] is None or r["process_to_first_request_s"] is None
+                      else r["restart_to_process_s"] + r["process_to_first_request_s"] for r in group]
+        failed = sorted({name for r in group for name, ok in r["checks"].items() if not ok})
+        grace = f" ({group[0]['attach_grace_s']:g} s)" if group[0].get("attach_grace_s") is not None else ""
+        lines.append(f"| {store} | {path}{grace} | {group[0]['timeout_s']:g} | {_spread(of('kill_to_restart_s'))} "
+                     f"| {_spread(of('kill_to_live_s'), TARGETS['kill_to_live_s'])} "
+                     f"| {_spread(of('replay_s'), TARGETS['replay_s'])} | {_spread(of('replay_in_proxy_s'))} "
+                     f"| {_spread(to_request)} | {_spread(of('imports_cpu_s'))} "
+                     f"| {_spread(of('replay_agent_cpu_s'))}, {_spread(of('replay_proxy_cpu_s'))} "
                      f"| {'ok' if not failed else 'FAILED: ' + ', '.join(failed)} |")
     for what, why in skipped.items():
-        lines.append(f"| {what} | – | – | – | – | – | – | – | not measured: {why} |")
-    lines.append(f"\nThe same steps straight to the fake provider, without the proxy: {_seconds(direct.get('seconds'))}, "
-                 f"{_seconds(direct.get('cpu_s'))} of CPU in the agent (its own share of a replay on this "
-                 "machine, now). The agent's imports (openai, httpx, the client library) took "
-                 + ", ".join(f"{_seconds(r['imports_cpu_s'])}" for r in rows) + " of CPU in the restarted processes (a standby paid them before the restart).")
+        lines.append(f"| {what} | – | – | – | – | – | – | – | – | – | not measured: {why} |")
+    lines.append(f"\nThe same steps straight to the fake provider, without the proxy: "
+                 f"{_spread([d.get('seconds') for d in direct])}, "
+                 f"{_spread([d.get('cpu_s') for d in direct])} of CPU in the agent (its own share of a replay on "
+                 "this machine, now). A standby paid its imports before the restart.")
     return "\n".join(lines)
 
 
@@ -358,6 +378,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--agent", choices=("openai", "httpx"), default="openai",
                    help="the agent's model calls: the openai SDK (default), or plain httpx POSTs (the same "
                         "requests without the SDK's own work per call)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every store and path this many times, interleaved; the table gives the "
+                        "median and range (this machine's speed drifts by tens of percent)")
     p.add_argument("--steps", type=int, default=240)
     p.add_argument("--crash-at", type=int, default=200)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "resume.json"))
@@ -381,28 +404,31 @@ def main(argv: list[str] | None = None) -> int:
         provider = procs.start("provider", [sys.executable, str(BENCH / "provider.py"), "--port", str(port),
                                             "--arrivals"], port,
                                lambda s: http("GET", s.url + "/_calls", timeout=1)[0] == 200)
-        direct = direct_steps(provider, args.crash_at, args.agent)
-        print(f"  {args.crash_at} steps straight to the provider: {_seconds(direct.get('seconds'))}", flush=True)
-        for store in args.stores:
-            for path in paths:
-                print(f"  {store:8} {path:6} ...", flush=True)
-                try:
-                    row = Scenario(args, procs, provider, store, path).run()
-                except BenchError as exc:
-                    skipped[f"{store} {path}"] = str(exc).splitlines()[0]
-                    print(f"  {store} {path}: FAILED: {exc}", file=sys.stderr, flush=True)
-                    continue
-                rows.append(row)
-                print(f"  {store:8} {path:6} kill->restart {_seconds(row['kill_to_restart_s'])}, kill->live "
-                      f"{_seconds(row['kill_to_live_s'])}, replay {_seconds(row['replay_s'])} (CPU: agent "
-                      f"{_seconds(row['replay_agent_cpu_s'])}, proxy {_seconds(row['replay_proxy_cpu_s'])}), "
-                      f"load {os.getloadavg()[0]:.2f}, "
-                      f"{'ok' if row['ok'] else row['checks']}", flush=True)
+        direct: list[dict] = []
+        # rounds interleave stores and paths, so that the machine's drift spreads over all of them
+        for _, store, path in itertools.product(range(args.rounds), args.stores, paths):
+            if store == args.stores[0] and path == paths[0]:
+                direct.append(direct_steps(provider, args.crash_at, args.agent))
+                print(f"  {args.crash_at} steps straight to the provider: {_seconds(direct[-1].get('seconds'))}",
+                      flush=True)
+            print(f"  {store:8} {path:6} ...", flush=True)
+            try:
+                row = Scenario(args, procs, provider, store, path).run()
+            except BenchError as exc:
+                skipped[f"{store} {path}"] = str(exc).splitlines()[0]
+                print(f"  {store} {path}: FAILED: {exc}", file=sys.stderr, flush=True)
+                continue
+            rows.append(row)
+            print(f"  {store:8} {path:6} kill->restart {_seconds(row['kill_to_restart_s'])}, kill->live "
+                  f"{_seconds(row['kill_to_live_s'])}, replay {_seconds(row['replay_s'])} (CPU: agent "
+                  f"{_seconds(row['replay_agent_cpu_s'])}, proxy {_seconds(row['replay_proxy_cpu_s'])}), "
+                  f"load {os.getloadavg()[0]:.2f}, "
+                  f"{'ok' if row['ok'] else row['checks']}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
-            "agent": args.agent, "steps": args.steps, "crash_at": args.crash_at, "attach_grace_s": args.attach_grace_s, "direct_steps_s": direct.get("seconds"),
-            "direct_steps_cpu_s": direct.get("cpu_s")}
+            "agent": args.agent, "rounds": args.rounds, "steps": args.steps, "crash_at": args.crash_at,
+            "attach_grace_s": args.attach_grace_s, "direct_steps": direct}
     out.write_text(json.dumps({"meta": meta, "rows": rows, "skipped": skipped}, indent=2) + "\n")
     print()
     print(markdown(rows, skipped, direct))
