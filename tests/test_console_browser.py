@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
-from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.ui import WebDriverWait
 
 from console_traffic import DEAD_RUN, RUN, buried, crashed_and_resumed, hook_sections, quarantined_kid
@@ -56,6 +56,21 @@ def chromium(tmp_path):
     driver.quit()
 
 
+def _left(element) -> bool:
+    """Whether ``element``'s page has been replaced. Mid-navigation, chromedriver may say so not
+    with a stale reference (all that ``staleness_of`` knows) but with an inspector error: the
+    node "does not belong to the document" (seen with Chromium 156, one run in about ten)."""
+    try:
+        element.is_enabled()
+    except StaleElementReferenceException:
+        return True
+    except WebDriverException as exc:
+        if "does not belong to the document" in str(exc):
+            return True
+        raise
+    return False
+
+
 class Page:
     """The browser, driven from a thread so the proxy's event loop keeps answering."""
 
@@ -86,7 +101,7 @@ class Page:
             old = self.driver.find_element(By.TAG_NAME, "html")
             self.driver.find_element(By.CSS_SELECTOR, css).click()
             wait = WebDriverWait(self.driver, 15)
-            wait.until(expected_conditions.staleness_of(old))
+            wait.until(lambda _: _left(old))
             wait.until(lambda d: d.execute_script("return document.readyState") == "complete")
         await self.do(click_and_wait)
 
