@@ -20,7 +20,10 @@ import services
 from services import PrivatePostgres, PrivateRedis
 
 AGENT = Path(__file__).resolve().parent.parent / "agents" / "campaign_agent.py"
-START_TIMEOUT_S = 30.0
+# Longer than a proxy's own start while its store is down: it tries to open the store 8 times,
+# 0.5 s apart doubling to 10 s (~36 s), and only then exits to be started again. With 30 s, a
+# proxy whose tries all fell in the store's outages (killed again and again) was taken for hung.
+START_TIMEOUT_S = 60.0
 START_TRIES = 5
 
 
