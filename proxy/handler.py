@@ -159,15 +159,19 @@ class Proxy:
         attempt = self.replay_cache.get(ident.namespace, ident.run, ident.epoch)
         if attempt is None or ident.key is not None:
             await self.fence.check(ident, fail_open=False)
-        return attempt if attempt is not None else await self._preloaded(ident)
+        return attempt if attempt is not None else await self._load_attempt(ident)
 
     async def _preloaded(self, ident: Identity) -> CachedAttempt | None:
         """The attempt's journal in memory, loaded here by its first request that wants it."""
+        attempt = self.replay_cache.get(ident.namespace, ident.run, ident.epoch)
+        return attempt if attempt is not None else await self._load_attempt(ident)
+
+    async def _load_attempt(self, ident: Identity) -> CachedAttempt | None:
+        """Load the attempt's journal, if this request should (ReplayCache.wanted): none held yet."""
         cache = self.replay_cache
-        attempt = cache.get(ident.namespace, ident.run, ident.epoch)
-        if attempt is None and cache.wanted(ident.namespace, ident.run, ident.epoch):
-            attempt = await cache.load(ident.namespace, ident.run, ident.epoch)
-        return attempt
+        if not cache.wanted(ident.namespace, ident.run, ident.epoch):
+            return None
+        return await cache.load(ident.namespace, ident.run, ident.epoch)
 
     # -- passthrough ----------------------------------------------------------------------
 
