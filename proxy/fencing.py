@@ -34,13 +34,8 @@ class Fence:
         unfenced (SPEC §7: passthrough still works, ``fail_open``); a record request fails
         closed.
         """
-        settings = self._settings
-        runs = settings.runs
-        # traffic arms no hook by itself: the [runs] hook only where its tenants may (README)
-        defaults = Run(ident.namespace, ident.run, timeout_s=runs.timeout_s, grace_s=runs.grace_s,
-                       max_restarts=runs.max_restarts, hook=settings.default_hook(ident.namespace))
         try:
-            current = await self._observe_epoch(ident, defaults)
+            current = await self._observe_epoch(ident)
         except StoreUnavailable:
             if not fail_open:
                 raise
@@ -55,14 +50,21 @@ class Fence:
                           "starts the next attempt)", epoch=current)
         self._heartbeats.beat(ident.namespace, ident.run)  # a fenced zombie is no sign of life
 
-    async def _observe_epoch(self, ident: Identity, defaults: Run) -> int:
+    async def _observe_epoch(self, ident: Identity) -> int:
         """The run's current epoch. Requests of one attempt that arrive together share one
         store call (in flight for a round trip), so a busy run costs the store one read per
-        round trip, not one per request."""
+        round trip, not one per request; only that call needs the run's defaults (a run
+        seen first is registered with them)."""
         key = (ident.namespace, ident.run, ident.epoch)
         shared = self._epoch_reads.get(key)
         if shared is None:
             shared = self._epoch_reads[key] = asyncio.ensure_future(self._store.runs.observe_epoch(
-                ident.namespace, ident.run, ident.epoch, defaults, time.time()))
+                ident.namespace, ident.run, ident.epoch, self._defaults(ident), time.time()))
             shared.add_done_callback(lambda _: self._epoch_reads.pop(key, None))
         return await asyncio.shield(shared)
+
+    def _defaults(self, ident: Identity) -> Run:
+        runs = self._settings.runs
+        # traffic arms no hook by itself: the [runs] hook only where its tenants may (README)
+        return Run(ident.namespace, ident.run, timeout_s=runs.timeout_s, grace_s=runs.grace_s,
+                   max_restarts=runs.max_restarts, hook=self._settings.default_hook(ident.namespace))
