@@ -36,6 +36,7 @@ replayed exactly 200 steps of each and went live at 201.
     python bench/resume.py                        # sqlite, postgres, redis; a few minutes
     python bench/resume.py --stores sqlite --paths hook --timeout-s 60
     python bench/resume.py --agent httpx          # model calls as plain httpx POSTs, no SDK
+    python bench/resume.py --agent stdlib         # both calls with http.client: the proxy's own share
     python bench/resume.py --rounds 5 --paths hook,standby   # medians and ranges of 5 interleaved rounds
 """
 
@@ -375,9 +376,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attach-grace-s", type=float, default=1.0,
                    help="[runs] attach_grace_s: how long a held connection may stay gone before its "
                         "attempt is lost (default 1.0, the proxy's); the attach path's kill -> restart")
-    p.add_argument("--agent", choices=("openai", "httpx"), default="openai",
-                   help="the agent's model calls: the openai SDK (default), or plain httpx POSTs (the same "
-                        "requests without the SDK's own work per call)")
+    p.add_argument("--agent", choices=("openai", "httpx", "stdlib"), default="openai",
+                   help="the agent's calls: the model's through the openai SDK (default), or as plain httpx "
+                        "POSTs (the same requests without the SDK's own work per call); stdlib: both calls "
+                        "with http.client, the least a Python agent spends per call")
     p.add_argument("--rounds", type=int, default=1,
                    help="measure every store and path this many times, interleaved; the table gives the "
                         "median and range (this machine's speed drifts by tens of percent)")

@@ -16,7 +16,9 @@ proxy: what the same calls cost the agent alone.
 ``AGENT_SDK=httpx`` makes the model call a plain httpx POST instead of the openai SDK's: the
 same request and answer without the SDK's own work per call (request types transformed,
 answer parsed into models), which on this machine is most of what a replay costs the agent.
-What is left is what the proxy and the client library cost a replay.
+``AGENT_SDK=stdlib`` makes both calls with ``http.client`` on one kept-alive connection each,
+at the run's URLs and with the run's headers (``run.url``, ``run.headers``): the least a
+Python agent spends per call, so that a replay's time is mostly the proxy's own.
 
 One JSON line per milestone on stdout (process, start, kill, replayed, live, done,
 direct), with ``time.time()``, for the benchmark to read from the log.
@@ -24,19 +26,24 @@ direct), with ``time.time()``, for the benchmark to read from the log.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
 import signal
 import sys
 import time
-from typing import Callable
+import urllib.parse
+from typing import Callable, Mapping
 
 PROCESS_STARTED = time.time()
 
 import httpx  # noqa: E402 - after the clock starts: imports are part of a restart
 from idemproxy_client import Run  # noqa: E402
-from openai import OpenAI  # noqa: E402
+
+SDK = os.environ.get("AGENT_SDK", "openai")  # or "httpx", "stdlib"
+if SDK == "openai":  # an agent that does not use the SDK does not pay for its import
+    from openai import OpenAI
 
 IMPORTED = time.time(), time.process_time()  # what the agent's imports took (wall, CPU)
 
@@ -46,13 +53,13 @@ PROXY_TIME = re.compile(r"idemproxy;dur=([0-9.]+)")
 # A model the price database knows, as a real agent's is: the proxy prices what each replay
 # saved (idemproxy_cost_saved_usd_total) as it would in production. The fake upstream echoes it.
 MODEL = os.environ.get("AGENT_MODEL", "gpt-4o-mini")
-SDK = os.environ.get("AGENT_SDK", "openai")  # or "httpx"
 CREDENTIAL = {"Authorization": f"Bearer {os.environ.get('OPENAI_API_KEY', 'sk-bench')}"}  # what the SDK sends
 
-Chat = Callable[[list], tuple[str, httpx.Headers]]  # messages -> the answer's text and headers
+Chat = Callable[[list], tuple[str, Mapping[str, str]]]  # messages -> the answer's text and headers
+Tool = Callable[[dict], tuple[dict, Mapping[str, str]]]  # arguments -> the tool's answer and headers
 
 
-def sdk_chat(llm: OpenAI) -> Chat:
+def sdk_chat(llm: "OpenAI") -> Chat:
     def chat(messages: list) -> tuple[str, httpx.Headers]:
         raw = llm.chat.completions.with_raw_response.create(model=MODEL, messages=messages)
         return raw.parse().choices[0].message.content, raw.headers
@@ -67,6 +74,39 @@ def httpx_chat(llm: httpx.Client) -> Chat:
     return chat
 
 
+def httpx_tool(tools: httpx.Client) -> Tool:
+    def tool(arguments: dict) -> tuple[dict, httpx.Headers]:
+        sent = tools.post("/send_email", json=arguments)
+        sent.raise_for_status()
+        return sent.json(), sent.headers
+    return tool
+
+
+def stdlib_post(url: str, headers: Mapping[str, str]) -> Callable[[dict], tuple[dict, Mapping[str, str]]]:
+    """POST JSON to ``url`` on one kept-alive ``http.client`` connection."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    headers = {**headers, "Content-Type": "application/json"}
+
+    def post(payload: dict) -> tuple[dict, Mapping[str, str]]:
+        conn.request("POST", parts.path, json.dumps(payload).encode(), headers)
+        answer = conn.getresponse()
+        body = answer.read()
+        if answer.status >= 400:
+            raise RuntimeError(f"{parts.path} answered {answer.status}: {body[:200]!r}")
+        return json.loads(body), answer.headers
+    return post
+
+
+def stdlib_chat(url: str, headers: Mapping[str, str]) -> Chat:
+    post = stdlib_post(url + "/v1/chat/completions", {**headers, **CREDENTIAL})
+
+    def chat(messages: list) -> tuple[str, Mapping[str, str]]:
+        answer, answer_headers = post({"model": MODEL, "messages": messages})
+        return answer["choices"][0]["message"]["content"], answer_headers
+    return chat
+
+
 def say(event: str, **fields) -> None:
     print(json.dumps({"event": event, "t": time.time(), "pid": os.getpid(), **fields}), flush=True)
 
@@ -74,8 +114,8 @@ def say(event: str, **fields) -> None:
 class Agent:
     """The steps, and what came of them: replays, and the proxy's own time (its Server-Timing)."""
 
-    def __init__(self, chat: Chat, tools: httpx.Client):
-        self.chat, self.tools = chat, tools
+    def __init__(self, chat: Chat, tool: Tool):
+        self.chat, self.tool = chat, tool
         self.last_result = "none"
         self.replayed = {"chat": 0, "tool": 0}
         self.in_proxy_s = 0.0
@@ -85,13 +125,12 @@ class Agent:
         text, chat_headers = self.chat(
             [{"role": "system", "content": "You send one email per step."},
              {"role": "user", "content": f"step {step}; last tool result: {self.last_result}"}])
-        sent = self.tools.post("/send_email", json={"step": step, "text": text})
-        sent.raise_for_status()
-        self.last_result = str(sent.json()["n"])
+        sent, tool_headers = self.tool({"step": step, "text": text})
+        self.last_result = str(sent["n"])
         chat_replayed = chat_headers.get("idempotent-replayed") == "true"
         self.replayed["chat"] += chat_replayed
-        self.replayed["tool"] += sent.headers.get("idempotent-replayed") == "true"
-        self.in_proxy_s += (_proxy_ms(chat_headers) + _proxy_ms(sent.headers)) / 1000
+        self.replayed["tool"] += tool_headers.get("idempotent-replayed") == "true"
+        self.in_proxy_s += (_proxy_ms(chat_headers) + _proxy_ms(tool_headers)) / 1000
         return chat_replayed
 
 
@@ -105,8 +144,13 @@ def attempt() -> None:
     options = {"attach": True} if os.environ.get("AGENT_ATTACH") == "1" else {}
     with Run(os.environ.get("AGENT_RUN_ID"), timeout_s=float(os.environ.get("AGENT_TIMEOUT_S", "60")),
              hook=os.environ.get("AGENT_HOOK", "agent") or None, **options) as run:
-        llm = sdk_chat(run.openai()) if SDK == "openai" else httpx_chat(run.client("openai", timeout=30, headers=CREDENTIAL))
-        agent = Agent(llm, run.client("tools", timeout=30))
+        if SDK == "stdlib":
+            agent = Agent(stdlib_chat(run.url("openai"), run.headers()),
+                          stdlib_post(run.url("tools", "/send_email"), run.headers()))
+        else:
+            llm = (sdk_chat(run.openai()) if SDK == "openai" else
+                   httpx_chat(run.client("openai", timeout=30, headers=CREDENTIAL)))
+            agent = Agent(llm, httpx_tool(run.client("tools", timeout=30)))
         say("start", epoch=run.epoch, since_process_start=time.time() - PROCESS_STARTED,
             cpu_s=time.process_time())
         first_request, first_cpu, live_at = time.time(), time.process_time(), None
@@ -124,9 +168,12 @@ def attempt() -> None:
 
 
 def direct(upstream: str) -> None:
-    llm = (sdk_chat(OpenAI(base_url=upstream + "/v1", api_key="sk-bench")) if SDK == "openai" else
-           httpx_chat(httpx.Client(base_url=upstream, headers=CREDENTIAL, timeout=30)))
-    agent = Agent(llm, httpx.Client(base_url=upstream + "/tools", timeout=30))
+    if SDK == "stdlib":
+        agent = Agent(stdlib_chat(upstream, {}), stdlib_post(upstream + "/tools/send_email", {}))
+    else:
+        llm = (sdk_chat(OpenAI(base_url=upstream + "/v1", api_key="sk-bench")) if SDK == "openai" else
+               httpx_chat(httpx.Client(base_url=upstream, headers=CREDENTIAL, timeout=30)))
+        agent = Agent(llm, httpx_tool(httpx.Client(base_url=upstream + "/tools", timeout=30)))
     began, cpu = time.time(), time.process_time()
     for step in range(1, CRASH_AT + 1):
         agent.step(step)

@@ -17,6 +17,10 @@ from .connection import SQLiteConnection
 
 ENTRY_COLUMNS = ("kid, tenant, run, epoch, upstream, key, fingerprint, state, owner, lease_until, "
                  "created_at, completed_at, expires_at, replays, detail, method, path, namespace")
+CLAIM_COLUMNS = ("(kid, tenant, run, epoch, upstream, key, fingerprint, method, path, namespace, state, owner, "
+                 "lease_until, created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+CLAIM_NEW = f"INSERT INTO journal {CLAIM_COLUMNS} ON CONFLICT (kid) DO NOTHING"
+CLAIM_OVER = f"INSERT OR REPLACE INTO journal {CLAIM_COLUMNS}"
 GET = (f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing FROM journal "
        "WHERE kid = ? AND expires_at > ?")
 NEXT_OCCURRENCE = ("INSERT INTO occurrences (tenant, run, epoch, fingerprint, n, expires_at) "
@@ -72,6 +76,11 @@ class SQLiteJournal:
                                 (claim.namespace, scope.run)).fetchone()
                 if run and run[0] > claim.epoch:
                     return ClaimResult(False, None, stale_epoch=run[0])
+            values = (kid, scope.tenant, scope.run, claim.epoch, scope.upstream, scope.key, claim.fingerprint,
+                      claim.method, claim.path, claim.namespace, EntryState.IN_FLIGHT, claim.owner,
+                      now + claim.lease_s, now, now + claim.retention_s)
+            if c.execute(CLAIM_NEW, values).rowcount == 1:  # the usual case: a key not seen before
+                return ClaimResult(True, claim.entry(now))
             row = c.execute(f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing "
                             "FROM journal WHERE kid = ?", (kid,)).fetchone()
             if row is not None and row["expires_at"] > now:
@@ -84,15 +93,10 @@ class SQLiteJournal:
                               (EntryState.UNKNOWN, "the proxy holding the claim stopped mid-call", kid))
                     existing.state, existing.owner = EntryState.UNKNOWN, None
                     return ClaimResult(False, existing)
-            # a new claim, or a takeover: bytes a dead call left behind must not be joined
+            # a takeover (expired, or its claim's lease lapsed): bytes a dead call left behind
+            # must not be joined
             c.execute("DELETE FROM partials WHERE kid = ?", (kid,))
-            c.execute(
-                "INSERT OR REPLACE INTO journal (kid, tenant, run, epoch, upstream, key, fingerprint, "
-                "method, path, namespace, state, owner, lease_until, created_at, expires_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (kid, scope.tenant, scope.run, claim.epoch, scope.upstream, scope.key,
-                 claim.fingerprint, claim.method, claim.path, claim.namespace, EntryState.IN_FLIGHT, claim.owner,
-                 now + claim.lease_s, now, now + claim.retention_s))
+            c.execute(CLAIM_OVER, values)
             return ClaimResult(True, claim.entry(now))
         return await self._db.write(op)
 
@@ -141,7 +145,8 @@ class SQLiteJournal:
                 "streamed = ?, timing = ?, completed_at = ? WHERE kid = ? AND owner = ? AND state = ?",
                 (EntryState.COMPLETE, recorded.status, headers, recorded.body, int(recorded.streamed), timing,
                  time.time(), kid, owner, EntryState.IN_FLIGHT)).rowcount == 1
-            c.execute("DELETE FROM partials WHERE kid = ?", (kid,))
+            if recorded.streamed:  # only a stream shares its bytes while it is recorded
+                c.execute("DELETE FROM partials WHERE kid = ?", (kid,))
             return done
         try:
             return await self._db.write(op)
