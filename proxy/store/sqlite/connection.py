@@ -222,7 +222,12 @@ class SQLiteConnection:
 
     async def _run(self, conn: sqlite3.Connection, batch: list[_Write], isolated: bool) -> bool:
         """Each write of ``batch`` whose caller still waits; False as soon as one raises
-        (other than a sqlite3 error, which is raised) unless ``isolated``."""
+        (other than a sqlite3 error, which is raised) unless ``isolated``.
+
+        Until a write changes something, the transaction has read only what is committed:
+        a write that changed nothing (a claim that found its key taken, a renewal of a
+        lease already lost) is answered at once, without waiting for the commit."""
+        unchanged = conn.total_changes
         for op in batch:
             if op.future.done():  # its caller left before the transaction began
                 continue
@@ -232,8 +237,12 @@ class SQLiteConnection:
                     self._disk, _written, conn, op.fn, isolated)
             else:
                 op.outcome = _written(conn, op.fn, isolated)
-            if op.outcome[1] is not None and not isolated:
-                return False
+            value, exc = op.outcome
+            if exc is not None:
+                if not isolated:
+                    return False
+            elif conn.total_changes == unchanged:
+                op.future.set_result(value)
         return True
 
     async def _begin(self, conn: sqlite3.Connection) -> None:
