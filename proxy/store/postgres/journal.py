@@ -140,13 +140,13 @@ class PostgresJournal:
                               retention_s: float, *, tenant: str) -> int:
         row = await self._db.fetchrow("next_occurrence", sql.NEXT_OCCURRENCE, namespace, run,
                                       -1 if epoch is None else epoch, counted(tenant, fingerprint),
-                                      time.time() + retention_s)
+                                      time.time() + retention_s, keep=True)
         return row[0] - 1
 
     async def replay_occurrence(self, namespace: str, run: str, epoch: int, fingerprint: str,
                                 retention_s: float, *, tenant: str) -> int | None:
         row = await self._db.fetchrow("replay_occurrence", sql.REPLAY_OCCURRENCE, namespace, run, epoch,
-                                      counted(tenant, fingerprint), time.time() + retention_s)
+                                      counted(tenant, fingerprint), time.time() + retention_s, keep=True)
         return None if row is None else row[0] - 1
 
     async def recorded(self, namespace: str, run: str, max_bytes: int) -> tuple[dict[str, Entry], bool]:
