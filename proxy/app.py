@@ -52,6 +52,9 @@ def create_app(settings: Settings, launcher: LauncherFactory) -> web.Application
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
+    # Ahead of the runs API, which shares its prefix: aiohttp tries the routes under /runs
+    # in order, and a run's proxied call would first fail to match each of them.
+    app.router.add_route("*", "/runs/{run}/epochs/{epoch}/{tail:.*}", _proxy)
     api.add_routes(app.router)
     attach.setup(app)
     app.add_subapp("/admin/", admin.admin_app())

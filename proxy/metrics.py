@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import re
+import time
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -24,9 +25,9 @@ USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "input_tokens", "output_to
                 "cache_read_input_tokens", "cache_creation_input_tokens")
 SAVINGS_CACHE = 4096  # keys whose savings are remembered between replays
 # Replays of keys not priced yet come in bursts (a restarted attempt replays hundreds, one
-# after the other): they are priced once no new one has come for PRICE_WHEN_QUIET_S, so a
-# lookup (0.2-0.5 ms) does not take the CPU from the burst; past PRICE_BACKLOG keys waiting,
-# one per turn of the event loop at once.
+# after the other): they are counted and priced once no new one has come for
+# PRICE_WHEN_QUIET_S, so the work does not take the CPU from the burst; past PRICE_BACKLOG
+# keys waiting, one per turn of the event loop at once.
 PRICE_WHEN_QUIET_S = 0.25
 PRICE_BACKLOG = 1000
 MODEL = re.compile(rb'"model"\s*:\s*"([^"]{1,200})"')
@@ -45,10 +46,11 @@ class Metrics:
         r.register(_RequestCollector(self))
         self._tokens_saved: dict[tuple[str, str, str], int] = {}  # (upstream, model, kind) -> tokens
         self._cost_saved: dict[tuple[str, str], float] = {}  # (upstream, model) -> USD
-        self._savings: dict[str, tuple[str, dict[str, int], float | None]] = {}  # per key, worked out once
-        # keys replayed whose price is still to be looked up: [upstream, model, tokens, replays]
+        self._savings: dict[str, tuple[str, dict[str, int], float]] = {}  # per key, worked out once
+        # keys replayed whose savings are still to be worked out: [upstream, recorded, replays]
         self._unpriced: dict[str, list] = {}
         self._pricing: asyncio.Handle | None = None  # the next lookup, scheduled on the event loop
+        self._new_key_at = 0.0  # time.monotonic() of the last key added to _unpriced
         self.replayed_from_memory = 0  # replays answered from an attempt's preloaded journal
         self.replayed_from_cache = 0  # replays answered from entries held here (answercache.py)
         self.runs = Gauge("idemproxy_runs", "Runs by state", ["state"], registry=r)
@@ -67,36 +69,33 @@ class Metrics:
     def saved(self, upstream: UpstreamSettings, kid: str, recorded: Recorded) -> None:
         """Count the tokens, and what they cost (pricing.py), that a replay did not pay again.
 
-        A key's price is looked up after its first replay has been answered, once such replays
-        pause (``_price_soon``), or when the metrics are read: genai-prices takes 0.2-0.5 ms a
-        lookup, and a restarted attempt replays hundreds of keys for the first time, one after
-        the other, each while the agent waits."""
+        A key's first replays here are counted after they have been answered, once such
+        replays pause (``_price_soon``), or when the metrics are read: a restarted attempt
+        replays hundreds of keys for the first time, one after the other, each while the
+        agent waits, and working out one key's savings (its answer parsed for its usage,
+        genai-prices' lookup: 0.2-0.5 ms) would take the CPU from the burst."""
         savings = self._savings.get(kid)
-        if savings is None:
-            if len(self._savings) >= SAVINGS_CACHE:
-                self._savings.clear()
-            tokens = usage(recorded)
-            named = model_of(recorded) if tokens else None
-            savings = self._savings[kid] = named or "unknown", tokens, None if tokens else 0.0
-            if tokens:
-                self._unpriced.setdefault(kid, [upstream, named, tokens, 0])
-                self._price_soon()
-        model, tokens, cost = savings
-        for kind, n in tokens.items():
-            counted = (upstream.name, model, kind)
-            self._tokens_saved[counted] = self._tokens_saved.get(counted, 0) + n
-        if cost is None:
-            self._unpriced[kid][3] += 1
-        elif cost:
-            self._cost_saved[upstream.name, model] = self._cost_saved.get((upstream.name, model), 0.0) + cost
+        if savings is not None:
+            self._count(upstream, *savings, 1)
+            return
+        waiting = self._unpriced.get(kid)
+        if waiting is not None:
+            waiting[2] += 1
+            return
+        self._unpriced[kid] = [upstream, recorded, 1]
+        self._price_soon()
 
     def settle(self) -> None:
-        """Price every replay whose key's price has not been looked up yet (see ``saved``)."""
+        """Count every replay whose key's savings have not been worked out yet (see ``saved``)."""
         while self._unpriced:
             self._price(next(iter(self._unpriced)))
 
     def _price_soon(self) -> None:
-        """(Re)schedule the lookups: PRICE_WHEN_QUIET_S after this key, unless too many wait."""
+        """Work out the waiting keys PRICE_WHEN_QUIET_S after the last new one, unless too many wait."""
+        self._new_key_at = time.monotonic()
+        backlog = len(self._unpriced) >= PRICE_BACKLOG
+        if self._pricing is not None and not backlog:
+            return  # the tick already due looks at the time itself: one timer per burst, not one per key
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no event loop (a command, a test): at once
@@ -104,24 +103,37 @@ class Metrics:
             return
         if self._pricing is not None:
             self._pricing.cancel()
-        if len(self._unpriced) >= PRICE_BACKLOG:
-            self._pricing = loop.call_soon(self._price_next)
-        else:
-            self._pricing = loop.call_later(PRICE_WHEN_QUIET_S, self._price_next)
+        self._pricing = loop.call_soon(self._tick) if backlog else loop.call_later(PRICE_WHEN_QUIET_S, self._tick)
 
-    def _price_next(self) -> None:
-        """One key, then the next on the loop's next turn (a new key's replay defers them again)."""
+    def _tick(self) -> None:
+        """One key once replays of new keys have paused; then the next on the loop's next turn."""
         self._pricing = None
+        if not self._unpriced:
+            return
+        loop = asyncio.get_running_loop()
+        wait = self._new_key_at + PRICE_WHEN_QUIET_S - time.monotonic()
+        if wait > 0 and len(self._unpriced) < PRICE_BACKLOG:  # a new key came meanwhile
+            self._pricing = loop.call_later(wait, self._tick)
+            return
+        self._price(next(iter(self._unpriced)))
         if self._unpriced:
-            self._price(next(iter(self._unpriced)))
-        if self._unpriced:
-            self._pricing = asyncio.get_running_loop().call_soon(self._price_next)
+            self._pricing = loop.call_soon(self._tick)
 
     def _price(self, kid: str) -> None:
-        upstream, named, tokens, replays = self._unpriced.pop(kid)
-        model, cost = named or "unknown", cost_usd(upstream, named, tokens)
-        if kid in self._savings and self._savings[kid][2] is None:
-            self._savings[kid] = model, tokens, cost
+        upstream, recorded, replays = self._unpriced.pop(kid)
+        tokens = usage(recorded)
+        named = model_of(recorded) if tokens else None
+        savings = named or "unknown", tokens, cost_usd(upstream, named, tokens) if tokens else 0.0
+        if len(self._savings) >= SAVINGS_CACHE:
+            self._savings.clear()
+        self._savings[kid] = savings
+        self._count(upstream, *savings, replays)
+
+    def _count(self, upstream: UpstreamSettings, model: str, tokens: dict[str, int], cost: float,
+               replays: int) -> None:
+        for kind, n in tokens.items():
+            counted = (upstream.name, model, kind)
+            self._tokens_saved[counted] = self._tokens_saved.get(counted, 0) + n * replays
         if cost:
             self._cost_saved[upstream.name, model] = self._cost_saved.get((upstream.name, model), 0.0) + cost * replays
 
