@@ -27,6 +27,8 @@ Detection paths:
   ``restart_to_process_s`` says how long before the restart the process had started).
 - ``attach``: the benchmark starts the first attempt itself, as a Kubernetes Job or systemd
   would, with ``Run(..., attach=True)``: the client holds ``POST /runs/{id}/attach`` open.
+- ``attach-standby``: the same, with the restart handed to a standby (``standby = 1``), as a
+  deployment that keeps a replacement ready (a warm pod, a pre-started worker) would.
 
 Without either, only silence is noticed: the restart then comes ``timeout_s`` after the
 last sign of life. Every part is checked, not only timed: exactly 240 model and 240 tool
@@ -61,7 +63,8 @@ from processes import CLOCK_TICKS, REPO, BenchError, Processes, Server, free_por
 
 BENCH = Path(__file__).resolve().parent
 AGENT = BENCH / "resume_agent.py"
-PATHS = ("hook", "standby", "attach")
+PATHS = ("hook", "standby", "attach", "attach-standby")
+STANDBY_PATHS = ("standby", "attach-standby")  # the hook keeps one agent started ahead
 CHAT = "/v1/chat/completions"
 TARGETS = {"kill_to_live_s": 1.5, "replay_s": 0.5}  # issue 14
 
@@ -148,7 +151,7 @@ class Scenario:
         env = {"OPENAI_API_KEY": "sk-bench", "AGENT_TIMEOUT_S": str(self.args.timeout_s),
                "AGENT_STEPS": str(self.args.steps), "AGENT_CRASH_AT": str(self.args.crash_at),
                "AGENT_SDK": self.args.agent}
-        if self.path == "attach":
+        if self.attached:
             env["AGENT_ATTACH"] = "1"
         sections = {
             "server": {"host": "127.0.0.1", "port": port, "access_log": False},
@@ -161,7 +164,7 @@ class Scenario:
                      "attach_grace_s": self.args.attach_grace_s},
             "hooks.agent": {"command": [sys.executable, str(AGENT)], "log_dir": str(self.logs), "env": env,
                             "allow_tenants": ["default"],  # an agent started elsewhere arms it itself
-                            "standby": 1 if self.path == "standby" else 0},
+                            "standby": 1 if self.path in STANDBY_PATHS else 0},
             "supervisor": {"enabled": True},
             "admin": {"token": self.token},
         }
@@ -175,7 +178,7 @@ class Scenario:
 
     def start_first_attempt(self, proxy: Server) -> int:
         """Start the attempt that will die; its epoch."""
-        if self.path in ("hook", "standby"):  # registered (a hook is armed through the admin API), then started by it
+        if not self.attached:  # registered (a hook is armed through the admin API), then started by it
             self.api(proxy, "POST", f"/admin/runs/{self.run_id}?namespace=default",
                      {"hook": "agent", "timeout_s": self.args.timeout_s})
             return self.api(proxy, "POST", f"/admin/runs/{self.run_id}/restart")["epoch"]
@@ -240,12 +243,12 @@ class Scenario:
             "replayed_then_live": (done is not None and live is not None and live["step"] == crash_at + 1
                                    and done["replayed"] == {"chat": crash_at, "tool": crash_at}),
         }
-        if self.path == "standby":  # the restart was handed to a process started ahead, not spawned
+        if self.path in STANDBY_PATHS:  # the restart was handed to a process started ahead, not spawned
             checks["served_by_standby"] = any(e["event"] == "hook-started" and e["epoch"] == first + 1
                                               and e.get("standby") for e in history)
         return {
             "store": self.store, "path": self.path, "timeout_s": self.args.timeout_s,
-            "attach_grace_s": self.args.attach_grace_s if self.path == "attach" else None,
+            "attach_grace_s": self.args.attach_grace_s if self.attached else None,
             "kill_to_restart_s": _since(kill, fired),
             "kill_to_live_s": _since(kill, live_arrival),
             "replay_s": round(replayed["since_first_request"], 3) if replayed else None,
@@ -268,8 +271,13 @@ class Scenario:
 
     # -- helpers --------------------------------------------------------------------------
 
+    @property
+    def attached(self) -> bool:
+        """Whether the agent holds the attach connection (and the benchmark starts its first attempt)."""
+        return self.path.startswith("attach")
+
     def first_log(self, epoch: int) -> Path:
-        if self.path == "attach":
+        if self.attached:
             return self.logs / f"first-attempt-{self.run_id}.log"
         return self.logs / f"default.{self.run_id}.{epoch}.log"
 

@@ -1,4 +1,5 @@
-"""What only the SQLite store does: writes that need not reach the disk, on the loop's thread."""
+"""What only the SQLite store does: writes that need not reach the disk, on the loop's thread,
+and group commits whose writes that changed nothing are answered before the commit."""
 
 from __future__ import annotations
 
@@ -28,5 +29,72 @@ async def test_a_relaxed_write_waits_for_another_writers_lock_then_commits(sqlit
             blocker.close()
         assert await asyncio.wait_for(counted, 2.0) == 1
         assert await store.journal.next_occurrence("ns", "run-1", 1, "fp", 3600, tenant="t") == 2
+    finally:
+        await store.aclose()
+
+
+def _insert(n: int):
+    return lambda c: c.execute("INSERT INTO secrets (name, value) VALUES (?, ?)", (f"s{n}", b"v")).rowcount
+
+
+def _count(c) -> int:
+    return c.execute("SELECT count(*) FROM secrets WHERE name LIKE 's%'").fetchone()[0]
+
+
+async def test_a_write_that_changed_nothing_is_answered_before_the_commit(sqlite_url):
+    """A write that changed nothing, in a transaction where nothing changed before it, read only
+    what was committed: its caller need not wait for the fsync, nor for the long write after it."""
+    store = make_store(StoreSettings(url=sqlite_url))
+    await store.open()
+    db = store.connection
+    try:
+        def slow(c):  # a long write: on the writer's thread, while the loop goes on
+            time.sleep(0.3)
+            return _insert(1)(c)
+        read = asyncio.create_task(db.write(_count))
+        written = asyncio.create_task(db.write(slow, long=True))  # the same turn: the same transaction
+        assert await asyncio.wait_for(read, 0.25) == 0
+        assert not written.done()
+        assert await written == 1
+        assert await db.write(_count) == 1
+    finally:
+        await store.aclose()
+
+
+async def test_a_write_after_a_change_in_its_transaction_waits_for_the_commit(sqlite_url):
+    """Once a write in the transaction changed something, what a later one read may never be
+    committed (a replay of an answer the journal does not hold): it is answered after the commit."""
+    store = make_store(StoreSettings(url=sqlite_url))
+    await store.open()
+    db = store.connection
+    try:
+        written = asyncio.create_task(db.write(_insert(2)))
+        read = asyncio.create_task(db.write(_count))  # sees the uncommitted row
+        assert await read == 1
+        assert written.done()  # answered together, once committed
+    finally:
+        await store.aclose()
+
+
+async def test_a_write_that_raises_fails_alone(sqlite_url):
+    """Writes share a transaction without a savepoint each; one that raises is undone alone: the
+    batch runs again with a savepoint per write, and the others commit."""
+    store = make_store(StoreSettings(url=sqlite_url))
+    await store.open()
+    db = store.connection
+    try:
+        def broken(c):
+            _insert(3)(c)
+            raise ValueError("a write's own error")
+        first, bad, last = (asyncio.create_task(db.write(fn)) for fn in (_insert(4), broken, _insert(5)))
+        assert await first == 1 and await last == 1
+        try:
+            await bad
+        except ValueError as exc:
+            assert "own error" in str(exc)
+        else:
+            raise AssertionError("the broken write succeeded")
+        names = {r[0] for r in db.read("SELECT name FROM secrets WHERE name LIKE 's%'")}
+        assert names == {"s4", "s5"}
     finally:
         await store.aclose()

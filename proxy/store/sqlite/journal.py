@@ -230,7 +230,7 @@ class SQLiteJournal:
                     replayed = tallied(replayed, row[1], n, now)
                 c.execute("UPDATE journal SET replays = replays + ?, replayed = ? WHERE kid = ?",
                           (n, orjson.dumps({str(e): t for e, t in replayed.items()}), kid))
-        await self._db.write(op)
+        await self._db.write(op, long=len(counts) > 100)  # a second's replays under load: many keys
 
     async def purge(self, now: float, batch: int = PURGE_BATCH) -> int:
         def journal(c):
@@ -242,7 +242,7 @@ class SQLiteJournal:
             return len(kids)
 
         async def step() -> tuple[int, bool]:
-            n = await self._db.write(journal)
+            n = await self._db.write(journal, long=True)
             if n < batch:  # the counters last (no index on their expiry: one scan a purge, not a batch)
                 await self._db.write(lambda c: c.execute("DELETE FROM occurrences WHERE expires_at <= ?", (now,)))
             return n, n == batch
@@ -273,7 +273,7 @@ class SQLiteJournal:
                                 (namespace, run)).rowcount
             c.execute(BUMP_GENERATION)  # in the same transaction: see Journal.generation
             return deleted
-        return await self._db.write(op)
+        return await self._db.write(op, long=True)  # a run's entries may be thousands of rows
 
     async def generation(self) -> int:
         rows = self._db.read("SELECT generation FROM cache_generation")
