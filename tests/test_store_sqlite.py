@@ -23,7 +23,7 @@ async def test_a_relaxed_write_waits_for_another_writers_lock_then_commits(sqlit
         try:
             counted = asyncio.create_task(store.journal.replay_occurrence("ns", "run-1", 1, "fp", 3600, tenant="t"))
             await asyncio.sleep(0.2)
-            assert not counted.done()  # queued for the writer thread, which waits for the lock
+            assert not counted.done()  # queued for the writer, whose thread waits for the lock
         finally:
             blocker.execute("COMMIT")
             blocker.close()

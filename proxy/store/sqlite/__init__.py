@@ -2,8 +2,9 @@
 
 Durability: WAL with ``synchronous=FULL``, so a commit is fsynced before it returns.
 
-- :mod:`.connection`: the reader on the loop's thread and the group-committing writer
-  thread, shared by the journal and the runs; sqlite3's errors become StoreUnavailable.
+- :mod:`.connection`: the reader and the group-committing writer (its fsyncs waited for on
+  a thread of its own), shared by the journal and the runs; sqlite3's errors become
+  StoreUnavailable.
 - :mod:`.schema`: the tables, and the upgrades of an older file, run at open.
 - :mod:`.journal`, :mod:`.runs`: the two halves of the store contract over that connection.
 """

@@ -1,7 +1,7 @@
 """The SQLite store's journal: claims, records, quarantines, streams in flight, purges.
 
-Reads go to the connection's reader; every change is a function the writer thread runs
-in its next group commit, and wakes the entry's waiters in this process.
+Reads go to the connection's reader; every change is a function the writer runs in its
+next group commit, and wakes the entry's waiters in this process.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The SQLite store's run registry: runs, epochs, heartbeats and restarts.
 
 Reads go to the connection's reader; a change that must see the run as it is (an end,
-a new attempt) reads and writes it in one function on the writer thread.
+a new attempt) reads and writes it in one function of the writer's transaction.
 """
 
 from __future__ import annotations
