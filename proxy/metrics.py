@@ -29,6 +29,7 @@ SAVINGS_CACHE = 4096  # keys whose savings are remembered between replays
 # PRICE_WHEN_QUIET_S, so the work does not take the CPU from the burst; past PRICE_BACKLOG
 # keys waiting, one per turn of the event loop at once.
 PRICE_WHEN_QUIET_S = 0.25
+HELD_BODY_BYTES = 65536  # larger answers are worked out at once: at most PRICE_BACKLOG small ones wait
 PRICE_BACKLOG = 1000
 MODEL = re.compile(rb'"model"\s*:\s*"([^"]{1,200})"')
 STREAM_USAGE = re.compile(rb'"(' + b"|".join(f.encode() for f in USAGE_FIELDS) + rb')"\s*:\s*(\d+)')
@@ -83,7 +84,10 @@ class Metrics:
             waiting[2] += 1
             return
         self._unpriced[kid] = [upstream, recorded, 1]
-        self._price_soon()
+        if len(recorded.body) > HELD_BODY_BYTES:  # not held until the burst pauses: at once
+            self._price(kid)
+        else:
+            self._price_soon()
 
     def settle(self) -> None:
         """Count every replay whose key's savings have not been worked out yet (see ``saved``)."""

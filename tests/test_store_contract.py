@@ -181,6 +181,20 @@ async def test_a_takeover_drops_the_partials_of_the_dead_call(store):
     assert await store.journal.read_partial(sc.kid, -1) == []  # nobody joins the dead call's bytes
 
 
+async def test_a_stream_quarantined_then_resolved_away_leaves_no_bytes_to_the_next_claim(store):
+    """A streamed call's proxy died mid-stream; the retry quarantined its key; the operator
+    resolved it as never sent. The next claim of the key must not be joined to the dead bytes."""
+    sc = scope()
+    await claimed(store, sc, owner="dead", lease_s=0.05)
+    await store.journal.append_partial(sc.kid, "dead", 0, b'{"status": 200}')
+    await store.journal.append_partial(sc.kid, "dead", 1, b"data: half")
+    await asyncio.sleep(0.15)
+    assert not (await store.journal.claim(claim_of(sc, owner="b", on_expired="quarantine"))).won
+    assert await store.journal.resolve(sc.kid, None)
+    assert (await store.journal.claim(claim_of(sc, owner="c"))).won
+    assert await store.journal.read_partial(sc.kid, -1) == []
+
+
 async def test_expired_lease_with_another_fingerprint_is_not_taken_over(store):
     sc = scope()
     await claimed(store, sc, owner="dead", lease_s=0.05, fingerprint="fp-1")

@@ -98,3 +98,23 @@ async def test_a_write_that_raises_fails_alone(sqlite_url):
         assert names == {"s4", "s5"}
     finally:
         await store.aclose()
+
+
+async def test_a_caller_that_leaves_during_a_long_write_does_not_stall_the_others(sqlite_url):
+    """A long write (on the writer's thread) whose caller is cancelled meanwhile, and which then
+    changed nothing: the writes beside it in the transaction are still answered at once."""
+    store = make_store(StoreSettings(url=sqlite_url))
+    await store.open()
+    db = store.connection
+    try:
+        def slow_read(c):
+            time.sleep(0.3)
+            return _count(c)
+        leaving = asyncio.create_task(db.write(slow_read, long=True))
+        staying = asyncio.create_task(db.write(_insert(6)))  # the same turn: the same transaction
+        await asyncio.sleep(0.1)
+        leaving.cancel()
+        assert await asyncio.wait_for(staying, 2.0) == 1
+        assert await db.write(_count) == 1
+    finally:
+        await store.aclose()

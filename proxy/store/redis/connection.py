@@ -209,14 +209,15 @@ class RedisConnection:
         pool = self.client.connection_pool
         # The link of the last pipeline, kept out of the pool (batches go one at a time):
         # the pool's lock and its accounting cost each pipeline ~100 µs of CPU, as much as
-        # the rest of a replay's store call. It gets the check the pool gives a link it lends.
+        # the rest of a replay's store call.
         conn, self._kept = self._kept, None
-        if conn is None:
+        lent = conn is None  # by the pool, which checked it
+        if lent:
             conn = await pool.get_connection()
-        else:
-            await pool.ensure_connection(conn)
         intact = False
         try:
+            if not lent:  # the check the pool gives a link it lends (redis-py 5.0 and later)
+                await pool.ensure_connection(conn)
             await conn.send_packed_command(b"".join(map(hiredis.pack_command, commands)), check_health=False)
             results = []
             for _ in commands:

@@ -94,8 +94,8 @@ class SQLiteConnection:
         self._disk = ThreadPoolExecutor(1, thread_name_prefix="idemproxy-sqlite-commit")
 
     async def aclose(self) -> None:
-        if self._sender is not None:
-            await asyncio.gather(self._sender, return_exceptions=True)
+        if self._sender is not None:  # what is queued is written first; never cut off mid-commit
+            await asyncio.gather(asyncio.shield(self._sender), return_exceptions=True)
             self._sender = None
         if self._disk is not None:
             self._disk.shutdown(wait=True)
@@ -186,8 +186,15 @@ class SQLiteConnection:
             await asyncio.sleep(0)
             batch = [op for op in self._queued if not op.future.done()]
             self._queued = []
-            if batch:
+            if not batch:
+                continue
+            try:
                 await self._commit(batch)
+            except asyncio.CancelledError:  # the loop is closing: nobody waits for a timeout
+                for op in batch + self._queued:
+                    if not op.future.done():
+                        op.future.set_exception(StoreUnavailable("sqlite store is closing"))
+                raise
 
     async def _commit(self, batch: list[_Write]) -> None:
         conn = self._writer
@@ -202,7 +209,7 @@ class SQLiteConnection:
                         conn.execute("ROLLBACK")
                         await self._begin(conn)
                         await self._run(conn, batch, isolated=True)
-                    await asyncio.get_running_loop().run_in_executor(self._disk, conn.execute, "COMMIT")
+                    await self._on_disk_thread(conn.execute, "COMMIT")
                 except BaseException:
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
@@ -233,15 +240,14 @@ class SQLiteConnection:
                 continue
             op.state = _BEGUN
             if op.long:
-                op.outcome = await asyncio.get_running_loop().run_in_executor(
-                    self._disk, _written, conn, op.fn, isolated)
+                op.outcome = await self._on_disk_thread(_written, conn, op.fn, isolated)
             else:
                 op.outcome = _written(conn, op.fn, isolated)
             value, exc = op.outcome
             if exc is not None:
                 if not isolated:
                     return False
-            elif conn.total_changes == unchanged:
+            elif conn.total_changes == unchanged and not op.future.done():
                 op.future.set_result(value)
         return True
 
@@ -254,7 +260,18 @@ class SQLiteConnection:
         except sqlite3.OperationalError as exc:
             if "locked" not in str(exc) and "busy" not in str(exc):
                 raise
-        await asyncio.get_running_loop().run_in_executor(self._disk, self._wait_for_lock, conn)
+        await self._on_disk_thread(self._wait_for_lock, conn)
+
+    async def _on_disk_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the writer's thread. Cancelled meanwhile, this still waits for
+        ``fn`` to return before it lets the cancel through: the writer's connection is never
+        used by two threads at once (the caller rolls back on its way out)."""
+        future = asyncio.get_running_loop().run_in_executor(self._disk, fn, *args)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            await asyncio.wait([future])
+            raise
 
     def _wait_for_lock(self, conn: sqlite3.Connection) -> None:
         """SQLite's busy handler sleeps 1, 2, 5, 10 ... 100 ms between tries: with two workers

@@ -82,7 +82,9 @@ class SQLiteJournal:
             values = (kid, scope.tenant, scope.run, claim.epoch, scope.upstream, scope.key, claim.fingerprint,
                       claim.method, claim.path, claim.namespace, EntryState.IN_FLIGHT, claim.owner,
                       now + claim.lease_s, now, now + claim.retention_s)
-            if c.execute(CLAIM_NEW, values).rowcount == 1:  # the usual case: a key not seen before
+            # The usual case: a key not seen before. (Its stream bytes, if an entry of the same key
+            # ever had any, went with that entry: every delete of an entry deletes its partials.)
+            if c.execute(CLAIM_NEW, values).rowcount == 1:
                 return ClaimResult(True, claim.entry(now))
             row = c.execute(f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing "
                             "FROM journal WHERE kid = ?", (kid,)).fetchone()
@@ -94,6 +96,7 @@ class SQLiteJournal:
                 if claim.on_expired == "quarantine":  # its proxy died mid-call: outcome unknown
                     c.execute("UPDATE journal SET state = ?, owner = NULL, detail = ? WHERE kid = ?",
                               (EntryState.UNKNOWN, "the proxy holding the claim stopped mid-call", kid))
+                    c.execute("DELETE FROM partials WHERE kid = ?", (kid,))  # as quarantine() does
                     existing.state, existing.owner = EntryState.UNKNOWN, None
                     return ClaimResult(False, existing)
             # a takeover (expired, or its claim's lease lapsed): bytes a dead call left behind
@@ -192,6 +195,7 @@ class SQLiteJournal:
     async def resolve(self, kid: str, recorded: Recorded | None) -> bool:
         def op(c):
             if recorded is None:
+                c.execute("DELETE FROM partials WHERE kid = ?", (kid,))
                 return c.execute("DELETE FROM journal WHERE kid = ? AND state = ?",
                                  (kid, EntryState.UNKNOWN)).rowcount == 1
             return c.execute(
