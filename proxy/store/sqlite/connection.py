@@ -155,12 +155,8 @@ class SQLiteConnection:
         when another writer holds the lock."""
         conn = self._relaxed
         with translated("sqlite write failed"):
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-            except sqlite3.OperationalError as exc:
-                if "locked" in str(exc) or "busy" in str(exc):
-                    return False, None
-                raise
+            if not _took_lock(conn):
+                return False, None
             try:
                 result = fn(conn)
                 conn.execute("COMMIT")
@@ -254,13 +250,8 @@ class SQLiteConnection:
     async def _begin(self, conn: sqlite3.Connection) -> None:
         """Take the write lock: at once when it is free, else on the writer's thread, since
         another worker on the same file may hold it for a while."""
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            return
-        except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc) and "busy" not in str(exc):
-                raise
-        await self._on_disk_thread(self._wait_for_lock, conn)
+        if not _took_lock(conn):
+            await self._on_disk_thread(self._wait_for_lock, conn)
 
     async def _on_disk_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the writer's thread. Cancelled meanwhile, this still waits for
@@ -280,16 +271,22 @@ class SQLiteConnection:
         ``LOCK_RETRY_S`` instead takes the lock about as soon as it is free.
         """
         deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                return
-            except sqlite3.OperationalError as exc:
-                if "locked" not in str(exc) and "busy" not in str(exc):
-                    raise
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(LOCK_RETRY_S)
+        while not _took_lock(conn):
+            if time.monotonic() > deadline:
+                raise sqlite3.OperationalError("database is locked")
+            time.sleep(LOCK_RETRY_S)
+
+
+def _took_lock(conn: sqlite3.Connection) -> bool:
+    """Begin a write transaction on ``conn``: True once it holds the write lock, False when
+    another connection holds it (any other error is raised)."""
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        return True
+    except sqlite3.OperationalError as exc:
+        if "locked" in str(exc) or "busy" in str(exc):
+            return False
+        raise
 
 
 def make_private(path: str) -> None:

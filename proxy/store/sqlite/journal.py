@@ -26,6 +26,9 @@ GET = (f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing FROM jo
 NEXT_OCCURRENCE = ("INSERT INTO occurrences (tenant, run, epoch, fingerprint, n, expires_at) "
                    "VALUES (?, ?, ?, ?, 1, ?) ON CONFLICT DO UPDATE SET n = n + 1, "
                    "expires_at = excluded.expires_at RETURNING n")
+# A stream's bytes shared while it is recorded; every delete of an entry deletes its partials,
+# so a key claimed anew never finds a dead call's bytes (SQLiteJournal.claim)
+DROP_PARTIALS = "DELETE FROM partials WHERE kid = ?"
 BUMP_GENERATION = ("INSERT INTO cache_generation (id, generation) VALUES (0, 1) "
                    "ON CONFLICT (id) DO UPDATE SET generation = generation + 1")
 # Entries a purge deletes in one write: it shares the writer's group commit with the
@@ -82,8 +85,7 @@ class SQLiteJournal:
             values = (kid, scope.tenant, scope.run, claim.epoch, scope.upstream, scope.key, claim.fingerprint,
                       claim.method, claim.path, claim.namespace, EntryState.IN_FLIGHT, claim.owner,
                       now + claim.lease_s, now, now + claim.retention_s)
-            # The usual case: a key not seen before. (Its stream bytes, if an entry of the same key
-            # ever had any, went with that entry: every delete of an entry deletes its partials.)
+            # the usual case: a key not seen before (see DROP_PARTIALS)
             if c.execute(CLAIM_NEW, values).rowcount == 1:
                 return ClaimResult(True, claim.entry(now))
             row = c.execute(f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing "
@@ -96,12 +98,12 @@ class SQLiteJournal:
                 if claim.on_expired == "quarantine":  # its proxy died mid-call: outcome unknown
                     c.execute("UPDATE journal SET state = ?, owner = NULL, detail = ? WHERE kid = ?",
                               (EntryState.UNKNOWN, "the proxy holding the claim stopped mid-call", kid))
-                    c.execute("DELETE FROM partials WHERE kid = ?", (kid,))  # as quarantine() does
+                    c.execute(DROP_PARTIALS, (kid,))  # as quarantine() does
                     existing.state, existing.owner = EntryState.UNKNOWN, None
                     return ClaimResult(False, existing)
             # a takeover (expired, or its claim's lease lapsed): bytes a dead call left behind
             # must not be joined
-            c.execute("DELETE FROM partials WHERE kid = ?", (kid,))
+            c.execute(DROP_PARTIALS, (kid,))
             c.execute(CLAIM_OVER, values)
             return ClaimResult(True, claim.entry(now))
         return await self._db.write(op)
@@ -152,7 +154,7 @@ class SQLiteJournal:
                 (EntryState.COMPLETE, recorded.status, headers, recorded.body, int(recorded.streamed), timing,
                  time.time(), kid, owner, EntryState.IN_FLIGHT)).rowcount == 1
             if recorded.streamed:  # only a stream shares its bytes while it is recorded
-                c.execute("DELETE FROM partials WHERE kid = ?", (kid,))
+                c.execute(DROP_PARTIALS, (kid,))
             return done
         try:
             return await self._db.write(op)
@@ -163,7 +165,7 @@ class SQLiteJournal:
         def op(c):
             row = c.execute("DELETE FROM journal WHERE kid = ? AND owner = ? RETURNING namespace, run, "
                             "epoch, tenant, fingerprint, key", (kid, owner)).fetchone()
-            c.execute("DELETE FROM partials WHERE kid = ?", (kid,))
+            c.execute(DROP_PARTIALS, (kid,))
             if row is not None and row["key"].startswith("derived:"):
                 # give the occurrence number back, so the caller's retry maps onto this slot
                 n = int(row["key"].rsplit(":", 1)[1])
@@ -180,7 +182,7 @@ class SQLiteJournal:
         def op(c):
             c.execute("UPDATE journal SET state = ?, owner = NULL, detail = ? WHERE kid = ? "
                       "AND (? IS NULL OR owner = ?)", (state, detail, kid, owner, owner))
-            c.execute("DELETE FROM partials WHERE kid = ?", (kid,))
+            c.execute(DROP_PARTIALS, (kid,))
         try:
             await self._db.write(op)
         finally:
@@ -195,7 +197,7 @@ class SQLiteJournal:
     async def resolve(self, kid: str, recorded: Recorded | None) -> bool:
         def op(c):
             if recorded is None:
-                c.execute("DELETE FROM partials WHERE kid = ?", (kid,))
+                c.execute(DROP_PARTIALS, (kid,))
                 return c.execute("DELETE FROM journal WHERE kid = ? AND state = ?",
                                  (kid, EntryState.UNKNOWN)).rowcount == 1
             return c.execute(
@@ -242,7 +244,7 @@ class SQLiteJournal:
             kids = [r[0] for r in c.execute(
                 "DELETE FROM journal WHERE rowid IN (SELECT rowid FROM journal WHERE expires_at <= ? "
                 "ORDER BY expires_at LIMIT ?) RETURNING kid", (now, batch))]
-            c.executemany("DELETE FROM partials WHERE kid = ?", [(k,) for k in kids])
+            c.executemany(DROP_PARTIALS, [(k,) for k in kids])
             return len(kids)
 
         async def step() -> tuple[int, bool]:
