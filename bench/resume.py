@@ -27,7 +27,11 @@ Detection paths:
   ``restart_to_process_s`` says how long before the restart the process had started).
 - ``attach``: the benchmark starts the first attempt itself, as a Kubernetes Job or systemd
   would, with ``Run(..., attach=True)``: the client holds ``POST /runs/{id}/attach`` open.
-- ``attach-standby``: the same, with the restart handed to a standby (``standby = 1``), as a
+- ``attach-remote``: the same, with the agent named as a process on another host (its
+  ``Idem-Process`` carries another boot id): the proxy cannot look at it, so the drop waits
+  out ``attach_grace_s``, as for an agent on another machine. On this host (``attach``) the
+  proxy sees the process exit and skips the grace.
+- ``attach-standby``: ``attach``, with the restart handed to a standby (``standby = 1``), as a
   deployment that keeps a replacement ready (a warm pod, a pre-started worker) would.
 
 Without either, only silence is noticed: the restart then comes ``timeout_s`` after the
@@ -63,7 +67,7 @@ from processes import CLOCK_TICKS, REPO, BenchError, Processes, Server, free_por
 
 BENCH = Path(__file__).resolve().parent
 AGENT = BENCH / "resume_agent.py"
-PATHS = ("hook", "standby", "attach", "attach-standby")
+PATHS = ("hook", "standby", "attach", "attach-remote", "attach-standby")
 STANDBY_PATHS = ("standby", "attach-standby")  # the hook keeps one agent started ahead
 CHAT = "/v1/chat/completions"
 TARGETS = {"kill_to_live_s": 1.5, "replay_s": 0.5}  # issue 14
@@ -185,6 +189,8 @@ class Scenario:
         # started elsewhere (a Job, systemd): by us, holding the attach connection
         self.logs.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("IDEM_", "IDEMPROXY_"))}
+        if self.path == "attach-remote":
+            env["AGENT_ELSEWHERE"] = "1"
         env.update(OPENAI_API_KEY="sk-bench", AGENT_ATTACH="1", AGENT_RUN_ID=self.run_id,
                    IDEM_PROXY_URL=proxy.url, AGENT_TIMEOUT_S=str(self.args.timeout_s),
                    AGENT_STEPS=str(self.args.steps), AGENT_CRASH_AT=str(self.args.crash_at),
@@ -379,11 +385,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stores", type=lambda v: [s for s in v.split(",") if s], default=["sqlite", "postgres", "redis"])
     p.add_argument("--paths", type=lambda v: [s for s in v.split(",") if s], default=list(PATHS),
                    help="hook (a child of the supervisor), standby (the same, started ahead: standby = 1), "
-                        "attach (the held connection)")
+                        "attach (the held connection, the agent on this host), attach-remote (as from "
+                        "another host: the grace), attach-standby")
     p.add_argument("--timeout-s", type=float, default=60.0, help="the run's silence timeout (default 60)")
     p.add_argument("--attach-grace-s", type=float, default=1.0,
                    help="[runs] attach_grace_s: how long a held connection may stay gone before its "
-                        "attempt is lost (default 1.0, the proxy's); the attach path's kill -> restart")
+                        "attempt is lost (default 1.0, the proxy's); attach-remote's kill -> restart")
     p.add_argument("--agent", choices=("openai", "httpx", "stdlib"), default="openai",
                    help="the agent's calls: the model's through the openai SDK (default), or as plain httpx "
                         "POSTs (the same requests without the SDK's own work per call); stdlib: both calls "

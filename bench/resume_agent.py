@@ -9,7 +9,9 @@ steps and goes live after them; the run is completed when the block ends.
 
 Started by the supervisor's command hook, it continues the run named by ``IDEM_*``.
 Started by the benchmark itself (the held-connection path), it registers
-``AGENT_RUN_ID`` with ``attach=True`` (the client option of issue 14).
+``AGENT_RUN_ID`` with ``attach=True`` (the client option of issue 14); with
+``AGENT_ELSEWHERE=1`` its held connection names it as a process on another host, so the
+proxy waits out its grace instead of seeing the process exit.
 With ``AGENT_DIRECT_URL`` it does ``AGENT_CRASH_AT`` steps straight to that upstream, no
 proxy: what the same calls cost the agent alone.
 
@@ -42,6 +44,9 @@ import httpx  # noqa: E402 - after the clock starts: imports are part of a resta
 from idemproxy_client import Run  # noqa: E402
 
 SDK = os.environ.get("AGENT_SDK", "openai")  # or "httpx", "stdlib"
+if os.environ.get("AGENT_ELSEWHERE") == "1":  # as an agent on another host: a boot id not the proxy's
+    import idemproxy_client.attach
+    idemproxy_client.attach.process_token = lambda: "another-host 4026531836 1 1"
 if SDK == "openai":  # an agent that does not use the SDK does not pay for its import
     from openai import OpenAI
 

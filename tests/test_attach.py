@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -21,9 +22,11 @@ import time
 import pytest
 
 from idemproxy.proxy.appkeys import METRICS
+from idemproxy.proxy.runs.process import LocalProcess
 from idemproxy.proxy.store.base import Run as StoredRun
 from conftest import proxy_sections, until
 from idemproxy_client import AsyncRun, Attachment, Run, Superseded
+from idemproxy_client.process import process_token
 from rawhttp import problem
 from relay import Relay
 
@@ -42,9 +45,13 @@ COMPLETER = textwrap.dedent("""
                            timeout=10).read()
 """)
 # The first attempt, started by hand (no hook watches it): holds its connection, then waits.
+# With argv[3] "another-host" its Idem-Process names a process on another machine (another boot
+# id), as an agent on another host would: the proxy cannot look at it and waits out the grace.
 HOLDER = textwrap.dedent("""
     import json, os, sys, time
-    from idemproxy_client import Run
+    from idemproxy_client import Run, attach
+    if sys.argv[3] == "another-host":
+        attach.process_token = lambda: "0b5e55ed-another-host 4026531836 1 1"
     with Run(sys.argv[1], proxy_url=sys.argv[2], attach=True, hook="agent", timeout_s=60, grace_s=30,
              heartbeat=False, env={}) as run:
         assert run.attachment.wait_attached(10)
@@ -79,12 +86,13 @@ def events(run: StoredRun, name: str) -> list[dict]:
 
 
 @pytest.mark.slow  # an agent process, SIGKILLed; a restart through the other replica's hook
+@pytest.mark.parametrize("where", ["this-host", "another-host"])
 async def test_a_held_connection_dropped_by_a_killed_process_restarts_the_run_on_another_replica(
-        replicas, store_url, tmp_path):
+        replicas, store_url, tmp_path, where):
     holder, watcher, started = replicas
     script = tmp_path / "holder.py"
     script.write_text(HOLDER)
-    agent = await asyncio.create_subprocess_exec(sys.executable, str(script), "held", holder.url,
+    agent = await asyncio.create_subprocess_exec(sys.executable, str(script), "held", holder.url, where,
                                                  stdout=asyncio.subprocess.PIPE)
     try:
         up = json.loads(await asyncio.wait_for(agent.stdout.readline(), 20))
@@ -103,9 +111,15 @@ async def test_a_held_connection_dropped_by_a_killed_process_restarts_the_run_on
     restart_at = next(e["at"] for e in events(run, "restart"))
     (lost,) = events(run, "attachment-lost")
     assert (lost["epoch"], lost["attachment"]) == (0, 1)
-    # the grace, then at once (postgres, redis: the store rings every supervisor), or at the
-    # watcher's next tick (sqlite: one process hears only itself)
-    assert GRACE_S <= restart_at - killed < GRACE_S + (1.5 if store_url.startswith("sqlite") else 0.5)
+    # then at once (postgres, redis: the store rings every supervisor), or at the watcher's
+    # next tick (sqlite: one process hears only itself)
+    hearing = 1.5 if store_url.startswith("sqlite") else 0.5
+    if where == "this-host":  # the holding proxy saw the process exit: no grace
+        assert lost["process"] == "exited" and lost["waited_s"] < GRACE_S
+        assert restart_at - killed < hearing
+    else:  # a process it cannot look at: the whole grace
+        assert "process" not in lost and lost["waited_s"] == GRACE_S
+        assert GRACE_S <= restart_at - killed < GRACE_S + hearing
 
     async def completed():
         run = await the_run(watcher, "held")
@@ -113,7 +127,7 @@ async def test_a_held_connection_dropped_by_a_killed_process_restarts_the_run_on
     run = await until(completed, 10, "the restarted attempt completed")
     assert run.epoch == 1 and json.loads(started.read_text())["epoch"] == 1
     assert watcher.app[METRICS].restarts._value.get() == 1
-    figures = {"store": store_url.split(":")[0], "grace_s": GRACE_S,
+    figures = {"store": store_url.split(":")[0], "where": where, "grace_s": GRACE_S,
                "kill_to_restart_s": round(restart_at - killed, 4)}
     print(f"\nATTACH FIGURES {json.dumps(figures)}")
 
@@ -186,6 +200,9 @@ async def test_attach_and_detach_refusals_are_problems_that_change_nothing(make_
             await problem(resp, "stale-epoch", 412)
         async with http.post(f"{proxy.url}/runs/nobody/{path}", headers={"Idem-Epoch": "0"}) as resp:
             await problem(resp, "not-found", 404)
+    for named in ("12", "boot 1 2 x", "boot 1 0 5"):  # not 4 fields, not numbers, pid 0
+        async with http.post(f"{proxy.url}/runs/r1/attach", headers={"Idem-Epoch": "1", "Idem-Process": named}) as resp:
+            await problem(resp, "invalid-header", 400)
     async with http.post(f"{proxy.url}/runs/r1/detach", headers={"Idem-Epoch": "1"}) as resp:
         assert resp.status == 200 and (await resp.json())["epoch"] == 1
     assert (await the_run(proxy, "r1")).attachments == 1  # only the detach counted
@@ -228,6 +245,42 @@ async def test_a_block_that_ends_normally_lets_its_connection_go_and_one_that_ra
     handed_on, broken = await the_run(proxy, "handed-on"), await the_run(proxy, "broken")
     assert (handed_on.lost_epoch, handed_on.attachments) == (None, 2)  # let go on purpose
     assert (broken.lost_epoch, broken.attachments) == (0, 1)  # dropped like a crash: restart it
+
+
+def test_a_process_on_this_host_is_seen_to_exit_and_one_elsewhere_is_not_looked_at():
+    me = LocalProcess.from_header(process_token())
+    assert me == LocalProcess(os.getpid(), me.start) and not me.gone()
+    assert LocalProcess(os.getpid(), me.start + 1).gone()  # the pid is someone else's now
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = LocalProcess(child.pid, _start_ticks(child.pid))
+        assert not started.gone()
+        child.kill()
+        # killed and not yet reaped: a zombie is gone; reaped, its pid is nobody's
+        assert _until_true(started.gone), "a killed child still seen alive"
+    finally:
+        child.kill()
+        child.wait()
+    assert started.gone()
+    boot, namespace, pid, start = process_token().split()
+    assert LocalProcess.from_header(f"another-boot {namespace} {pid} {start}") is None  # another host
+    assert LocalProcess.from_header(f"{boot} 1 {pid} {start}") is None  # another PID namespace
+    assert LocalProcess.from_header(None) is None
+
+
+def _start_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    return int(stat[stat.rindex(b")") + 2:].split()[19])
+
+
+def _until_true(check, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def test_an_attachment_takes_its_attempt_from_the_hook_environment():

@@ -13,7 +13,8 @@ When the agent's process dies its kernel closes the socket; the proxy waits ``[r
 attach_grace_s`` and, unless a connection of the same attempt was made meanwhile (on any
 replica: the store numbers them), marks the attempt lost, and any supervisor restarts the
 run at once. A client that reconnects within the grace (a network blip, a replica going
-away) changes nothing. ``{"closing": true}``: this proxy is shutting down and marks
+away) changes nothing. When the process runs on this host (``Idem-Process``, see
+.process), the grace ends the moment it is seen gone. ``{"closing": true}``: this proxy is shutting down and marks
 nothing; reconnect. ``POST /runs/{id}/detach`` lets the attempt's connections go on
 purpose (a process that hands its run on): their drop marks nothing.
 """
@@ -32,9 +33,12 @@ from ..problems import Problem
 from ..store import StoreUnavailable
 from ..store.base import ENDED, Run
 from .held import Attachments, Ending
+from .process import HEADER, LocalProcess
 from .service import RunsService
 
 log = logging.getLogger("idemproxy.supervisor")
+
+PROCESS_POLL_S = 0.01  # how often a dropped connection's local process is looked at, in the grace
 
 
 def setup(app: web.Application) -> None:
@@ -51,6 +55,7 @@ async def hold(request: web.Request, namespace: str, run_id: str, epoch: int | N
     if epoch is None:
         raise Problem("invalid-request", "an attachment holds one attempt: send its epoch as Idem-Epoch")
     service, settings = request.config_dict[RUNS], request.config_dict[SETTINGS].runs
+    process = LocalProcess.from_header(request.headers.get(HEADER))  # before anything is counted
     run = await service.attach(namespace, run_id, epoch)
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-store"})
     await response.prepare(request)
@@ -63,7 +68,7 @@ async def hold(request: web.Request, namespace: str, run_id: str, epoch: int | N
     finally:
         if ending == Ending.DROPPED:
             request.config_dict[ATTACHMENTS].after_drop(_after_drop(
-                service, namespace, run_id, epoch, run.attachments, settings.attach_grace_s))
+                service, namespace, run_id, epoch, run.attachments, settings.attach_grace_s, process))
     return response
 
 
@@ -103,11 +108,29 @@ async def _news(request: web.Request, run: Run, epoch: int) -> dict:
 
 
 async def _after_drop(service: RunsService, namespace: str, run_id: str, epoch: int, attachment: int,
-                      grace_s: float) -> None:
-    """Wait out the grace, then mark the attempt lost unless it was held again meanwhile."""
-    await asyncio.sleep(grace_s)
+                      grace_s: float, process: LocalProcess | None) -> None:
+    """Wait out the grace (less once the process is seen gone), then mark the attempt lost
+    unless it was held again meanwhile."""
+    waited = await _grace(grace_s, process)
     try:
-        await service.lose_attachment(namespace, run_id, epoch, attachment, grace_s)
+        await service.lose_attachment(namespace, run_id, epoch, attachment, waited,
+                                      process_gone=waited < grace_s)
     except StoreUnavailable as exc:  # then silence (timeout_s) restarts it
         log.warning("run %s/%s epoch %d: held connection gone, but not marked lost: %s", namespace,
                     run_id, epoch, exc)
+
+
+async def _grace(grace_s: float, process: LocalProcess | None) -> float:
+    """Sleep ``grace_s``, or until ``process`` (on this host) is seen gone: the seconds waited.
+    It is looked at as the drop is noticed and then every PROCESS_POLL_S: a dying process
+    closes its sockets a moment before /proc shows it exited."""
+    loop = asyncio.get_running_loop()
+    if process is None:
+        await asyncio.sleep(grace_s)
+        return grace_s
+    began = loop.time()
+    while (waited := loop.time() - began) < grace_s:
+        if process.gone():
+            return waited
+        await asyncio.sleep(min(PROCESS_POLL_S, grace_s - waited))
+    return grace_s

@@ -23,6 +23,7 @@ TENANT_HEADER = "Idem-Tenant"
 KEY_HEADER = "Idempotency-Key"
 MCP_KEY_META = "dev.idemproxy/idempotencyKey"  # an explicit key in a tools/call's _meta (SPEC §12)
 POLICY_HEADER = "Idem-Policy"
+PROCESS_HEADER = "Idem-Process"  # this process, so a proxy on its host sees it exit (attach)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 When this process dies, its kernel closes the socket; the proxy waits a short grace
 (``[runs] attach_grace_s``) and marks the attempt lost, so a supervisor restarts the run
-at once instead of after ``timeout_s`` of silence. A connection that breaks while the
+at once instead of after ``timeout_s`` of silence. A proxy on this host skips the grace
+once it sees the process gone (``Idem-Process``, see :mod:`.process`). A connection that breaks while the
 process lives (a network blip, a proxy replica going away) is made again at once, then
 with backoff, well within the grace: it restarts nothing.
 
@@ -32,6 +33,7 @@ from . import api
 from .errors import IdemProxyError, ProblemError, RunEnded, Superseded, problem_from_response
 from .heartbeat import cancelled, ends_beating
 from .launch import DEFAULT_NAMESPACE, DEFAULT_PROXY_URL, Launch
+from .process import process_token
 from .tls import shared_context
 
 log = logging.getLogger("idemproxy_client")
@@ -71,6 +73,8 @@ class _Holding:
 
     async def _hold(self) -> None:
         headers = {api.EPOCH_HEADER: str(self.epoch), "Accept": "application/x-ndjson"}
+        if (process := process_token()) is not None:  # a proxy on this host then sees it exit
+            headers[api.PROCESS_HEADER] = process
         if self.tenant:
             headers[api.TENANT_HEADER] = self.tenant
         timeout = httpx.Timeout(CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S)
