@@ -1,5 +1,5 @@
 """The configuration shown to people: ``idemproxy config`` (the effective settings, secrets
-masked) and the README's table of every option, generated from the dataclasses in config.py
+masked) and the README's table of every option, generated from the dataclasses in config/settings.py
 so that it cannot drift::
 
     python -m idemproxy.proxy.config_view --markdown

@@ -1,0 +1,70 @@
+"""The settings checked as a whole, once loaded: each refusal names the option and why."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from urllib.parse import urlsplit
+
+from .settings import (ANONYMOUS_CHOICES, MAX_STANDBY, RESERVED_NAMES, RUNS_PER_CREDENTIAL, RUNS_SHARED,
+                       ConfigError, Policy, Settings)
+
+
+def validate(s: Settings) -> None:
+    for up in s.upstreams.values():
+        parts = urlsplit(up.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"upstreams.{up.name}.url must be an http(s) URL, got {up.url!r}")
+        if up.kind not in ("", "model", "tool", "mcp"):
+            raise ConfigError(f"upstreams.{up.name}.kind must be 'model', 'tool' or 'mcp'")
+        for option in ("read_only_tools", "idempotent_tools", "non_destructive_tools"):
+            if getattr(up, option) not in tuple(Policy):
+                raise ConfigError(f"upstreams.{up.name}.{option} must be 'record' or 'passthrough'")
+        if up.on_ambiguous not in ("", "retry", "quarantine"):
+            raise ConfigError(f"upstreams.{up.name}.on_ambiguous must be 'retry' or 'quarantine'")
+        if up.anonymous not in ("", *ANONYMOUS_CHOICES):
+            raise ConfigError(f"upstreams.{up.name}.anonymous must be 'refuse' or 'shared'")
+        for model, price in up.prices.items():
+            if len(price) != 2:
+                raise ConfigError(f"upstreams.{up.name}.prices.{model} must be [input, output] USD per "
+                                  "million tokens")
+        for rule in up.rules:
+            if rule.policy not in tuple(Policy):
+                raise ConfigError(f"upstreams.{up.name}.rules: unknown policy {rule.policy!r}")
+        if not re.fullmatch(r"[A-Za-z0-9_.~-]+", up.name) or up.name in RESERVED_NAMES:
+            raise ConfigError(f"upstream name {up.name!r} is not usable in a path "
+                              f"(reserved: {', '.join(sorted(RESERVED_NAMES))})")
+    if s.tenants.anonymous not in ANONYMOUS_CHOICES:
+        raise ConfigError("tenants.anonymous must be 'refuse' or 'shared'")
+    for hook in s.hooks.values():
+        if bool(hook.command) == bool(hook.url):
+            raise ConfigError(f"hooks.{hook.name}: set exactly one of command or url")
+        if not 0 <= hook.standby <= MAX_STANDBY or (hook.standby and not hook.command):
+            raise ConfigError(f"hooks.{hook.name}: standby is for command hooks, from 0 to {MAX_STANDBY}")
+    for name in (s.runs.hook, s.runs.on_dead):
+        if name and name not in s.hooks:
+            raise ConfigError(f"runs: hook {name!r} is not defined under [hooks]")
+    if not 0 < s.runs.attach_keepalive_s <= 60 or s.runs.attach_grace_s <= 0:
+        raise ConfigError("runs.attach_grace_s must be positive and runs.attach_keepalive_s from 0 to 60 s")
+    if s.server.log_format not in ("text", "json"):
+        raise ConfigError(f"server.log_format must be 'text' or 'json', got {s.server.log_format!r}")
+    if s.server.workers < 1:
+        raise ConfigError("server.workers must be at least 1")
+    if s.tenants.runs not in (RUNS_PER_CREDENTIAL, RUNS_SHARED):
+        raise ConfigError(f"tenants.runs must be {RUNS_PER_CREDENTIAL!r} or {RUNS_SHARED!r}")
+    for name in ("max_hook_processes", "max_restarts_per_minute"):
+        if getattr(s.supervisor, name) < 1:
+            raise ConfigError(f"supervisor.{name} must be at least 1")
+    for name in ("header_timeout", "body_timeout", "idle_timeout"):
+        if getattr(s.server, name) <= 0:
+            raise ConfigError(f"server.{name} must be more than 0")
+    if s.server.max_connections < 0:
+        raise ConfigError("server.max_connections must be 0 (automatic) or more")
+    for name in ("replay_cache_bytes", "answer_cache_bytes", "cache_lease"):
+        if getattr(s.store, name) < 0:
+            raise ConfigError(f"store.{name} must be 0 (off) or more")
+    for cidr in s.server.trusted_proxies:
+        try:
+            ipaddress.ip_network(cidr, strict=False)
+        except ValueError:
+            raise ConfigError(f"server.trusted_proxies: {cidr!r} is not an address or CIDR") from None
