@@ -19,7 +19,6 @@ import venv
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
 from idemproxy.proxy.identity import parse_key
@@ -551,15 +550,3 @@ def test_the_clients_of_the_library_share_one_tls_context_unless_told_otherwise(
         assert context(api._client) is shared_context()
     finally:
         api.close()
-    # the SDKs' clients too, with the SDK's own defaults otherwise; one brought by the caller stays
-    openai_sdk, anthropic_sdk = run.openai(), run.anthropic()
-    for sdk_client in (openai_sdk, anthropic_sdk):
-        assert context(sdk_client._client) is shared_context()
-        left_alone = type(sdk_client)(api_key="k")  # the SDK's own defaults, kept
-        assert sdk_client._client.follow_redirects and sdk_client.timeout == left_alone.timeout
-        assert context(left_alone._client) is not shared_context()
-        sdk_client.close()
-        left_alone.close()
-    mine = openai.DefaultHttpxClient(verify=False)
-    assert run.openai(http_client=mine)._client is mine
-    mine.close()

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
-
-from .tls import shared_context
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 if TYPE_CHECKING:
     from aiohttp import ClientSession
@@ -33,48 +31,42 @@ def _extra(extra: str) -> Iterator[None]:
 
 
 def _sdk_kwargs(kwargs: dict[str, Any], base_url: str, headers: Mapping[str, str],
-                key_variable: str, http_client: Callable[..., Any]) -> dict[str, Any]:
-    """The SDK client's arguments. Unless the caller brings its own, its HTTP client is the
-    SDK's default one (``http_client``: the SDK's ``DefaultHttpxClient`` or async twin) on
-    the library's shared TLS context: left to itself, each SDK client loads the CA bundle
-    again (~50 ms of CPU, on a restarted agent's way to its first request)."""
+                key_variable: str) -> dict[str, Any]:
     kwargs = dict(kwargs)
     kwargs["base_url"] = base_url
     kwargs["default_headers"] = {**(kwargs.get("default_headers") or {}), **headers}
     if kwargs.get("api_key") is None and not os.environ.get(key_variable):
         kwargs["api_key"] = PLACEHOLDER_API_KEY
-    if kwargs.get("http_client") is None:
-        kwargs["http_client"] = http_client(verify=shared_context())
     return kwargs
 
 
 def openai_client(base_url: str, headers: Mapping[str, str], **kwargs: Any) -> OpenAI:
     """``openai.OpenAI`` with ``base_url`` and extra default headers; other kwargs pass through."""
     with _extra("openai"):
-        from openai import DefaultHttpxClient, OpenAI
-    return OpenAI(**_sdk_kwargs(kwargs, base_url, headers, "OPENAI_API_KEY", DefaultHttpxClient))
+        from openai import OpenAI
+    return OpenAI(**_sdk_kwargs(kwargs, base_url, headers, "OPENAI_API_KEY"))
 
 
 def async_openai_client(base_url: str, headers: Mapping[str, str], **kwargs: Any) -> AsyncOpenAI:
     """``openai.AsyncOpenAI``, like :func:`openai_client`."""
     with _extra("openai"):
-        from openai import AsyncOpenAI, DefaultAsyncHttpxClient
-    return AsyncOpenAI(**_sdk_kwargs(kwargs, base_url, headers, "OPENAI_API_KEY", DefaultAsyncHttpxClient))
+        from openai import AsyncOpenAI
+    return AsyncOpenAI(**_sdk_kwargs(kwargs, base_url, headers, "OPENAI_API_KEY"))
 
 
 def anthropic_client(base_url: str, headers: Mapping[str, str], **kwargs: Any) -> Anthropic:
     """``anthropic.Anthropic`` with ``base_url`` and extra default headers."""
     with _extra("anthropic"):
-        from anthropic import DefaultHttpxClient, Anthropic
-    return Anthropic(**_sdk_kwargs(kwargs, base_url, headers, "ANTHROPIC_API_KEY", DefaultHttpxClient))
+        from anthropic import Anthropic
+    return Anthropic(**_sdk_kwargs(kwargs, base_url, headers, "ANTHROPIC_API_KEY"))
 
 
 def async_anthropic_client(base_url: str, headers: Mapping[str, str],
                            **kwargs: Any) -> AsyncAnthropic:
     """``anthropic.AsyncAnthropic``, like :func:`anthropic_client`."""
     with _extra("anthropic"):
-        from anthropic import AsyncAnthropic, DefaultAsyncHttpxClient
-    return AsyncAnthropic(**_sdk_kwargs(kwargs, base_url, headers, "ANTHROPIC_API_KEY", DefaultAsyncHttpxClient))
+        from anthropic import AsyncAnthropic
+    return AsyncAnthropic(**_sdk_kwargs(kwargs, base_url, headers, "ANTHROPIC_API_KEY"))
 
 
 def aiohttp_session(base_url: str, headers: Mapping[str, str], **kwargs: Any) -> ClientSession:
