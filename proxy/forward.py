@@ -17,7 +17,7 @@ HOP_BY_HOP = frozenset({"connection", "proxy-connection", "keep-alive", "te", "t
                         "transfer-encoding", "upgrade", "proxy-authenticate", "proxy-authorization"})
 # Recomputed for the next hop, or ours.
 NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "expect"}
-OUR_HEADERS = ("idem-run", "idem-epoch", "idem-policy", "idem-replay")
+OUR_HEADERS = ("idem-run", "idem-epoch", "idem-policy", "idem-replay", "idem-process")
 NEVER_STORED = frozenset({"set-cookie", "set-cookie2", "content-length", "date"})
 
 

@@ -200,7 +200,7 @@ async def test_attach_and_detach_refusals_are_problems_that_change_nothing(make_
             await problem(resp, "stale-epoch", 412)
         async with http.post(f"{proxy.url}/runs/nobody/{path}", headers={"Idem-Epoch": "0"}) as resp:
             await problem(resp, "not-found", 404)
-    for named in ("12", "boot 1 2 x", "boot 1 0 5"):  # not 4 fields, not numbers, pid 0
+    for named in ("12", "boot 1 2 x", "boot 1 0 5", "boot 1 1_0 5"):  # not 4 fields, not decimal, pid 0
         async with http.post(f"{proxy.url}/runs/r1/attach", headers={"Idem-Epoch": "1", "Idem-Process": named}) as resp:
             await problem(resp, "invalid-header", 400)
     async with http.post(f"{proxy.url}/runs/r1/detach", headers={"Idem-Epoch": "1"}) as resp:
@@ -247,40 +247,56 @@ async def test_a_block_that_ends_normally_lets_its_connection_go_and_one_that_ra
     assert (broken.lost_epoch, broken.attachments) == (0, 1)  # dropped like a crash: restart it
 
 
-def test_a_process_on_this_host_is_seen_to_exit_and_one_elsewhere_is_not_looked_at():
+async def test_a_process_on_this_host_is_seen_to_exit_and_one_it_cannot_see_is_not():
+    boot, namespace, pid, start = process_token().split()
     me = LocalProcess.from_header(process_token())
-    assert me == LocalProcess(os.getpid(), me.start) and not me.gone()
-    assert LocalProcess(os.getpid(), me.start + 1).gone()  # the pid is someone else's now
+    assert me == LocalProcess(os.getpid(), int(start)) and not await me.exits_within(0.05)
+    assert await LocalProcess(os.getpid(), int(start) + 1).exits_within(5)  # the pid is someone else's now
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        started = LocalProcess(child.pid, _start_ticks(child.pid))
-        assert not started.gone()
-        child.kill()
-        # killed and not yet reaped: a zombie is gone; reaped, its pid is nobody's
-        assert _until_true(started.gone), "a killed child still seen alive"
+        named = LocalProcess.from_header(f"{boot} {namespace} {child.pid} {_start_ticks(child.pid)}")
+        assert named is not None and not await named.exits_within(0.05)
+        child.kill()  # a zombie until reaped: exited all the same
+        began = time.monotonic()
+        assert await named.exits_within(5) and time.monotonic() - began < 1
     finally:
         child.kill()
         child.wait()
-    assert started.gone()
-    boot, namespace, pid, start = process_token().split()
+    assert await named.exits_within(5)  # reaped: its pid is nobody's
+    # what this proxy cannot see as named is not looked at (the grace decides)
+    assert LocalProcess.from_header(f"{boot} {namespace} {child.pid} {_start_ticks(os.getpid())}") is None
+    assert LocalProcess.from_header(f"{boot} {namespace} {pid} {int(start) + 1}") is None  # another start
     assert LocalProcess.from_header(f"another-boot {namespace} {pid} {start}") is None  # another host
     assert LocalProcess.from_header(f"{boot} 1 {pid} {start}") is None  # another PID namespace
     assert LocalProcess.from_header(None) is None
+
+
+def test_a_forked_child_names_itself_not_its_parent():
+    # in a process of its own: this one has threads, and fork() wants none
+    script = textwrap.dedent("""
+        import os
+        from idemproxy_client.process import process_token
+        parent = process_token()  # cached here
+        reader, writer = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(writer, process_token().encode())
+            os._exit(0)
+        os.close(writer)
+        child = os.read(reader, 200).decode()
+        os.waitpid(pid, 0)
+        print(os.getpid(), pid, parent, "|", child)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30, check=True)
+    parent_pid, child_pid, rest = out.stdout.split(maxsplit=2)
+    parent, child = rest.split(" | ")
+    assert parent.split()[2] == parent_pid and child.split()[2] == child_pid  # not the parent's, alive
 
 
 def _start_ticks(pid: int) -> int:
     with open(f"/proc/{pid}/stat", "rb") as f:
         stat = f.read()
     return int(stat[stat.rindex(b")") + 2:].split()[19])
-
-
-def _until_true(check, seconds: float = 5.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_an_attachment_takes_its_attempt_from_the_hook_environment():

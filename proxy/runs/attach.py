@@ -14,7 +14,7 @@ attach_grace_s`` and, unless a connection of the same attempt was made meanwhile
 replica: the store numbers them), marks the attempt lost, and any supervisor restarts the
 run at once. A client that reconnects within the grace (a network blip, a replica going
 away) changes nothing. When the process runs on this host (``Idem-Process``, see
-.process), the grace ends the moment it is seen gone. ``{"closing": true}``: this proxy is shutting down and marks
+.process), the grace ends the moment it exits. ``{"closing": true}``: this proxy is shutting down and marks
 nothing; reconnect. ``POST /runs/{id}/detach`` lets the attempt's connections go on
 purpose (a process that hands its run on): their drop marks nothing.
 """
@@ -37,8 +37,6 @@ from .process import HEADER, LocalProcess
 from .service import RunsService
 
 log = logging.getLogger("idemproxy.supervisor")
-
-PROCESS_POLL_S = 0.01  # how often a dropped connection's local process is looked at, in the grace
 
 
 def setup(app: web.Application) -> None:
@@ -109,28 +107,18 @@ async def _news(request: web.Request, run: Run, epoch: int) -> dict:
 
 async def _after_drop(service: RunsService, namespace: str, run_id: str, epoch: int, attachment: int,
                       grace_s: float, process: LocalProcess | None) -> None:
-    """Wait out the grace (less once the process is seen gone), then mark the attempt lost
-    unless it was held again meanwhile."""
-    waited = await _grace(grace_s, process)
+    """Wait out the grace (less once the process on this host is seen to exit), then mark
+    the attempt lost unless it was held again meanwhile."""
+    began = time.monotonic()
+    exited = await process.exits_within(grace_s) if process is not None else await _slept(grace_s)
+    waited = time.monotonic() - began if exited else grace_s
     try:
-        await service.lose_attachment(namespace, run_id, epoch, attachment, waited,
-                                      process_gone=waited < grace_s)
+        await service.lose_attachment(namespace, run_id, epoch, attachment, waited, process_exited=exited)
     except StoreUnavailable as exc:  # then silence (timeout_s) restarts it
         log.warning("run %s/%s epoch %d: held connection gone, but not marked lost: %s", namespace,
                     run_id, epoch, exc)
 
 
-async def _grace(grace_s: float, process: LocalProcess | None) -> float:
-    """Sleep ``grace_s``, or until ``process`` (on this host) is seen gone: the seconds waited.
-    It is looked at as the drop is noticed and then every PROCESS_POLL_S: a dying process
-    closes its sockets a moment before /proc shows it exited."""
-    loop = asyncio.get_running_loop()
-    if process is None:
-        await asyncio.sleep(grace_s)
-        return grace_s
-    began = loop.time()
-    while (waited := loop.time() - began) < grace_s:
-        if process.gone():
-            return waited
-        await asyncio.sleep(min(PROCESS_POLL_S, grace_s - waited))
-    return grace_s
+async def _slept(seconds: float) -> bool:
+    await asyncio.sleep(seconds)
+    return False

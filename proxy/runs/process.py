@@ -6,26 +6,31 @@ nothing to guess: the client library names its process in ``Idem-Process`` (Linu
 
     Idem-Process: <boot id> <pid namespace inode> <pid> <start time in clock ticks>
 
-and the proxy looks at ``/proc/<pid>/stat`` while the grace runs. A process gone, a zombie,
-or another process under that pid (its start time differs) ends the grace at once: a blip
-cannot kill a process, so the attempt is lost now. A process that lives (its link was cut
-by something in between: a load balancer, a relay) waits out the grace as before.
+When the connection drops, the proxy opens a pidfd for that pid (it becomes readable the
+moment the process exits; no polling) and checks the start time, so a pid taken by another
+process since counts as the named one gone. An exit within the grace ends the grace at
+once: a blip cannot kill a process. A process that lives (its link was cut by something in
+between: a load balancer, a relay) waits out the grace as before.
 
-Another host (its boot id differs) or another PID namespace (a container of its own) sees
-other pids: the header is then ignored, and the grace is all there is.
+The header is ignored, and the grace is all there is, for a process elsewhere (another
+host: its boot id differs; a container of its own: its PID namespace differs), and for one
+this proxy cannot see as named when the connection is made (``/proc`` hidden from it, a
+pid not running, another start time): what cannot be looked at is never taken for dead.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
+import re
 from dataclasses import dataclass
 
 from ..problems import Problem
 
 HEADER = "Idem-Process"
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
-GONE_STATES = frozenset("ZXx")  # zombie (exited, not yet reaped), dead
+TOKEN = re.compile(r"([0-9A-Za-z-]{1,64}) ([0-9]{1,20}) ([0-9]{1,10}) ([0-9]{1,20})")
 
 
 @functools.cache
@@ -47,28 +52,53 @@ class LocalProcess:
 
     @classmethod
     def from_header(cls, value: str | None) -> LocalProcess | None:
-        """The process ``Idem-Process`` names if it is on this host and in this PID namespace;
-        None without the header or for a process elsewhere. A malformed header is refused."""
+        """The process ``Idem-Process`` names, if it runs on this host, in this PID namespace,
+        and this proxy sees it there now; else None. A malformed header is refused."""
         if value is None:
             return None
-        try:
-            boot, namespace, pid, start = value.split()
-            named = cls(int(pid), int(start))
-            host = (boot, int(namespace))
-        except ValueError:
-            raise Problem("invalid-header", f"{HEADER} is '<boot id> <pid namespace> <pid> <start "
-                          "ticks>' (the client library sends it)") from None
-        if named.pid <= 0 or named.start < 0:
-            raise Problem("invalid-header", f"{HEADER}: pid and start time must be positive")
-        return named if host == this_host() else None
+        parsed = TOKEN.fullmatch(value)
+        if parsed is None or int(parsed[3]) == 0:
+            raise Problem("invalid-header", f"{HEADER} is '<boot id> <pid namespace> <pid> <start ticks>', "
+                          "numbers in decimal, the pid not 0 (the client library sends it)")
+        boot, namespace, pid, start = parsed.groups()
+        if (boot, int(namespace)) != this_host():
+            return None
+        named = cls(int(pid), int(start))
+        return named if _start_ticks(named.pid) == named.start else None
 
-    def gone(self) -> bool:
-        """Whether the process has exited (or its pid belongs to another process now)."""
+    async def exits_within(self, seconds: float) -> bool:
+        """Whether the process exits (or has exited) within ``seconds``. False also when it
+        cannot be watched (no pidfd here, /proc unreadable): only a seen exit counts."""
         try:
-            with open(f"/proc/{self.pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:  # no such pid: exited and reaped
+            fd = os.pidfd_open(self.pid)
+        except ProcessLookupError:  # exited and reaped
             return True
+        except (AttributeError, OSError):  # too old a kernel, or a sandbox refusing pidfds
+            await asyncio.sleep(seconds)
+            return False
+        try:
+            started = _start_ticks(self.pid)  # read after the pidfd: it is of this pid's process
+            if started is not None and started != self.start:
+                return True  # the named process is gone; another one has its pid
+            loop = asyncio.get_running_loop()
+            exited = loop.create_future()
+            loop.add_reader(fd, lambda: exited.done() or exited.set_result(True))
+            try:
+                return await asyncio.wait_for(exited, seconds)
+            except asyncio.TimeoutError:
+                return False
+            finally:
+                loop.remove_reader(fd)
+        finally:
+            os.close(fd)
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When ``pid``'s process started (field 22 of /proc/<pid>/stat), or None if unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
         # "pid (comm) state ... starttime ...": comm may hold spaces and parentheses
-        fields = stat[stat.rindex(b")") + 2:].split()
-        return fields[0].decode() in GONE_STATES or int(fields[19]) != self.start
+        return int(stat[stat.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None

@@ -126,16 +126,16 @@ class RunsService:
         return attached
 
     async def lose_attachment(self, namespace: str, run_id: str, epoch: int, attachment: int,
-                              waited_s: float, *, process_gone: bool = False) -> bool:
+                              waited_s: float, *, process_exited: bool = False) -> bool:
         """Held connection number ``attachment`` of attempt ``epoch`` stayed gone for ``waited_s``
-        (the grace, or until its process on this host was seen gone): mark the attempt lost,
+        (the grace, or until its process on this host exited): mark the attempt lost,
         unless a connection was held after it or the attempt is over."""
         event = {"event": "attachment-lost", "epoch": epoch, "attachment": attachment,
-                 "waited_s": round(waited_s, 3), **({"process": "exited"} if process_gone else {})}
+                 "waited_s": round(waited_s, 3), **({"process": "exited"} if process_exited else {})}
         lost = await self.store.runs.lose(namespace, run_id, epoch, time.time(), event, attachment=attachment)
         if lost:
             log.warning("run %s/%s epoch %d: its held connection %s; restarting it", namespace, run_id, epoch,
-                        "closed and its process exited" if process_gone else f"stayed gone for {waited_s:g}s")
+                        "closed and its process exited" if process_exited else f"stayed gone for {waited_s:g}s")
         return lost
 
 

@@ -11,7 +11,7 @@ import functools
 import os
 
 
-@functools.cache
+@functools.cache  # once per process: a forked child clears it (below), for its own pid
 def process_token() -> str | None:
     """``<boot id> <pid namespace inode> <pid> <start time in clock ticks>``; None off Linux."""
     try:
@@ -24,3 +24,7 @@ def process_token() -> str | None:
         return None
     start = stat[stat.rindex(b")") + 2:].split()[19].decode()  # after "pid (comm) ", field 22
     return f"{boot} {namespace} {os.getpid()} {start}"
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=process_token.cache_clear)
