@@ -55,8 +55,9 @@ async def test_sse_passes_chunk_by_chunk(make_proxy, store_url, provider, http, 
         assert resp.status == 200
         assert resp.headers["Content-Type"].startswith("text/event-stream")
         body, times = await read_timed(resp, t0)
-    # 6 events, 0.15 s apart: the first must arrive long before the last
-    assert times[0] < 0.3, times
+    # 6 events, 0.15 s apart: the first must arrive long before the last. Measured from the
+    # first arrival, not from the request: a pause before the stream begins (CI once saw the
+    # whole stream shifted by 0.5 s, its gaps intact) says nothing about chunk-by-chunk delivery.
     assert times[-1] - times[0] > 0.5, times
     assert len(times) >= 4, times
     assert body.endswith(b"data: [DONE]\n\n")
