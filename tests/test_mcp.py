@@ -48,7 +48,10 @@ class ToolServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = InLoopServer(uvicorn.Config(
             tool_server.create_app(self.ledger, json_response=json_response), host="127.0.0.1",
-            port=self.port, log_level="warning", lifespan="on"))
+            port=self.port, log_level="warning", lifespan="on",
+            # The proxy under test, torn down after this server, may still hold a stream to it:
+            # without a bound, uvicorn's shutdown waits for that forever (CI once hung here 60 s).
+            timeout_graceful_shutdown=5))
         self.task: asyncio.Task | None = None
 
     @property
