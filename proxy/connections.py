@@ -28,9 +28,9 @@ import logging
 import re
 import resource
 
+import aiohttp
 import orjson
 from aiohttp import web
-from aiohttp.typedefs import Handler
 
 from .config import ServerSettings
 from .errors import problem_response
@@ -39,6 +39,12 @@ from .problems import Problem
 log = logging.getLogger("idemproxy.access")
 
 REFUSAL = web.RequestKey("refusal", str)  # why aiohttp's parser refused a request (access log)
+# The upstream answer a handler only relays to its client (a passthrough stream): closed when
+# that client goes away, so that an idle upstream stream (an MCP notification stream, an SSE
+# feed between events) is let go at once, not at its next byte; the handler then ends as for any
+# client that left (499). Handlers themselves outlive their clients (handler_cancellation is
+# off): a recorded call must finish and record.
+RELAYING = web.RequestKey("relaying", aiohttp.ClientResponse)
 LINGER_S = 1.0  # how long a refused connection is read (and ignored) before it closes
 REPORT_EVERY_S = 10.0  # connections refused at the cap are logged at most this often
 ECHO = re.compile(r":\s*(?:b'|b\"|bytearray\()")  # where aiohttp's parser quotes the bytes it refused
@@ -81,7 +87,11 @@ class Connection(web.RequestHandler):
             self._timer.cancel()
             self._timer = None
         self._gate.closed()
+        request = self._answering()
+        relayed = request.get(RELAYING) if request is not None else None
         super().connection_lost(exc)
+        if relayed is not None:
+            relayed.close()
 
     def started(self, request: web.BaseRequest) -> None:
         """The request's head arrived whole; its body, if any, is on its way."""

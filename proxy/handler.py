@@ -17,6 +17,7 @@ from . import policy
 from .answercache import AnswerCache
 from .calls import Call, Fate
 from .config import Settings, UpstreamSettings
+from .connections import RELAYING
 from .errors import OUTCOME, STARTED, UPSTREAM_S
 from .facts import FACTS, Facts, key_kind
 from .fencing import Fence
@@ -199,6 +200,7 @@ class Proxy:
                 if length is not None:  # streamed as it comes, still with its length
                     out.append(("Content-Length", str(length)))
                 stream = await start_stream(request, resp.status, out)
+                request[RELAYING] = resp  # from here on, the client's going away closes it (connections.py)
                 async for chunk in resp.content.iter_any():
                     if tap is not None:
                         tap(chunk)
@@ -206,6 +208,8 @@ class Proxy:
                 await stream.write_eof()
                 return stream
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            if RELAYING in request and request.transport is None:  # its client left: we closed it
+                raise ConnectionResetError("the client went away") from None
             slug = "upstream-timeout" if isinstance(exc, asyncio.TimeoutError) else "upstream-unavailable"
             raise Problem(slug, f"{type(exc).__name__} talking to {upstream.name}") from None
 

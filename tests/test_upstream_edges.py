@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+import urllib.request
 
 import pytest
 from aiohttp import web
@@ -173,3 +174,23 @@ async def test_a_200_mib_passthrough_keeps_the_proxy_small(proxy_process, provid
     grown_mib = (peak_rss_kib(proc.proc.pid) - before) / 1024
     print(f"peak RSS grew {grown_mib:.1f} MiB passing 200 MiB")
     assert received == 200 << 20 and grown_mib < 32
+
+
+@pytest.mark.slow  # a proxy process: the in-process test server cancels handlers, `idemproxy serve` does not
+async def test_a_passthrough_stream_whose_client_left_lets_its_idle_upstream_go(proxy_process, provider, sqlite_url):
+    proc = proxy_process(proxy_sections(provider.url, sqlite_url))
+    flowing = provider.app[fake_provider.OPEN]
+    reader, writer = await asyncio.open_connection("127.0.0.1", proc.port)
+    # an endless stream that then stays idle for a minute, as an MCP notification stream may
+    writer.write(b"GET /raw/flood HTTP/1.1\r\nHost: proxy\r\nX-Fake-Chunk-Delay: 60\r\n\r\n")
+    await writer.drain()
+    assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+    await reader.readexactly(1024)  # its first block is on its way
+    assert flowing["flood"] == 1
+    writer.close()  # the agent goes away
+    deadline = time.monotonic() + 3
+    while flowing["flood"] and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert flowing["flood"] == 0, "the proxy held the idle upstream stream after its client left"
+    exposition = await asyncio.to_thread(lambda: urllib.request.urlopen(proc.url + "/metrics", timeout=10).read().decode())
+    assert 'idemproxy_requests_total{outcome="disconnected"} 1.0' in exposition  # counted as the agent's leaving
