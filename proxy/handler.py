@@ -199,17 +199,22 @@ class Proxy:
                     return web.Response(status=resp.status, body=answer, headers=out)
                 if length is not None:  # streamed as it comes, still with its length
                     out.append(("Content-Length", str(length)))
-                stream = await start_stream(request, resp.status, out)
                 request[RELAYING] = resp  # from here on, the client's going away closes it (connections.py)
+                stream = await start_stream(request, resp.status, out)
                 async for chunk in resp.content.iter_any():
                     if tap is not None:
                         tap(chunk)
                     await stream.write(chunk)
                 await stream.write_eof()
                 return stream
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            if RELAYING in request and request.transport is None:  # its client left: we closed it
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+            # The client left (we then closed its upstream, or a write to it failed: aiohttp wakes
+            # a write waiting on a gone client with a bare ConnectionError): not the upstream's fault.
+            transport = request.transport
+            if transport is None or transport.is_closing():
                 raise ConnectionResetError("the client went away") from None
+            if not isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError)):
+                raise
             slug = "upstream-timeout" if isinstance(exc, asyncio.TimeoutError) else "upstream-unavailable"
             raise Problem(slug, f"{type(exc).__name__} talking to {upstream.name}") from None
 
