@@ -62,7 +62,7 @@ def problem_middleware(metrics: Metrics, admit: Callable[[web.Request], None] | 
         except web.HTTPRequestEntityTooLarge:  # a chunked body past client_max_size
             return answer(request, Problem("too-large", "request body over max_request_bytes"))
         except ConnectionResetError:
-            if request.transport is not None and not request.transport.is_closing():
+            if not client_gone(request):
                 raise  # not the client's connection: a bug
             return web.Response(status=499)  # nginx's "client closed request"; never sent
         finally:
@@ -70,6 +70,12 @@ def problem_middleware(metrics: Metrics, admit: Callable[[web.Request], None] | 
             if started is not None:
                 metrics.observe(request[OUTCOME], time.perf_counter() - started, request.get(UPSTREAM_S))
     return problems
+
+
+def client_gone(request: web.BaseRequest) -> bool:
+    """Whether the request's client connection is closed or closing."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 def answer(request: web.Request, problem: Problem) -> web.StreamResponse:

@@ -18,7 +18,7 @@ from .answercache import AnswerCache
 from .calls import Call, Fate
 from .config import Settings, UpstreamSettings
 from .connections import RELAYING
-from .errors import OUTCOME, STARTED, UPSTREAM_S
+from .errors import OUTCOME, STARTED, UPSTREAM_S, client_gone
 from .facts import FACTS, Facts, key_kind
 from .fencing import Fence
 from .fingerprint import fingerprint
@@ -210,8 +210,7 @@ class Proxy:
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
             # The client left (we then closed its upstream, or a write to it failed: aiohttp wakes
             # a write waiting on a gone client with a bare ConnectionError): not the upstream's fault.
-            transport = request.transport
-            if transport is None or transport.is_closing():
+            if client_gone(request):
                 raise ConnectionResetError("the client went away") from None
             if not isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError)):
                 raise

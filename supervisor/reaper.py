@@ -12,6 +12,8 @@ import asyncio
 import os
 import signal
 
+from ..proxy.runs.process import pidfd_exit
+
 POLL_S = 0.2  # how often an exit is looked for without a pidfd
 
 
@@ -23,13 +25,7 @@ async def exited(pid: int) -> int | None:
     except (AttributeError, OSError):  # not Linux, too old a kernel, or a sandbox refusing it
         return await _polled(pid)
     try:
-        loop = asyncio.get_running_loop()
-        readable = loop.create_future()
-        loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
-        try:
-            await readable
-        finally:
-            loop.remove_reader(fd)
+        await pidfd_exit(fd)
     finally:
         os.close(fd)
     return await _polled(pid)  # a zombie now: the first waitpid reaps it

@@ -22,7 +22,7 @@ import time
 import pytest
 
 from idemproxy.proxy.appkeys import METRICS
-from idemproxy.proxy.runs.process import LocalProcess
+from idemproxy.proxy.runs.process import LocalProcess, start_ticks
 from idemproxy.proxy.store.base import Run as StoredRun
 from conftest import proxy_sections, until
 from idemproxy_client import AsyncRun, Attachment, Run, Superseded
@@ -254,7 +254,7 @@ async def test_a_process_on_this_host_is_seen_to_exit_and_one_it_cannot_see_is_n
     assert await LocalProcess(os.getpid(), int(start) + 1).exits_within(5)  # the pid is someone else's now
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        named = LocalProcess.from_header(f"{boot} {namespace} {child.pid} {_start_ticks(child.pid)}")
+        named = LocalProcess.from_header(f"{boot} {namespace} {child.pid} {start_ticks(child.pid)}")
         assert named is not None and not await named.exits_within(0.05)
         child.kill()  # a zombie until reaped: exited all the same
         began = time.monotonic()
@@ -264,7 +264,7 @@ async def test_a_process_on_this_host_is_seen_to_exit_and_one_it_cannot_see_is_n
         child.wait()
     assert await named.exits_within(5)  # reaped: its pid is nobody's
     # what this proxy cannot see as named is not looked at (the grace decides)
-    assert LocalProcess.from_header(f"{boot} {namespace} {child.pid} {_start_ticks(os.getpid())}") is None
+    assert LocalProcess.from_header(f"{boot} {namespace} {child.pid} {start_ticks(os.getpid())}") is None
     assert LocalProcess.from_header(f"{boot} {namespace} {pid} {int(start) + 1}") is None  # another start
     assert LocalProcess.from_header(f"another-boot {namespace} {pid} {start}") is None  # another host
     assert LocalProcess.from_header(f"{boot} 1 {pid} {start}") is None  # another PID namespace
@@ -291,12 +291,6 @@ def test_a_forked_child_names_itself_not_its_parent():
     parent_pid, child_pid, rest = out.stdout.split(maxsplit=2)
     parent, child = rest.split(" | ")
     assert parent.split()[2] == parent_pid and child.split()[2] == child_pid  # not the parent's, alive
-
-
-def _start_ticks(pid: int) -> int:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        stat = f.read()
-    return int(stat[stat.rindex(b")") + 2:].split()[19])
 
 
 def test_an_attachment_takes_its_attempt_from_the_hook_environment():

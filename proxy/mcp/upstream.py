@@ -13,7 +13,7 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 from ..config import Policy, UpstreamSettings
-from ..errors import RENDER_PROBLEM
+from ..errors import RENDER_PROBLEM, client_gone
 from ..identity import Identity
 from ..problems import Problem
 from ..replay import READDRESS
@@ -97,7 +97,6 @@ class McpUpstreams:
         exchange has closed it by the time its answer is ready)."""
         if plan.site is None or plan.occurrence is None:
             return resp  # an explicit key: no occurrence to settle
-        transport = request.transport
-        if transport is not None and not transport.is_closing():
+        if not client_gone(request):
             self.occurrences.delivered(plan.site, plan.occurrence)
         return resp

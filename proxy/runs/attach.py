@@ -110,15 +110,14 @@ async def _after_drop(service: RunsService, namespace: str, run_id: str, epoch: 
     """Wait out the grace (less once the process on this host is seen to exit), then mark
     the attempt lost unless it was held again meanwhile."""
     began = time.monotonic()
-    exited = await process.exits_within(grace_s) if process is not None else await _slept(grace_s)
+    if process is None:
+        await asyncio.sleep(grace_s)
+        exited = False
+    else:
+        exited = await process.exits_within(grace_s)
     waited = time.monotonic() - began if exited else grace_s
     try:
         await service.lose_attachment(namespace, run_id, epoch, attachment, waited, process_exited=exited)
     except StoreUnavailable as exc:  # then silence (timeout_s) restarts it
         log.warning("run %s/%s epoch %d: held connection gone, but not marked lost: %s", namespace,
                     run_id, epoch, exc)
-
-
-async def _slept(seconds: float) -> bool:
-    await asyncio.sleep(seconds)
-    return False

@@ -18,6 +18,8 @@ from typing import Any, Coroutine
 
 from aiohttp import web
 
+from ..errors import client_gone
+
 DROP_POLL_S = 0.05
 
 
@@ -74,6 +76,5 @@ class Attachments:
         while self._held:
             await asyncio.sleep(DROP_POLL_S)
             for ended, request in list(self._held.items()):
-                transport = request.transport
-                if (transport is None or transport.is_closing()) and not ended.done():
+                if client_gone(request) and not ended.done():
                     ended.set_result(Ending.DROPPED)

@@ -64,7 +64,7 @@ class LocalProcess:
         if (boot, int(namespace)) != this_host():
             return None
         named = cls(int(pid), int(start))
-        return named if _start_ticks(named.pid) == named.start else None
+        return named if start_ticks(named.pid) == named.start else None
 
     async def exits_within(self, seconds: float) -> bool:
         """Whether the process exits (or has exited) within ``seconds``. False also when it
@@ -77,23 +77,29 @@ class LocalProcess:
             await asyncio.sleep(seconds)
             return False
         try:
-            started = _start_ticks(self.pid)  # read after the pidfd: it is of this pid's process
+            started = start_ticks(self.pid)  # read after the pidfd: it is of this pid's process
             if started is not None and started != self.start:
                 return True  # the named process is gone; another one has its pid
-            loop = asyncio.get_running_loop()
-            exited = loop.create_future()
-            loop.add_reader(fd, lambda: exited.done() or exited.set_result(True))
-            try:
-                return await asyncio.wait_for(exited, seconds)
-            except asyncio.TimeoutError:
-                return False
-            finally:
-                loop.remove_reader(fd)
+            return await pidfd_exit(fd, seconds)
         finally:
             os.close(fd)
 
 
-def _start_ticks(pid: int) -> int | None:
+async def pidfd_exit(fd: int, timeout: float | None = None) -> bool:
+    """Wait for the process of pidfd ``fd`` to exit (the kernel makes the pidfd readable
+    then): True once it has, False after ``timeout`` seconds. The caller closes ``fd``."""
+    loop = asyncio.get_running_loop()
+    exited = loop.create_future()
+    loop.add_reader(fd, lambda: exited.done() or exited.set_result(True))
+    try:
+        return await asyncio.wait_for(exited, timeout)
+    except asyncio.TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(fd)
+
+
+def start_ticks(pid: int) -> int | None:
     """When ``pid``'s process started (field 22 of /proc/<pid>/stat), or None if unreadable."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
