@@ -147,7 +147,10 @@ async def test_a_restart_is_served_by_a_standby_started_before_it(standby_proxy,
     assigned = await agents.assigned(1)
     run = await until(lambda: _ended(proxy), 20, "the run completed by the standby")
     assert ahead["pid"] == assigned["pid"] == started(run, 1)["pid"] and ahead["t"] < fired
-    assert started(run, 1)["standby"] is True and started(run, 1)["started_ahead_s"] > 0.3
+    # started before it said `up`, which was before the restart was asked for (a fixed floor, once
+    # 0.3 s, was this machine's import time: a faster phase imported in 0.285 s)
+    assert started(run, 1)["standby"] is True
+    assert started(run, 1)["started_ahead_s"] >= round(fired - ahead["t"], 3) > 0
     assert (run.state, run.epoch) == ("completed", 1)
     # the facts a spawned hook has; stdin is /dev/null again, the marker is gone
     assert assigned == {**assigned, "run": "r", "attempt": "1", "standby": None, "stdin": True,
