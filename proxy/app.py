@@ -18,7 +18,7 @@ from .appkeys import METRICS, PROXY, RUNS, SETTINGS, STORE, TENANTS
 from .config import Settings
 from .connections import request_started
 from .errors import problem_middleware
-from .forward import make_session
+from .forward import make_pool
 from .handler import Proxy
 from .heartbeats import Heartbeats
 from .identity import TenantResolver
@@ -82,8 +82,8 @@ async def _lifecycle(app: web.Application, make_launcher: LauncherFactory,
     app[RUNS] = RunsService(store, settings, launcher)
     proxy = app[PROXY] = Proxy(
         settings, store, tenants, Heartbeats(store), app[METRICS],
-        sessions={name: make_session(up, () if traces is None else (traces.trace_config(),))
-                  for name, up in settings.upstreams.items()})
+        pools={name: make_pool(up, None if traces is None else traces.inject)
+               for name, up in settings.upstreams.items()})
     cached = settings.store.cache_lease > 0 and (settings.store.answer_cache_bytes > 0
                                                   or settings.store.replay_cache_bytes > 0)
     if cached:  # the first look before the first request, so memory answers from the start
@@ -107,8 +107,8 @@ async def _lifecycle(app: web.Application, make_launcher: LauncherFactory,
         with contextlib.suppress(StoreUnavailable):
             await proxy.heartbeats.flush()
             await proxy.flush_replay_counts()
-        for session in proxy.sessions.values():
-            await session.close()
+        for pool in proxy.pools.values():
+            await pool.close()
         await launcher.aclose()
         await store.aclose()
         if traces is not None:  # the exporter posts from its own thread: keep the loop free

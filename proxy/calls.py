@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
-import aiohttp
 import orjson
 
 from .config import UpstreamSettings
@@ -33,6 +32,7 @@ from .forward import is_stream, is_timeout, never_sent, response_headers, storab
 from .policy import OnAmbiguous, Verdict, verdict
 from .store import Store, StoreUnavailable
 from .store.base import Recorded
+from .upstream_client import UpstreamPool, UpstreamResponse
 
 log = logging.getLogger("idemproxy.proxy")
 
@@ -155,10 +155,10 @@ class Call:
 
     # -- the call -------------------------------------------------------------------------
 
-    async def run(self, session: aiohttp.ClientSession, store: Store, method: str, url: str,
+    async def run(self, pool: UpstreamPool, store: Store, method: str, target: str,
                   headers, body: bytes, heartbeat) -> None:
         try:
-            self.result = await self._run(session, store, method, url, headers, body, heartbeat)
+            self.result = await self._run(pool, store, method, target, headers, body, heartbeat)
         except asyncio.CancelledError:
             self.result = CallResult(Fate.FAILED, ("upstream-unavailable", "the proxy is shutting down"))
             raise
@@ -171,18 +171,19 @@ class Call:
         finally:
             self._publish()
 
-    async def _run(self, session, store: Store, method, url, headers, body, heartbeat) -> CallResult:
+    async def _run(self, pool: UpstreamPool, store: Store, method, target, headers, body,
+                   heartbeat) -> CallResult:
         sent = time.perf_counter()
         self._record_until = sent + self.max_record_seconds
         try:
-            async with session.request(method, url, headers=headers, data=body,
-                                       allow_redirects=False) as resp:
+            resp = await pool.request(method, target, headers, body)
+            try:
                 self._begin(resp, time.perf_counter() - sent)
                 flusher = self._start_sharing(store)
                 try:
-                    while chunk := await resp.content.readany():
+                    while chunk := await resp.readany():
                         heartbeat()
-                        self._take(chunk, resp.content)
+                        self._take(chunk, resp)
                         if self._too_large and not self.listeners:
                             self._cut_off = True
                             resp.close()  # drops the connection: its pool slot is free again
@@ -191,11 +192,13 @@ class Call:
                     if flusher is not None:
                         self._sharing.set()  # stopped before the record: no shared bytes land after it
                         await asyncio.gather(flusher, return_exceptions=True)
+            finally:
+                resp.release()
         except Exception as exc:
             return await self._broken(store, exc)
         return await self._settle(store)
 
-    def _begin(self, resp: aiohttp.ClientResponse, upstream_s: float) -> None:
+    def _begin(self, resp: UpstreamResponse, upstream_s: float) -> None:
         """The upstream's head: listeners may answer now (a stream from its first bytes)."""
         self.upstream_s = upstream_s
         self.status = resp.status
@@ -205,11 +208,11 @@ class Call:
             self.streamed = True  # unrecordable anyway: pass it on without buffering it whole
         self._publish()
 
-    def _take(self, chunk: bytes, content: aiohttp.StreamReader) -> None:
+    def _take(self, chunk: bytes, resp: UpstreamResponse) -> None:
         """One read from the upstream: into the record, then on to listeners, unless it may
         be the end of the answer."""
         self._keep(chunk)
-        if self.streamed and not self._held and not content.is_eof() and not self._ends_stream(chunk):
+        if self.streamed and not self._held and not resp.at_eof() and not self._ends_stream(chunk):
             self._pass_on(chunk)
         else:  # the last bytes (and what follows them) wait for the commit
             self._held.append(chunk)

@@ -28,13 +28,13 @@ import logging
 import re
 import resource
 
-import aiohttp
 import orjson
 from aiohttp import web
 
 from .config import ServerSettings
 from .errors import problem_response
 from .problems import Problem
+from .upstream_client import UpstreamResponse
 
 log = logging.getLogger("idemproxy.access")
 
@@ -44,7 +44,7 @@ REFUSAL = web.RequestKey("refusal", str)  # why aiohttp's parser refused a reque
 # feed between events) is let go at once, not at its next byte; the handler then ends as for any
 # client that left (499). Handlers themselves outlive their clients (handler_cancellation is
 # off): a recorded call must finish and record.
-RELAYING = web.RequestKey("relaying", aiohttp.ClientResponse)
+RELAYING = web.RequestKey("relaying", UpstreamResponse)
 LINGER_S = 1.0  # how long a refused connection is read (and ignored) before it closes
 REPORT_EVERY_S = 10.0  # connections refused at the cap are logged at most this often
 ECHO = re.compile(r":\s*(?:b'|b\"|bytearray\()")  # where aiohttp's parser quotes the bytes it refused

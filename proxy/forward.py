@@ -1,4 +1,4 @@
-"""Talking to upstreams: pooled sessions, header hygiene, and failure classification."""
+"""Talking to upstreams: their connection pools, header hygiene, and failure classification."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ import asyncio
 import functools
 import hashlib
 
-import aiohttp
-from multidict import CIMultiDict, CIMultiDictProxy
+from typing import Callable
+
+from multidict import CIMultiDictProxy
 
 from .config import UpstreamSettings
 from .forwarded import FORWARDING
+from .upstream_client import NotSent, UpstreamPool, UpstreamTimeout
 
 # RFC 9110 §7.6.1: meaningful for one connection only, never forwarded.
 HOP_BY_HOP = frozenset({"connection", "proxy-connection", "keep-alive", "te", "trailer",
@@ -82,37 +84,20 @@ def is_stream(headers: CIMultiDictProxy[str]) -> bool:
     return ctype.startswith("text/event-stream") or "Content-Length" not in headers
 
 
-class ForwardedRequest(aiohttp.ClientRequest):
-    """A request that carries the agent's headers as they are: aiohttp adds none of its
-    defaults (Accept, Accept-Encoding, User-Agent, Content-Type). Cheaper than the
-    session's ``skip_auto_headers``, which builds its skip list anew for every request."""
-
-    _skip_auto_headers = CIMultiDict({"Content-Type": ""})
-
-    def update_auto_headers(self, skip_auto_headers) -> None:
-        return None
-
-
-def make_session(upstream: UpstreamSettings, trace_configs: tuple[aiohttp.TraceConfig, ...] = ()
-                 ) -> aiohttp.ClientSession:
-    connector = aiohttp.TCPConnector(limit=upstream.max_connections, limit_per_host=0,
-                                     keepalive_timeout=30, ttl_dns_cache=300)
-    timeout = aiohttp.ClientTimeout(total=None, connect=upstream.connect_timeout,
-                                    sock_read=upstream.read_timeout)
-    # auto_decompress=False: bytes pass, and are recorded, exactly as the upstream sent them.
-    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
-                                 request_class=ForwardedRequest, cookie_jar=aiohttp.DummyCookieJar(),
-                                 trace_configs=list(trace_configs) or None)
+def make_pool(upstream: UpstreamSettings, on_request: Callable[[list], list] | None = None) -> UpstreamPool:
+    """The upstream's connections; ``on_request`` sees every request's headers (tracing)."""
+    return UpstreamPool(upstream.url, max_connections=upstream.max_connections,
+                        connect_timeout=upstream.connect_timeout, read_timeout=upstream.read_timeout,
+                        on_request=on_request)
 
 
 def never_sent(exc: BaseException) -> bool:
     """True when the request failed before a byte of it was written, so the upstream cannot
-    have acted: no connection (refused, DNS, TLS: ``ClientConnectorError``), or none within
-    ``connect_timeout`` (``ConnectionTimeoutError``: a full listen backlog, or a pool whose
-    connections all stayed busy; aiohttp raises it only while acquiring a connection).
-    Anything later (a read timeout, a broken connection) is "sent, outcome unknown"."""
-    return isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, aiohttp.InvalidURL))
+    have acted: no connection (refused, DNS, TLS), or none within ``connect_timeout`` (a full
+    listen backlog, or a pool whose connections all stayed busy). Anything later (a read
+    timeout, a broken connection) is "sent, outcome unknown"."""
+    return isinstance(exc, NotSent)
 
 
 def is_timeout(exc: BaseException) -> bool:
-    return isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError))
+    return isinstance(exc, (asyncio.TimeoutError, UpstreamTimeout))

@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Awaitable, Callable
 
-import aiohttp
 from aiohttp import web
 
 from . import policy
@@ -22,7 +21,7 @@ from .errors import OUTCOME, STARTED, UPSTREAM_S, client_gone
 from .facts import FACTS, Facts, key_kind
 from .fencing import Fence
 from .fingerprint import fingerprint
-from .forward import forwarded_key, is_stream, request_headers, response_headers
+from .forward import forwarded_key, is_stream, is_timeout, request_headers, response_headers
 from .forwarded import Forwarding
 from .freshness import Freshness
 from .heartbeats import Heartbeats
@@ -35,9 +34,10 @@ from .problems import Problem
 from .replay import (STREAM, in_flight, join_remote, key_reused, listen, outcome_unknown, send_record,
                      server_timing, start_stream, whole_record)
 from .replaycache import CachedAttempt, ReplayCache
-from .routing import Route, parse_route, upstream_url
+from .routing import Route, parse_route
 from .store import Store, StoreUnavailable
 from .store.base import Claim, ClaimResult, Entry, EntryState, Scope
+from .upstream_client import UpstreamError, UpstreamPool
 
 log = logging.getLogger("idemproxy.proxy")
 
@@ -54,7 +54,7 @@ class Proxy:
     tenants: TenantResolver
     heartbeats: Heartbeats
     metrics: Metrics
-    sessions: dict[str, aiohttp.ClientSession] = field(default_factory=dict)
+    pools: dict[str, UpstreamPool] = field(default_factory=dict)
     calls: dict[str, Call] = field(default_factory=dict)  # recorded calls in flight here
     tasks: set[asyncio.Task] = field(default_factory=set)
     replays: dict[str, int] = field(default_factory=dict)  # replay counts not yet stored
@@ -182,40 +182,43 @@ class Proxy:
         upstream = route.upstream
         headers = request_headers(request.headers, upstream, self.settings.tenants.header, None,
                                   self.forwarding.headers(request.headers, request.remote))
-        session = self.sessions[upstream.name]
         sent = time.perf_counter()
         try:
-            async with session.request(request.method, upstream_url(upstream, route), headers=headers,
-                                       data=body, allow_redirects=False) as resp:
-                upstream_s = request[UPSTREAM_S] = time.perf_counter() - sent
-                out = response_headers(resp.headers)
-                out.append(("Server-Timing", server_timing(time.perf_counter() - started - upstream_s,
-                                                           upstream_s)))
-                length = resp.content_length
-                if not is_stream(resp.headers) and length <= PASSED_WHOLE_BYTES:
-                    answer = await resp.read()
-                    if tap is not None:
-                        tap(answer)
-                    return web.Response(status=resp.status, body=answer, headers=out)
-                if length is not None:  # streamed as it comes, still with its length
-                    out.append(("Content-Length", str(length)))
-                request[RELAYING] = resp  # from here on, the client's going away closes it (connections.py)
-                stream = await start_stream(request, resp.status, out)
-                async for chunk in resp.content.iter_any():
-                    if tap is not None:
-                        tap(chunk)
-                    await stream.write(chunk)
-                await stream.write_eof()
-                return stream
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+            resp = await self.pools[upstream.name].request(request.method, route.path_qs, headers, body)
+        except (UpstreamError, ValueError) as exc:
+            raise Problem("upstream-timeout" if is_timeout(exc) else "upstream-unavailable",
+                          f"{type(exc).__name__} talking to {upstream.name}: {exc}") from None
+        try:
+            upstream_s = request[UPSTREAM_S] = time.perf_counter() - sent
+            out = response_headers(resp.headers)
+            out.append(("Server-Timing", server_timing(time.perf_counter() - started - upstream_s, upstream_s)))
+            length = resp.content_length
+            if not is_stream(resp.headers) and length <= PASSED_WHOLE_BYTES:
+                answer = await resp.read()
+                if tap is not None:
+                    tap(answer)
+                return web.Response(status=resp.status, body=answer, headers=out)
+            if length is not None:  # streamed as it comes, still with its length
+                out.append(("Content-Length", str(length)))
+            request[RELAYING] = resp  # from here on, the client's going away closes it (connections.py)
+            stream = await start_stream(request, resp.status, out)
+            while chunk := await resp.readany():
+                if tap is not None:
+                    tap(chunk)
+                await stream.write(chunk)
+            await stream.write_eof()
+            return stream
+        except (UpstreamError, ConnectionError) as exc:
             # The client left (we then closed its upstream, or a write to it failed: aiohttp wakes
             # a write waiting on a gone client with a bare ConnectionError): not the upstream's fault.
             if client_gone(request):
                 raise ConnectionResetError("the client went away") from None
-            if not isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError)):
+            if not isinstance(exc, UpstreamError):
                 raise
-            slug = "upstream-timeout" if isinstance(exc, asyncio.TimeoutError) else "upstream-unavailable"
-            raise Problem(slug, f"{type(exc).__name__} talking to {upstream.name}") from None
+            raise Problem("upstream-timeout" if is_timeout(exc) else "upstream-unavailable",
+                          f"{type(exc).__name__} talking to {upstream.name}: {exc}") from None
+        finally:
+            resp.release()
 
     # -- record and replay ----------------------------------------------------------------
 
@@ -397,8 +400,8 @@ class Proxy:
                                   forwarded_key(entry.kid) if upstream.idempotency_header else None,
                                   self.forwarding.headers(request.headers, request.remote))
         beat = (lambda: self.heartbeats.beat(namespace, entry.run)) if entry.run else (lambda: None)
-        task = asyncio.create_task(call.run(self.sessions[upstream.name], self.store, request.method,
-                                            upstream_url(upstream, route), headers, body, beat))
+        task = asyncio.create_task(call.run(self.pools[upstream.name], self.store, request.method,
+                                            route.path_qs, headers, body, beat))
         self.calls[entry.kid] = call
         self.tasks.add(task)
 

@@ -15,7 +15,6 @@ import os
 from typing import Callable
 from urllib.parse import urlsplit
 
-import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from opentelemetry import trace
@@ -92,16 +91,16 @@ class Tracing:
                           "gen_ai.usage.output_tokens": facts.output_tokens})
         span.set_attributes({k: v for k, v in attrs.items() if v is not None})
 
-    def trace_config(self) -> aiohttp.TraceConfig:
-        """A client hook that hands the upstream the current span's ``traceparent``: the call
-        runs in a task that copies the request's context, so the span is current there too."""
-        config = aiohttp.TraceConfig()
-
-        async def inject(session, context, params: aiohttp.TraceRequestStartParams) -> None:
-            self.propagator.inject(params.headers)  # replaces the agent's own traceparent
-        config.on_request_start.append(inject)
-        config.freeze()
-        return config
+    def inject(self, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """An upstream request's headers with the current span's ``traceparent`` in place of the
+        agent's own: the call runs in a task that copies the request's context, so the span is
+        current there too."""
+        carrier: dict[str, str] = {}
+        self.propagator.inject(carrier)
+        if not carrier:
+            return headers
+        ours = {name.lower() for name in carrier}
+        return [(k, v) for k, v in headers if k.lower() not in ours] + list(carrier.items())
 
     def shutdown(self) -> None:
         """Export what is still batched, then stop (blocking: run it in a thread)."""

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Mapping
 from urllib.parse import unquote
 
-from yarl import URL
 
 from .config import UpstreamSettings
 from .identity import parse_epoch, parse_run
@@ -75,14 +74,3 @@ def _refuse_escapes(path: str) -> None:
             return
         seen = decoded
     raise Problem("invalid-request", "path is encoded too many times")
-
-
-def upstream_url(upstream: UpstreamSettings, route: Route) -> URL:
-    """The upstream URL's base path, then the route's path, then the query.
-
-    ``encoded=True``: the path and query go on exactly as the agent sent them; yarl would
-    otherwise re-quote them (``%2F`` -> ``/``, ``%zz`` -> ``%25zz``), changing what a
-    signed or picky upstream receives.
-    """
-    base = upstream.url.rstrip("/")
-    return URL(base + route.path_qs, encoded=True)

@@ -1,0 +1,420 @@
+"""The HTTP/1.1 client the proxy talks to upstreams with: one pool of keep-alive connections
+per upstream, answers framed by llhttp (httptools), bodies handed on as they arrive.
+
+Why not aiohttp's client: a call through it builds a ClientRequest, a payload, a
+ClientResponse, a StreamReader and their timers, about 100 Python calls per call, and that
+was more than half of what a plain aiohttp pass-through spends per request (bench/, issue
+13). A proxy needs little of it: one origin per pool, bytes in and bytes out, no cookies, no
+redirects, no decompression. The framing (Content-Length, chunked bodies, 1xx, bodiless
+statuses, the checks against response smuggling) is llhttp's, the parser Node.js uses, not
+ours.
+
+Failures say what the upstream can have seen: ``NotSent`` (no connection, so nothing was
+sent), ``UpstreamTimeout`` (silence longer than ``read_timeout``), any other
+``UpstreamError`` (sent, outcome unknown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import ssl
+import time
+from typing import Callable
+from urllib.parse import unquote, urlsplit
+
+import httptools
+from multidict import CIMultiDict, CIMultiDictProxy
+
+PAUSE_ABOVE_BYTES = 1 << 16  # unread body held before the upstream is asked to wait
+KEEPALIVE_S = 30.0  # an idle connection older than this is closed, not reused
+BODYLESS_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS", "TRACE"})
+
+
+class UpstreamError(Exception):
+    """The exchange with an upstream failed; the request may have reached it."""
+
+
+class NotSent(UpstreamError):
+    """No connection to the upstream: it cannot have seen the request."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """The upstream said nothing for longer than the configured timeout."""
+
+
+class ConnectTimeout(NotSent, UpstreamTimeout):
+    """No connection within ``connect_timeout``: a full listen backlog, or a pool whose
+    connections all stayed busy."""
+
+
+class UpstreamPool:
+    """Keep-alive connections to one origin, at most ``max_connections`` of them open."""
+
+    def __init__(self, url: str, *, max_connections: int, connect_timeout: float | None,
+                 read_timeout: float | None, on_request: Callable[[list], list] | None = None):
+        parts = urlsplit(url)
+        self.host = parts.hostname or ""
+        self.tls = parts.scheme == "https"
+        self.port = parts.port or (443 if self.tls else 80)
+        self.base_path = parts.path.rstrip("/")
+        self.max_connections = max_connections
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.on_request = on_request  # sees and may change every request's headers (tracing)
+        default_port = self.port == (443 if self.tls else 80)
+        shown = f"[{self.host}]" if ":" in self.host else self.host
+        self._fixed = f"Host: {shown if default_port else f'{shown}:{self.port}'}"
+        self._auth = None  # credentials in the URL replace the agent's, as aiohttp's client did
+        if parts.username is not None:
+            pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
+            self._auth = "Basic " + base64.b64encode(pair).decode()
+        self._ssl = ssl.create_default_context() if self.tls else None
+        self._idle: collections.deque[_Connection] = collections.deque()
+        self._open = 0  # connecting, busy or idle
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._closed = False
+
+    async def request(self, method: str, target: str, headers: list[tuple[str, str]],
+                      body: bytes) -> UpstreamResponse:
+        """Send one request (``target``: the path and query after the upstream's base path,
+        sent exactly as the agent sent it: re-quoting would change what a signed or picky
+        upstream receives); returns once the answer's head is in. Call ``release()`` or
+        ``close()`` when done."""
+        if self.on_request is not None:
+            headers = self.on_request(headers)
+        head = self._head(method, target, headers, body)
+        conn = await self._acquire()
+        try:
+            return await conn.exchange(head, body, method == "HEAD")
+        except BaseException:
+            conn.abort()
+            raise
+
+    def _head(self, method: str, target: str, headers: list[tuple[str, str]], body: bytes) -> bytes:
+        lines = [f"{method} {self.base_path}{target} HTTP/1.1", self._fixed]
+        if self._auth is None:
+            lines += [f"{k}: {v}" for k, v in headers]
+        else:
+            lines += [f"{k}: {v}" for k, v in headers if k.lower() != "authorization"]
+            lines.append(f"Authorization: {self._auth}")
+        if body or method not in BODYLESS_METHODS:
+            lines.append(f"Content-Length: {len(body)}")
+        head = "\r\n".join(lines) + "\r\n\r\n"
+        # A line break inside a name or value would start a header (or a request) of its own.
+        if head.count("\n") != len(lines) + 1 or head.count("\r") != len(lines) + 1:
+            raise ValueError("a line break in the request line or a header")
+        return head.encode("utf-8", "surrogateescape")  # the bytes aiohttp's server decoded
+
+    async def _acquire(self) -> _Connection:
+        deadline = None
+        while True:
+            while self._idle:
+                conn = self._idle.pop()  # the most recently used: the least likely to be stale
+                if conn.reusable():
+                    return conn
+                conn.abort()
+            if self._closed:
+                raise NotSent("the proxy is shutting down")
+            if self._open < self.max_connections:
+                return await self._connect(deadline)
+            loop = asyncio.get_running_loop()
+            if deadline is None and self.connect_timeout is not None:
+                deadline = loop.time() + self.connect_timeout
+            waiter = loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await waiter
+            except TimeoutError:
+                raise ConnectTimeout(f"no free connection to {self.host}:{self.port} "
+                                     f"within {self.connect_timeout:g} s") from None
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+
+    async def _connect(self, deadline: float | None) -> _Connection:
+        self._open += 1
+        loop = asyncio.get_running_loop()
+        if deadline is None and self.connect_timeout is not None:
+            deadline = loop.time() + self.connect_timeout
+        try:
+            async with asyncio.timeout_at(deadline):
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(self), self.host, self.port, ssl=self._ssl,
+                    server_hostname=self.host if self.tls else None)
+        except TimeoutError:
+            self._gone()
+            raise ConnectTimeout(f"no connection to {self.host}:{self.port} "
+                                 f"within {self.connect_timeout:g} s") from None
+        except OSError as exc:  # refused, DNS, TLS (ssl.SSLError is an OSError)
+            self._gone()
+            raise NotSent(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
+        except BaseException:
+            self._gone()
+            raise
+        return conn
+
+    def _idle_again(self, conn: _Connection) -> None:
+        """A connection whose answer was read to its end, ready for the next request."""
+        if self._closed:
+            conn.abort()
+            return
+        conn.idle_since = time.monotonic()
+        self._idle.append(conn)
+        self._wake()
+
+    def _gone(self, conn: _Connection | None = None) -> None:
+        """A connection closed (or one that never opened): its slot is free."""
+        self._open -= 1
+        if conn is not None:
+            try:
+                self._idle.remove(conn)
+            except ValueError:
+                pass
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    async def close(self) -> None:
+        self._closed = True
+        while self._idle:
+            self._idle.pop().abort()
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)  # wakes to find the pool closed
+
+
+class UpstreamResponse:
+    """The answer to one request: its head at once, its body as it arrives."""
+
+    __slots__ = ("status", "headers", "content_length", "_conn", "_raw", "_chunks", "_buffered",
+                 "_complete", "_error", "_waiter", "_skip_body", "_keep_alive", "_done")
+
+    def __init__(self, conn: _Connection, skip_body: bool):
+        self.status = 0
+        self.headers: CIMultiDictProxy[str] = _NO_HEADERS
+        self.content_length: int | None = None
+        self._conn = conn
+        self._raw: list[tuple[str, str]] = []
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._complete = False  # the whole body is in _chunks
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future | None = None
+        self._skip_body = skip_body  # a HEAD's answer announces a length it never sends
+        self._keep_alive = False
+        self._done = False  # released or closed
+
+    async def readany(self) -> bytes:
+        """What has arrived of the body (waiting for some if none has); b"" at its end."""
+        if not self._chunks:
+            if self._complete:
+                return b""
+            await self._wait()
+            if not self._chunks:
+                return b""
+        if len(self._chunks) == 1:
+            chunk = self._chunks.popleft()
+        else:
+            chunk = b"".join(self._chunks)
+            self._chunks.clear()
+        if self._buffered > PAUSE_ABOVE_BYTES:
+            self._conn.resume()
+        self._buffered = 0
+        return chunk
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        while not self._complete:
+            await self._wait()
+        body = b"".join(self._chunks)
+        self._chunks.clear()
+        return body
+
+    def at_eof(self) -> bool:
+        return self._complete and not self._chunks
+
+    def release(self) -> None:
+        """Done with the answer: its connection is reused when the body was read to its end
+        and the upstream keeps it open; otherwise closed."""
+        if self._done:
+            return
+        self._done = True
+        conn = self._conn
+        conn.response = None
+        if self._complete and self._keep_alive and self._error is None and not self._skip_body:
+            conn.pool._idle_again(conn)
+        else:
+            conn.abort()
+
+    def close(self) -> None:
+        """Abandon the answer: its connection is closed, a reader waiting on it wakes to an error."""
+        self._fail(UpstreamError("the answer was abandoned"))
+        if not self._done:
+            self._done = True
+            self._conn.response = None
+            self._conn.abort()
+
+    async def _wait(self) -> None:
+        if self._error is not None:
+            raise self._error
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timeout = self._conn.pool.read_timeout
+        timer = loop.call_later(timeout, self._time_out) if timeout else None
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+        if self._error is not None:
+            raise self._error
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None and not self._complete:
+            self._error = error
+        self._wake()
+
+    def _time_out(self) -> None:
+        timeout = self._conn.pool.read_timeout
+        self._fail(UpstreamTimeout(f"no byte from the upstream within {timeout:g} s"))
+        self._conn.abort()
+
+    # -- fed by the connection's parser --------------------------------------------------
+
+    def _head_done(self, status: int, keep_alive: bool) -> None:
+        if self._complete:  # a second answer to one request: the connection is not to be trusted
+            self._keep_alive = False
+            return
+        if 100 <= status < 200:  # informational (a 100 Continue): the real answer follows
+            self._raw = []
+            return
+        self.status = status
+        self._keep_alive = keep_alive
+        self.headers = CIMultiDictProxy(CIMultiDict(self._raw))
+        length = self.headers.get("Content-Length")
+        self.content_length = int(length) if length is not None and length.isdigit() else None
+        if self._skip_body or status in (204, 304):
+            self._complete = True
+        self._wake()
+
+    def _feed(self, chunk: bytes) -> None:
+        if self._complete:
+            return
+        self._chunks.append(chunk)
+        self._buffered += len(chunk)
+        if self._buffered > PAUSE_ABOVE_BYTES:
+            self._conn.pause()
+        self._wake()
+
+    def _message_done(self) -> None:
+        if self.status:  # not a 1xx's end
+            self._complete = True
+            self._wake()
+
+
+_NO_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
+
+
+class _Connection(asyncio.Protocol):
+    """One connection to the upstream, one exchange at a time; its parser calls back here."""
+
+    def __init__(self, pool: UpstreamPool):
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: UpstreamResponse | None = None
+        self.idle_since = 0.0
+        self.lost = False
+        self.paused = False
+
+    async def exchange(self, head: bytes, body: bytes, skip_body: bool) -> UpstreamResponse:
+        response = self.response = UpstreamResponse(self, skip_body)
+        if body:
+            self.transport.writelines((head, body))
+        else:
+            self.transport.write(head)
+        while not response.status:
+            await response._wait()
+        return response
+
+    def reusable(self) -> bool:
+        return (not self.lost and not self.transport.is_closing()
+                and time.monotonic() - self.idle_since < KEEPALIVE_S)
+
+    def abort(self) -> None:
+        if self.transport is not None and not self.lost:
+            self.transport.abort()  # connection_lost follows, and frees the slot
+
+    def pause(self) -> None:
+        if not self.paused and not self.lost:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.paused and not self.lost:
+            self.paused = False
+            self.transport.resume_reading()
+
+    # -- asyncio.Protocol ----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        response = self.response
+        if response is None:  # bytes nobody asked for: this connection cannot be trusted again
+            self.abort()
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            response._fail(UpstreamError("the upstream switched protocols"))
+            self.abort()
+        except httptools.HttpParserError as exc:
+            response._fail(UpstreamError(f"malformed answer from the upstream: {exc}"))
+            self.abort()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.lost = True
+        response = self.response
+        if response is not None:
+            if response.status and response.content_length is None and not response._complete \
+                    and response._error is None \
+                    and "chunked" not in response.headers.get("Transfer-Encoding", "").lower():
+                response._complete = True  # a body delimited by the connection's close
+                response._keep_alive = False
+                response._wake()
+            else:
+                response._fail(UpstreamError(f"the upstream closed the connection: {exc or 'EOF'}"))
+        self.pool._gone(self)
+
+    # -- httptools' callbacks --------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.response._raw.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
+
+    def on_headers_complete(self) -> None:
+        self.response._head_done(self.parser.get_status_code(), self.parser.should_keep_alive())
+
+    def on_body(self, body: bytes) -> None:
+        self.response._feed(body)
+
+    def on_message_complete(self) -> None:
+        self.response._message_done()

@@ -1,0 +1,254 @@
+"""The upstream client (proxy/upstream_client.py) against raw upstreams on real sockets: each
+upstream here answers with the exact bytes a test gives it, so framing, keep-alive and
+failures are seen as a proxy meets them, not as a well-behaved server would send them."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import pytest
+
+from idemproxy.proxy.upstream_client import (ConnectTimeout, NotSent, UpstreamError, UpstreamPool,
+                                             UpstreamTimeout)
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+
+class RawUpstream:
+    """Reads one request head (and its Content-Length body) at a time and answers each with
+    the next of ``answers``: bytes, or a callable given the writer (for slow answers)."""
+
+    def __init__(self, answers):
+        self.answers = list(answers)
+        self.requests: list[bytes] = []
+        self.connections = 0
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while self.answers:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                self.requests.append(head + await reader.readexactly(length))
+                answer = self.answers.pop(0)
+                if callable(answer):
+                    await answer(writer)
+                else:
+                    writer.write(answer)
+                    await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass  # the client went, or the test ended mid-answer
+        finally:
+            writer.close()
+
+    async def close(self) -> None:
+        self.server.close()
+
+
+@pytest.fixture
+async def upstream():
+    started = []
+
+    async def start(*answers, **pool_settings) -> tuple[RawUpstream, UpstreamPool]:
+        raw = RawUpstream(answers)
+        url = await raw.start()
+        pool = UpstreamPool(url, **{"max_connections": 4, "connect_timeout": 2.0, "read_timeout": 2.0,
+                                    **pool_settings})
+        started.append((raw, pool))
+        return raw, pool
+    yield start
+    for raw, pool in started:
+        await pool.close()
+        await raw.close()
+
+
+async def fetch(pool: UpstreamPool, method="POST", target="/v1/x", headers=(), body=b"{}"):
+    resp = await pool.request(method, target, list(headers), body)
+    try:
+        return resp.status, resp.headers, await resp.read()
+    finally:
+        resp.release()
+
+
+async def test_a_connection_is_kept_alive_and_reused(upstream):
+    raw, pool = await upstream(OK, OK, OK)
+    for _ in range(3):
+        status, headers, body = await fetch(pool)
+        assert (status, headers["Content-Type"], body) == (200, "application/json", b"{}")
+    assert raw.connections == 1
+    first = raw.requests[0].decode()
+    assert first.startswith("POST /v1/x HTTP/1.1\r\nHost: 127.0.0.1:")
+    assert "Content-Length: 2\r\n\r\n{}" in first
+
+
+async def test_a_chunked_answer_arrives_decoded_and_the_connection_stays_usable(upstream):
+    chunked = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+               b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n")
+    raw, pool = await upstream(chunked, OK)
+    assert (await fetch(pool))[2] == b"hello world"
+    assert (await fetch(pool))[2] == b"{}"
+    assert raw.connections == 1
+
+
+async def test_a_body_delimited_by_the_close_is_whole_and_the_connection_not_reused(upstream):
+    raw, pool = await upstream(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\neverything until the end")
+    assert (await fetch(pool))[2] == b"everything until the end"
+    assert pool._open == 0 or not pool._idle
+
+
+async def test_a_head_answer_announces_a_length_it_never_sends(upstream):
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n"
+    raw, pool = await upstream(head, OK)
+    status, headers, body = await fetch(pool, "HEAD", body=b"")
+    assert (status, headers["Content-Length"], body) == (200, "1000", b"")
+    assert (await fetch(pool))[2] == b"{}"  # a new connection: the old one's parser waited for 1000 bytes
+    assert raw.connections == 2
+    assert b"Content-Length" not in raw.requests[0]
+
+
+async def test_an_informational_answer_is_skipped_and_a_bodyless_status_has_no_body(upstream):
+    raw, pool = await upstream(b"HTTP/1.1 100 Continue\r\n\r\n" + OK,
+                               b"HTTP/1.1 204 No Content\r\n\r\n", OK)
+    assert (await fetch(pool))[:1] == (200,)
+    assert (await fetch(pool))[::2] == (204, b"")
+    assert (await fetch(pool))[2] == b"{}"
+    assert raw.connections == 1
+
+
+async def test_a_smuggling_answer_is_refused(upstream):
+    both = (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"0\r\n\r\n")
+    _, pool = await upstream(both)
+    with pytest.raises(UpstreamError) as caught:
+        await fetch(pool)
+    assert not isinstance(caught.value, NotSent)
+
+
+async def test_bytes_after_the_answer_poison_the_connection(upstream):
+    raw, pool = await upstream(OK + b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nbad", OK)
+    assert (await fetch(pool))[2] == b"{}"
+    assert (await fetch(pool))[2] == b"{}"
+    assert raw.connections == 2
+
+
+async def test_a_line_break_in_a_header_is_refused_before_anything_is_sent(upstream):
+    raw, pool = await upstream(OK)
+    with pytest.raises(ValueError):
+        await fetch(pool, headers=[("X-Evil", "a\r\nX-Injected: 1")])
+    with pytest.raises(ValueError):
+        await fetch(pool, target="/x HTTP/1.1\r\nX-Injected: 1\r\n\r\nGET /y")
+    assert raw.connections == 0 and raw.requests == []
+
+
+async def test_the_upstream_closing_before_its_answer_is_sent_not_never_sent(upstream):
+    async def hang_up(writer):
+        writer.close()
+    _, pool = await upstream(hang_up)
+    with pytest.raises(UpstreamError) as caught:
+        await fetch(pool)
+    assert not isinstance(caught.value, NotSent)
+
+
+async def test_a_refused_connection_was_never_sent(unused_tcp_port):
+    pool = UpstreamPool(f"http://127.0.0.1:{unused_tcp_port}", max_connections=2, connect_timeout=2.0,
+                        read_timeout=2.0)
+    with pytest.raises(NotSent):
+        await fetch(pool)
+    assert pool._open == 0
+    await pool.close()
+
+
+async def test_silence_longer_than_the_read_timeout_is_a_timeout(upstream):
+    async def head_then_silence(writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+        await asyncio.sleep(5)
+    _, pool = await upstream(head_then_silence, read_timeout=0.3)
+    resp = await pool.request("POST", "/", [], b"")
+    try:
+        assert await resp.readany() == b"abc"
+        with pytest.raises(UpstreamTimeout):
+            await resp.readany()
+    finally:
+        resp.release()
+    await asyncio.sleep(0.05)  # the aborted connection's close is seen on the loop's next turns
+    assert pool._open == 0
+
+
+async def test_a_full_pool_makes_the_next_request_wait_then_time_out_unsent(upstream):
+    async def slow(writer):
+        await asyncio.sleep(0.5)
+        writer.write(OK)
+    raw, pool = await upstream(slow, OK, max_connections=1, connect_timeout=0.2)
+    first = asyncio.create_task(fetch(pool))
+    await asyncio.sleep(0.05)
+    with pytest.raises(ConnectTimeout) as caught:
+        await fetch(pool)
+    assert isinstance(caught.value, NotSent) and isinstance(caught.value, UpstreamTimeout)
+    assert (await first)[2] == b"{}"
+    waiting = asyncio.create_task(fetch(pool))  # the slot is free again: served on the same connection
+    assert (await waiting)[2] == b"{}"
+    assert raw.connections == 1
+
+
+async def test_a_waiting_request_gets_the_connection_released_before_its_timeout(upstream):
+    async def slow(writer):
+        await asyncio.sleep(0.2)
+        writer.write(OK)
+    raw, pool = await upstream(slow, OK, max_connections=1, connect_timeout=2.0)
+    answers = await asyncio.gather(fetch(pool), fetch(pool))
+    assert [a[2] for a in answers] == [b"{}", b"{}"]
+    assert raw.connections == 1
+
+
+async def test_a_large_streamed_body_arrives_whole_in_bounded_reads(upstream):
+    big = bytes(range(256)) * 4096  # 1 MiB
+    raw, pool = await upstream(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(big) + big, OK)
+    resp = await pool.request("GET", "/big", [], b"")
+    got = bytearray()
+    try:
+        while chunk := await resp.readany():
+            got += chunk
+            await asyncio.sleep(0)
+    finally:
+        resp.release()
+    assert bytes(got) == big
+    assert (await fetch(pool))[2] == b"{}"
+    assert raw.connections == 1
+
+
+async def test_a_closed_answer_wakes_its_reader_and_frees_the_slot(upstream):
+    async def never(writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
+        await asyncio.sleep(5)
+    _, pool = await upstream(never)
+    resp = await pool.request("GET", "/events", [], b"")
+    reader = asyncio.create_task(resp.readany())
+    await asyncio.sleep(0.05)
+    resp.close()
+    with pytest.raises(UpstreamError):
+        await reader
+    await asyncio.sleep(0.05)
+    assert pool._open == 0
+
+
+async def test_the_base_path_host_and_url_credentials_go_upstream():
+    raw = RawUpstream([OK])
+    url = await raw.start()
+    pool = UpstreamPool(url.replace("http://", "http://us%40er:p%3Ass@") + "/base/", max_connections=1,
+                        connect_timeout=2.0, read_timeout=2.0)
+    try:
+        await fetch(pool, target="/v1/x?a=%2F", headers=[("Authorization", "Bearer agent")])
+    finally:
+        await pool.close()
+        await raw.close()
+    sent = raw.requests[0].decode()
+    assert sent.startswith("POST /base/v1/x?a=%2F HTTP/1.1\r\n")
+    assert "Bearer agent" not in sent
+    assert "Authorization: Basic " + base64.b64encode(b"us@er:p:ss").decode() in sent
