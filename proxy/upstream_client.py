@@ -72,6 +72,7 @@ class UpstreamPool:
             self._auth = "Basic " + base64.b64encode(pair).decode()
         self._ssl = ssl.create_default_context() if self.tls else None
         self._idle: collections.deque[_Connection] = collections.deque()
+        self._connected: set[_Connection] = set()  # busy or idle
         self._open = 0  # connecting, busy or idle
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self._closed = False
@@ -169,6 +170,7 @@ class UpstreamPool:
         """A connection closed (or one that never opened): its slot is free."""
         self._open -= 1
         if conn is not None:
+            self._connected.discard(conn)
             try:
                 self._idle.remove(conn)
             except ValueError:
@@ -183,9 +185,12 @@ class UpstreamPool:
                 return
 
     async def close(self) -> None:
+        """Close every connection, busy ones too (the proxy closes its pools once its calls
+        have drained): an upstream's handler is never left writing to a proxy that is gone."""
         self._closed = True
-        while self._idle:
-            self._idle.pop().abort()
+        self._idle.clear()
+        for conn in list(self._connected):
+            conn.abort()
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_result(None)  # wakes to find the pool closed
@@ -195,7 +200,7 @@ class UpstreamResponse:
     """The answer to one request: its head at once, its body as it arrives."""
 
     __slots__ = ("status", "headers", "content_length", "_conn", "_raw", "_chunks", "_buffered",
-                 "_complete", "_error", "_waiter", "_skip_body", "_keep_alive", "_done")
+                 "_complete", "_error", "_waiter", "_skip_body", "_keep_alive", "_done", "_whole")
 
     def __init__(self, conn: _Connection, skip_body: bool):
         self.status = 0
@@ -211,6 +216,7 @@ class UpstreamResponse:
         self._skip_body = skip_body  # a HEAD's answer announces a length it never sends
         self._keep_alive = False
         self._done = False  # released or closed
+        self._whole = False  # read() wants it all: no pausing the upstream
 
     async def readany(self) -> bytes:
         """What has arrived of the body (waiting for some if none has); b"" at its end."""
@@ -232,6 +238,8 @@ class UpstreamResponse:
 
     async def read(self) -> bytes:
         """The whole body."""
+        self._whole = True
+        self._conn.resume()
         while not self._complete:
             await self._wait()
         body = b"".join(self._chunks)
@@ -249,7 +257,8 @@ class UpstreamResponse:
         self._done = True
         conn = self._conn
         conn.response = None
-        if self._complete and self._keep_alive and self._error is None and not self._skip_body:
+        if self._complete and self._keep_alive and self._error is None and not self._skip_body \
+                and not conn.lost:
             conn.pool._idle_again(conn)
         else:
             conn.abort()
@@ -316,7 +325,7 @@ class UpstreamResponse:
             return
         self._chunks.append(chunk)
         self._buffered += len(chunk)
-        if self._buffered > PAUSE_ABOVE_BYTES:
+        if self._buffered > PAUSE_ABOVE_BYTES and not self._whole:
             self._conn.pause()
         self._wake()
 
@@ -339,6 +348,7 @@ class _Connection(asyncio.Protocol):
         self.response: UpstreamResponse | None = None
         self.idle_since = 0.0
         self.lost = False
+        self.aborted = False  # closed by us: its end is no end of a body
         self.paused = False
 
     async def exchange(self, head: bytes, body: bytes, skip_body: bool) -> UpstreamResponse:
@@ -357,6 +367,7 @@ class _Connection(asyncio.Protocol):
 
     def abort(self) -> None:
         if self.transport is not None and not self.lost:
+            self.aborted = True
             self.transport.abort()  # connection_lost follows, and frees the slot
 
     def pause(self) -> None:
@@ -373,6 +384,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
+        self.pool._connected.add(self)
 
     def data_received(self, data: bytes) -> None:
         response = self.response
@@ -396,7 +408,7 @@ class _Connection(asyncio.Protocol):
         response = self.response
         if response is not None:
             if response.status and response.content_length is None and not response._complete \
-                    and response._error is None \
+                    and not self.aborted \
                     and "chunked" not in response.headers.get("Transfer-Encoding", "").lower():
                 response._complete = True  # a body delimited by the connection's close
                 response._keep_alive = False

@@ -54,7 +54,7 @@ async def provider() -> Provider:
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()
     yield Provider(str(server.make_url("")).rstrip("/"), app)
-    await server.close()
+    await closed_within(server.close(), "the fake provider")
 
 
 def _drop_postgres_schema(url: str, schema: str) -> None:
@@ -208,7 +208,19 @@ async def make_proxy(request, tmp_path, provider):
 
     yield make
     for server in reversed(started):
-        await server.close()
+        await closed_within(server.close(), "a proxy")
+
+
+async def closed_within(closing, what: str, seconds: float = 25.0) -> None:
+    """Close a test server; if that hangs, print what the loop still runs before failing. A
+    teardown that hung in CI (a stream test on Redis, once in ~1,100 tests) left only the
+    idle loop's stack, not what it waited on."""
+    try:
+        await asyncio.wait_for(closing, seconds)
+    except asyncio.TimeoutError:
+        for task in asyncio.all_tasks():
+            task.print_stack(file=sys.stderr)
+        raise AssertionError(f"{what} did not close within {seconds:g} s: its tasks are above") from None
 
 
 @pytest.fixture

@@ -223,6 +223,17 @@ async def test_a_large_streamed_body_arrives_whole_in_bounded_reads(upstream):
     assert raw.connections == 1
 
 
+async def test_a_large_body_read_whole_is_not_held_back(upstream):
+    big = bytes(range(256)) * 4096  # 1 MiB: past the unread bytes at which a stream is paused
+    _, pool = await upstream(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(big) + big)
+    resp = await pool.request("GET", "/big", [], b"")
+    await asyncio.sleep(0.2)  # all of it arrives before anyone reads
+    try:
+        assert await resp.read() == big
+    finally:
+        resp.release()
+
+
 async def test_a_closed_answer_wakes_its_reader_and_frees_the_slot(upstream):
     async def never(writer):
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
@@ -235,6 +246,20 @@ async def test_a_closed_answer_wakes_its_reader_and_frees_the_slot(upstream):
     with pytest.raises(UpstreamError):
         await reader
     await asyncio.sleep(0.05)
+    assert pool._open == 0
+
+
+async def test_closing_the_pool_closes_busy_connections_too(upstream):
+    async def never(writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
+        await asyncio.sleep(5)
+    _, pool = await upstream(never)
+    resp = await pool.request("GET", "/events", [], b"")
+    reader = asyncio.create_task(resp.readany())
+    await asyncio.sleep(0.05)
+    await pool.close()
+    with pytest.raises(UpstreamError):
+        await reader
     assert pool._open == 0
 
 
