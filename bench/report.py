@@ -8,6 +8,8 @@ The targets are those of issues 2, 3 and 13.
 
 from __future__ import annotations
 
+import statistics
+
 # scenario -> least throughput at 32 connections, as a share of the baseline's (issue 13:
 # in front of nginx, on every store; a replay calls no provider, so it must beat forwarding)
 RATIO_TARGETS = {store: {"passthrough": 0.95, "replay": 1.3, "record": 0.5}
@@ -32,7 +34,10 @@ def rows(results: list[dict]) -> list[dict]:
     """One row per (store, workers, scenario): both connection counts, ratios, targets.
 
     A measurement repeated (the baseline at 32 connections, before and after a store's
-    rows) counts with the mean of its runs; how far they differ is its drift.
+    rows and before each scenario's; a scenario over several rounds) counts with the mean
+    of its runs; how far the baseline's first and last differ is its drift. A scenario
+    measured right after a baseline of its own has as its ratio the median, over its
+    rounds, of its throughput over that baseline's.
     """
     by: dict[tuple, dict] = {}
     runs: dict[tuple, list[dict]] = {}
@@ -48,7 +53,11 @@ def rows(results: list[dict]) -> list[dict]:
         cpus = [(m.get("cpu_us_per_request") or {}).get("server") for m in ms]
         known = [x for x in cpus if x is not None]
         row[f"cpu_us_c{c}"] = round(sum(known) / len(known), 1) if len(known) == len(cpus) else None
-        if len(ms) > 1 and ms[0]["rps"]:
+        paired = sorted(m["rps"] / m["paired_baseline_rps"] for m in ms if m.get("paired_baseline_rps"))
+        if paired:
+            row["paired_ratios"] = [round(r, 3) for r in paired]
+            row["ratio"] = round(statistics.median(paired), 3)
+        if len(ms) > 1 and ms[0]["rps"] and scenario == "baseline":
             row[f"drift_c{c}"] = drift = round(ms[-1]["rps"] / ms[0]["rps"] - 1, 3)
             if abs(drift) > DRIFT:
                 row["problems"].append(f"c{c}: {drift:+.0%} between its runs (the machine's load changed)")
@@ -72,7 +81,8 @@ def _compare(row: dict, by: dict[tuple, dict]) -> None:
     base = by.get((store, 0, "baseline"), {})
     checks = []
     if scenario != "baseline" and base.get("rps_c32") and row.get("rps_c32") is not None:
-        row["ratio"] = round(row["rps_c32"] / base["rps_c32"], 3)
+        if "ratio" not in row:  # not measured next to a baseline of its own
+            row["ratio"] = round(row["rps_c32"] / base["rps_c32"], 3)
         target = RATIO_TARGETS.get(store, {}).get(scenario)
         if target is not None and workers == 1:
             checks.append({"what": "x baseline @32", "value": row["ratio"], "target": f">= {target}",
@@ -134,13 +144,15 @@ def markdown(rows: list[dict], meta: dict, errors: dict[str, str] | None = None)
             targets = "; ".join(filter(None, [targets, "!! " + "; ".join(r["problems"])]))
         lines.append(
             f"| {r['store']} | {r['workers'] or '–'} | {r['scenario']} | {_num(r.get('rps_c32'), ',.0f')} "
-            f"| {_num(r.get('ratio'), '.2f')} | {_num(r.get('cpu_us_c32'), '.0f')} "
+            f"| {_num(r.get('ratio'), '.2f')}{_spread(r.get('paired_ratios'))} | {_num(r.get('cpu_us_c32'), '.0f')} "
             f"| {_num(r.get('p50_ms_c32'), '.2f')} "
             f"| {_num(r.get('p99_ms_c32'), '.2f')} | {_num(r.get('p50_ms_c1'), '.3f')} "
             f"| {_num(r.get('p50_delta_ms'), '+.3f')} | {_num(r.get('p99_ms_c1'), '.3f')} | {targets} |")
     lines.append("")
     lines.append("Latencies in milliseconds. × baseline: throughput at 32 connections over the baseline's "
-                 "(the mean of its runs just before and just after the same store's rows). CPU µs/req: CPU "
+                 "measured just before it (with several rounds, the median of those ratios; where a row "
+                 "had no baseline of its own, the mean of the baseline's runs around the store's rows); "
+                 "the range over rounds follows each ratio. CPU µs/req: CPU "
                  "time of the proxy measured (all its processes) per request. Δp50: p50 at 1 connection "
                  "minus the baseline's. A baseline row with workers N: the plain proxy as N processes, "
                  "× its one process: what this machine gives N processes. !! marks figures to distrust: "
@@ -148,6 +160,10 @@ def markdown(rows: list[dict], meta: dict, errors: dict[str, str] | None = None)
     for store, error in (errors or {}).items():
         lines.append(f"\n**{store} not measured:** {error.splitlines()[0] if error else ''}")
     return "\n".join(lines)
+
+
+def _spread(ratios: list[float] | None) -> str:
+    return f" ({ratios[0]:.2f}–{ratios[-1]:.2f})" if ratios and len(ratios) > 1 else ""
 
 
 def _load(avg) -> str:

@@ -275,9 +275,18 @@ def run_store(bench: Bench, store: str, baseline: Server, results: list[dict]) -
             server = bench.procs.idemproxy(f"idemproxy-{store}-w{workers}", bench.provider.url, url, workers,
                                            mcp=bench.mcp.url if bench.mcp else None)
             probe(bench, server)
-            for name in a.scenarios:
-                for connections in ((LOW, HIGH) if workers == 1 else (HIGH,)):
-                    results.append(bench.measure(store, workers, server, SCENARIOS[name], connections))
+            for round_ in range(a.rounds):
+                for name in a.scenarios:
+                    if workers == 1 and round_ == 0:
+                        results.append(bench.measure(store, workers, server, SCENARIOS[name], LOW))
+                    paired = None
+                    if workers == 1:  # the yardstick measured just before, so a change of load touches both
+                        paired = bench.measure(store, 0, baseline, SCENARIOS["baseline"], HIGH)
+                        results.append(paired)
+                    result = bench.measure(store, workers, server, SCENARIOS[name], HIGH)
+                    if paired is not None:
+                        result["paired_baseline_rps"] = paired["rps"]
+                    results.append(result)
         finally:
             if server is not None:
                 bench.procs.stop(server)
@@ -298,6 +307,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stores", type=_csv, default=["sqlite", "postgres", "redis"])
     p.add_argument("--workers", type=lambda v: [int(x) for x in _csv(v)], default=[1],
                    help="idemproxy worker counts, e.g. 1,2 (2 is measured at 32 connections)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every scenario at 32 connections this many times (ratios: their median)")
     p.add_argument("--scenarios", type=_csv, default=list(DEFAULT_SCENARIOS),
                    help=f"from: {', '.join(n for n in SCENARIOS if n != 'baseline')}")
     p.add_argument("--loadgen", choices=("auto", "wrk", "python"), default="auto")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import time
@@ -95,7 +96,7 @@ async def _lifecycle(app: web.Application, make_launcher: LauncherFactory,
         ("leases", proxy.renew_leases()),
         ("replay-counts", _every(1.0, proxy.flush_replay_counts)),
         ("purge", _every(settings.store.purge_interval, lambda: _purge(app[RUNS]))),
-        ("prices", asyncio.to_thread(pricing.load)),  # not on the first replay's time
+        ("prices", _load_prices()),
     )]
     try:
         yield
@@ -124,6 +125,13 @@ async def _every(interval: float, work: Callable[[], Awaitable[object]]) -> None
             log.warning("background work skipped: %s", exc)
         except Exception:  # noqa: BLE001 - keep the loop alive; the next round may succeed
             log.exception("background work failed")
+
+
+async def _load_prices() -> None:
+    """The price database, off the first replay's time; then frozen with everything else
+    that lives as long as the process (server.py), so full collections skip its objects."""
+    await asyncio.to_thread(pricing.load)
+    gc.freeze()
 
 
 async def _purge(runs: RunsService) -> None:
