@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import ssl
+import subprocess
 
 import pytest
 
@@ -13,6 +15,19 @@ from idemproxy.proxy.upstream_client import (ConnectTimeout, NotSent, UpstreamEr
                                              UpstreamTimeout)
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+
+def answer_after(seconds: float, answer: bytes = OK):
+    async def late(writer):
+        await asyncio.sleep(seconds)
+        writer.write(answer)
+    return late
+
+
+async def stream_then_silence(writer):
+    """The head of an event stream (no length, not chunked: ended by the close), then nothing."""
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
+    await asyncio.sleep(5)
 
 
 class RawUpstream:
@@ -182,10 +197,7 @@ async def test_silence_longer_than_the_read_timeout_is_a_timeout(upstream):
 
 
 async def test_a_full_pool_makes_the_next_request_wait_then_time_out_unsent(upstream):
-    async def slow(writer):
-        await asyncio.sleep(0.5)
-        writer.write(OK)
-    raw, pool = await upstream(slow, OK, max_connections=1, connect_timeout=0.2)
+    raw, pool = await upstream(answer_after(0.5), OK, max_connections=1, connect_timeout=0.2)
     first = asyncio.create_task(fetch(pool))
     await asyncio.sleep(0.05)
     with pytest.raises(ConnectTimeout) as caught:
@@ -198,10 +210,7 @@ async def test_a_full_pool_makes_the_next_request_wait_then_time_out_unsent(upst
 
 
 async def test_a_waiting_request_gets_the_connection_released_before_its_timeout(upstream):
-    async def slow(writer):
-        await asyncio.sleep(0.2)
-        writer.write(OK)
-    raw, pool = await upstream(slow, OK, max_connections=1, connect_timeout=2.0)
+    raw, pool = await upstream(answer_after(0.2), OK, max_connections=1, connect_timeout=2.0)
     answers = await asyncio.gather(fetch(pool), fetch(pool))
     assert [a[2] for a in answers] == [b"{}", b"{}"]
     assert raw.connections == 1
@@ -235,10 +244,7 @@ async def test_a_large_body_read_whole_is_not_held_back(upstream):
 
 
 async def test_a_closed_answer_wakes_its_reader_and_frees_the_slot(upstream):
-    async def never(writer):
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
-        await asyncio.sleep(5)
-    _, pool = await upstream(never)
+    _, pool = await upstream(stream_then_silence)
     resp = await pool.request("GET", "/events", [], b"")
     reader = asyncio.create_task(resp.readany())
     await asyncio.sleep(0.05)
@@ -250,10 +256,7 @@ async def test_a_closed_answer_wakes_its_reader_and_frees_the_slot(upstream):
 
 
 async def test_closing_the_pool_closes_busy_connections_too(upstream):
-    async def never(writer):
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
-        await asyncio.sleep(5)
-    _, pool = await upstream(never)
+    _, pool = await upstream(stream_then_silence)
     resp = await pool.request("GET", "/events", [], b"")
     reader = asyncio.create_task(resp.readany())
     await asyncio.sleep(0.05)
@@ -277,3 +280,35 @@ async def test_the_base_path_host_and_url_credentials_go_upstream():
     assert sent.startswith("POST /base/v1/x?a=%2F HTTP/1.1\r\n")
     assert "Bearer agent" not in sent
     assert "Authorization: Basic " + base64.b64encode(b"us@er:p:ss").decode() in sent
+
+
+@pytest.fixture
+def localhost_cert(tmp_path):
+    """A self-signed certificate for ``localhost``, made by the openssl command."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                    "/CN=localhost", "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key),
+                    "-out", str(cert)], check=True, capture_output=True)
+    return cert, key
+
+
+async def test_an_https_upstream_is_verified_and_an_unverified_one_never_sent(localhost_cert, monkeypatch):
+    cert, key = localhost_cert
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    raw = RawUpstream([OK, OK])
+    raw.server = await asyncio.start_server(raw._serve, "127.0.0.1", 0, ssl=context)
+    url = f"https://localhost:{raw.server.sockets[0].getsockname()[1]}"
+    untrusted = UpstreamPool(url, max_connections=1, connect_timeout=2.0, read_timeout=2.0)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # OpenSSL's default trust, as an operator would set it
+    trusted = UpstreamPool(url, max_connections=1, connect_timeout=2.0, read_timeout=2.0)
+    try:
+        assert (await fetch(trusted))[::2] == (200, b"{}")
+        assert raw.requests[0].startswith(b"POST /v1/x HTTP/1.1\r\nHost: localhost:")
+        with pytest.raises(NotSent):  # the certificate is not one the system trusts
+            await fetch(untrusted)
+        assert len(raw.requests) == 1
+    finally:
+        await trusted.close()
+        await untrusted.close()
+        await raw.close()
