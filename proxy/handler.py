@@ -185,7 +185,7 @@ class Proxy:
         sent = time.perf_counter()
         try:
             resp = await self.pools[upstream.name].request(request.method, route.path_qs, headers, body)
-        except (UpstreamError, ValueError) as exc:
+        except UpstreamError as exc:
             raise Problem("upstream-timeout" if is_timeout(exc) else "upstream-unavailable",
                           f"{type(exc).__name__} talking to {upstream.name}: {exc}") from None
         try:

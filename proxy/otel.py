@@ -99,7 +99,8 @@ class Tracing:
         self.propagator.inject(carrier)
         if not carrier:
             return headers
-        ours = {name.lower() for name in carrier}
+        # the agent's tracestate belongs to its traceparent: neither goes on beside ours
+        ours = {name.lower() for name in carrier} | {"traceparent", "tracestate"}
         return [(k, v) for k, v in headers if k.lower() not in ours] + list(carrier.items())
 
     def shutdown(self) -> None:

@@ -30,6 +30,9 @@ from multidict import CIMultiDict, CIMultiDictProxy
 PAUSE_ABOVE_BYTES = 1 << 16  # unread body held before the upstream is asked to wait
 KEEPALIVE_S = 30.0  # an idle connection older than this is closed, not reused
 BODYLESS_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS", "TRACE"})
+# Sent again, once, on a new connection when a reused one closed before a byte of its answer:
+# its close crossed our request. RFC 9110 §9.2.2: these mean the same sent twice (aiohttp's rule).
+RETRIED_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 
 
 class UpstreamError(Exception):
@@ -49,6 +52,10 @@ class ConnectTimeout(NotSent, UpstreamTimeout):
     connections all stayed busy."""
 
 
+class UnsendableRequest(NotSent):
+    """The request cannot be written as HTTP/1.1 (a line break in a header): nothing was sent."""
+
+
 class UpstreamPool:
     """Keep-alive connections to one origin, at most ``max_connections`` of them open."""
 
@@ -59,9 +66,10 @@ class UpstreamPool:
         self.tls = parts.scheme == "https"
         self.port = parts.port or (443 if self.tls else 80)
         self.base_path = parts.path.rstrip("/")
-        self.max_connections = max_connections
-        self.connect_timeout = connect_timeout
-        self.read_timeout = read_timeout
+        # 0 (or less) means no limit, as it did with aiohttp's client
+        self.max_connections = max_connections if max_connections > 0 else 1 << 30
+        self.connect_timeout = connect_timeout if connect_timeout and connect_timeout > 0 else None
+        self.read_timeout = read_timeout if read_timeout and read_timeout > 0 else None
         self.on_request = on_request  # sees and may change every request's headers (tracing)
         default_port = self.port == (443 if self.tls else 80)
         shown = f"[{self.host}]" if ":" in self.host else self.host
@@ -87,6 +95,18 @@ class UpstreamPool:
             headers = self.on_request(headers)
         head = self._head(method, target, headers, body)
         conn = await self._acquire()
+        reused = conn.exchanges > 0
+        try:
+            return await conn.exchange(head, body, method == "HEAD")
+        except UpstreamError:
+            conn.abort()
+            if not (reused and not conn.received and method in RETRIED_METHODS):
+                raise
+            self._gone(conn)  # its slot now, not when its close is seen: the new one takes it
+        except BaseException:
+            conn.abort()
+            raise
+        conn = await self._connect(None)
         try:
             return await conn.exchange(head, body, method == "HEAD")
         except BaseException:
@@ -105,7 +125,7 @@ class UpstreamPool:
         head = "\r\n".join(lines) + "\r\n\r\n"
         # A line break inside a name or value would start a header (or a request) of its own.
         if head.count("\n") != len(lines) + 1 or head.count("\r") != len(lines) + 1:
-            raise ValueError("a line break in the request line or a header")
+            raise UnsendableRequest("a line break in the request line or a header")
         return head.encode("utf-8", "surrogateescape")  # the bytes aiohttp's server decoded
 
     async def _acquire(self) -> _Connection:
@@ -128,33 +148,39 @@ class UpstreamPool:
             try:
                 async with asyncio.timeout_at(deadline):
                     await waiter
-            except TimeoutError:
-                raise ConnectTimeout(f"no free connection to {self.host}:{self.port} "
-                                     f"within {self.connect_timeout:g} s") from None
-            finally:
-                if waiter in self._waiters:
+            except BaseException as exc:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake()  # woken as it left: the freed slot goes to the next in line
+                elif waiter in self._waiters:
                     self._waiters.remove(waiter)
+                if isinstance(exc, TimeoutError):
+                    raise ConnectTimeout(f"no free connection to {self.host}:{self.port} "
+                                         f"within {self.connect_timeout} s") from None
+                raise
 
     async def _connect(self, deadline: float | None) -> _Connection:
         self._open += 1
         loop = asyncio.get_running_loop()
         if deadline is None and self.connect_timeout is not None:
             deadline = loop.time() + self.connect_timeout
+        conn = _Connection(self)  # its slot is freed once, by whichever of us sees it fail first
         try:
             async with asyncio.timeout_at(deadline):
-                _, conn = await loop.create_connection(
-                    lambda: _Connection(self), self.host, self.port, ssl=self._ssl,
-                    server_hostname=self.host if self.tls else None)
+                await loop.create_connection(lambda: conn, self.host, self.port, ssl=self._ssl,
+                                             server_hostname=self.host if self.tls else None)
         except TimeoutError:
-            self._gone()
+            self._gone(conn)
             raise ConnectTimeout(f"no connection to {self.host}:{self.port} "
-                                 f"within {self.connect_timeout:g} s") from None
+                                 f"within {self.connect_timeout} s") from None
         except OSError as exc:  # refused, DNS, TLS (ssl.SSLError is an OSError)
-            self._gone()
+            self._gone(conn)
             raise NotSent(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
         except BaseException:
-            self._gone()
+            self._gone(conn)
             raise
+        if self._closed:  # closed while this one was connecting
+            conn.abort()
+            raise NotSent("the proxy is shutting down")
         return conn
 
     def _idle_again(self, conn: _Connection) -> None:
@@ -162,19 +188,26 @@ class UpstreamPool:
         if self._closed:
             conn.abort()
             return
-        conn.idle_since = time.monotonic()
+        conn.resume()  # a relay that stopped reading may have left it paused
+        conn.idle_since = now = time.monotonic()
         self._idle.append(conn)
+        oldest = self._idle[0]  # new ones are taken first: the oldest would never be looked at
+        if now - oldest.idle_since >= KEEPALIVE_S:
+            self._idle.popleft()
+            oldest.abort()
         self._wake()
 
-    def _gone(self, conn: _Connection | None = None) -> None:
-        """A connection closed (or one that never opened): its slot is free."""
+    def _gone(self, conn: _Connection) -> None:
+        """A connection closed, or failed to open: its slot is free (once)."""
+        if conn.slot_freed:
+            return
+        conn.slot_freed = True
         self._open -= 1
-        if conn is not None:
-            self._connected.discard(conn)
-            try:
-                self._idle.remove(conn)
-            except ValueError:
-                pass
+        self._connected.discard(conn)
+        try:
+            self._idle.remove(conn)
+        except ValueError:
+            pass
         self._wake()
 
     def _wake(self) -> None:
@@ -200,7 +233,8 @@ class UpstreamResponse:
     """The answer to one request: its head at once, its body as it arrives."""
 
     __slots__ = ("status", "headers", "content_length", "_conn", "_raw", "_chunks", "_buffered",
-                 "_complete", "_error", "_waiter", "_skip_body", "_keep_alive", "_done", "_whole")
+                 "_complete", "_error", "_waiter", "_skip_body", "_keep_alive", "_done", "_whole",
+                 "_ends_at_close")
 
     def __init__(self, conn: _Connection, skip_body: bool):
         self.status = 0
@@ -217,6 +251,7 @@ class UpstreamResponse:
         self._keep_alive = False
         self._done = False  # released or closed
         self._whole = False  # read() wants it all: no pausing the upstream
+        self._ends_at_close = False  # the body is all that comes until the upstream closes
 
     async def readany(self) -> bytes:
         """What has arrived of the body (waiting for some if none has); b"" at its end."""
@@ -258,7 +293,8 @@ class UpstreamResponse:
         conn = self._conn
         conn.response = None
         if self._complete and self._keep_alive and self._error is None and not self._skip_body \
-                and not conn.lost:
+                and not conn.lost and not conn.transport.get_write_buffer_size():
+            # (an answer that came before our request was all written: nginx closes those too)
             conn.pool._idle_again(conn)
         else:
             conn.abort()
@@ -318,6 +354,10 @@ class UpstreamResponse:
         self.content_length = int(length) if length is not None and length.isdigit() else None
         if self._skip_body or status in (204, 304):
             self._complete = True
+        elif self.content_length is None:
+            # RFC 9112 §6.3: no length and chunked not the last coding: the body ends with the close
+            codings = ",".join(self.headers.getall("Transfer-Encoding", ())).rsplit(",", 1)[-1]
+            self._ends_at_close = codings.strip().lower() != "chunked"
         self._wake()
 
     def _feed(self, chunk: bytes) -> None:
@@ -350,9 +390,15 @@ class _Connection(asyncio.Protocol):
         self.lost = False
         self.aborted = False  # closed by us: its end is no end of a body
         self.paused = False
+        self.slot_freed = False  # the pool counted its close (UpstreamPool._gone)
+        self.exchanges = 0  # requests sent on it
+        self.received = False  # any byte of the current exchange's answer
 
     async def exchange(self, head: bytes, body: bytes, skip_body: bool) -> UpstreamResponse:
         response = self.response = UpstreamResponse(self, skip_body)
+        self.exchanges += 1
+        self.received = False
+        self.resume()
         if body:
             self.transport.writelines((head, body))
         else:
@@ -391,6 +437,7 @@ class _Connection(asyncio.Protocol):
         if response is None:  # bytes nobody asked for: this connection cannot be trusted again
             self.abort()
             return
+        self.received = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -407,9 +454,7 @@ class _Connection(asyncio.Protocol):
         self.lost = True
         response = self.response
         if response is not None:
-            if response.status and response.content_length is None and not response._complete \
-                    and not self.aborted \
-                    and "chunked" not in response.headers.get("Transfer-Encoding", "").lower():
+            if response._ends_at_close and not response._complete and not self.aborted and exc is None:
                 response._complete = True  # a body delimited by the connection's close
                 response._keep_alive = False
                 response._wake()
@@ -418,6 +463,10 @@ class _Connection(asyncio.Protocol):
         self.pool._gone(self)
 
     # -- httptools' callbacks --------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self.response._complete:  # the start of a second answer to one request: never reuse
+            self.response._keep_alive = False
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.response._raw.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import socket
 import ssl
+import struct
 import subprocess
 
 import pytest
 
-from idemproxy.proxy.upstream_client import (ConnectTimeout, NotSent, UpstreamError, UpstreamPool,
-                                             UpstreamTimeout)
+from idemproxy.proxy import upstream_client
+from idemproxy.proxy.upstream_client import (ConnectTimeout, NotSent, UnsendableRequest, UpstreamError,
+                                             UpstreamPool, UpstreamTimeout)
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 
@@ -155,9 +158,9 @@ async def test_bytes_after_the_answer_poison_the_connection(upstream):
 
 async def test_a_line_break_in_a_header_is_refused_before_anything_is_sent(upstream):
     raw, pool = await upstream(OK)
-    with pytest.raises(ValueError):
+    with pytest.raises(UnsendableRequest):  # a NotSent: a recorded call gives its key back
         await fetch(pool, headers=[("X-Evil", "a\r\nX-Injected: 1")])
-    with pytest.raises(ValueError):
+    with pytest.raises(UnsendableRequest):
         await fetch(pool, target="/x HTTP/1.1\r\nX-Injected: 1\r\n\r\nGET /y")
     assert raw.connections == 0 and raw.requests == []
 
@@ -312,3 +315,86 @@ async def test_an_https_upstream_is_verified_and_an_unverified_one_never_sent(lo
         await trusted.close()
         await untrusted.close()
         await raw.close()
+
+
+async def test_a_connection_left_paused_is_read_again_when_reused(upstream):
+    big = b"x" * 100_000  # past the unread bytes at which reading pauses
+    raw, pool = await upstream(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(big) + big, OK,
+                               max_connections=1)
+    resp = await pool.request("GET", "/big", [], b"")
+    await asyncio.sleep(0.2)  # all of it in, none of it read: the relay stopped (its agent left)
+    resp.release()
+    assert (await fetch(pool))[2] == b"{}"
+    assert raw.connections == 1
+
+
+async def test_the_start_of_a_second_answer_poisons_the_connection(upstream):
+    raw, pool = await upstream(OK + b"HTTP/1.1 500 Oops\r\nX-Stale: ", OK)
+    assert (await fetch(pool))[2] == b"{}"
+    status, headers, body = await fetch(pool)
+    assert (status, body, "X-Stale" in headers) == (200, b"{}", False)
+    assert raw.connections == 2
+
+
+async def test_a_slot_handed_to_a_leaving_waiter_goes_to_the_next(upstream):
+    raw, pool = await upstream(OK, OK, OK, max_connections=1, connect_timeout=1.0)
+    first = await pool.request("POST", "/", [], b"")
+    await first.read()
+    leaving, staying = asyncio.create_task(fetch(pool)), asyncio.create_task(fetch(pool))
+    await asyncio.sleep(0.05)
+    first.release()  # wakes `leaving`...
+    leaving.cancel()  # ...which goes in the same turn
+    assert (await asyncio.wait_for(staying, 0.5))[2] == b"{}"
+
+
+async def test_a_connect_cancelled_once_made_frees_its_slot_once(upstream, monkeypatch):
+    raw, pool = await upstream(OK, OK, max_connections=1)
+    made = upstream_client._Connection.connection_made
+
+    def made_then_cancelled(conn, transport):  # the cancel lands before create_connection returns
+        made(conn, transport)
+        task.cancel()
+    monkeypatch.setattr(upstream_client._Connection, "connection_made", made_then_cancelled)
+    task = asyncio.create_task(fetch(pool))
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    monkeypatch.setattr(upstream_client._Connection, "connection_made", made)
+    await asyncio.sleep(0.05)
+    assert pool._open == 0
+    assert (await fetch(pool))[2] == b"{}"
+
+
+async def test_a_reset_is_no_end_of_a_body_delimited_by_the_close(upstream):
+    async def reset_mid_body(writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\ndata: part")
+        await asyncio.sleep(0.1)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # lingering 0 s: a reset, not a close
+    _, pool = await upstream(reset_mid_body)
+    with pytest.raises(UpstreamError):
+        await fetch(pool)
+
+
+async def test_a_missing_last_chunk_is_no_end_of_a_body(upstream):
+    async def cut_chunked(writer):  # chunked is the last coding across two fields
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"5\r\nhello\r\n")
+        await asyncio.sleep(0.1)
+        writer.close()
+    _, pool = await upstream(cut_chunked)
+    with pytest.raises(UpstreamError):
+        await fetch(pool)
+
+
+async def test_a_reused_connection_closed_as_it_was_sent_to_is_retried_for_a_get_only(upstream):
+    async def close_without_answer(writer):
+        writer.close()
+    raw, pool = await upstream(OK, close_without_answer, OK, OK, close_without_answer)
+    assert (await fetch(pool, "GET", body=b""))[2] == b"{}"
+    assert (await fetch(pool, "GET", body=b""))[2] == b"{}"  # its close crossed our request: sent again
+    assert (len(raw.requests), raw.connections) == (3, 2)
+    assert (await fetch(pool))[2] == b"{}"
+    with pytest.raises(UpstreamError) as caught:  # a POST is not sent twice
+        await fetch(pool)
+    assert not isinstance(caught.value, NotSent)
