@@ -99,8 +99,9 @@ class UpstreamPool:
         try:
             return await conn.exchange(head, body, method == "HEAD")
         except UpstreamError:
+            closed_by_upstream = conn.lost and not conn.aborted  # not a timeout, not a parse error
             conn.abort()
-            if not (reused and not conn.received and method in RETRIED_METHODS):
+            if not (reused and closed_by_upstream and not conn.received and method in RETRIED_METHODS):
                 raise
             self._gone(conn)  # its slot now, not when its close is seen: the new one takes it
         except BaseException:

@@ -398,3 +398,11 @@ async def test_a_reused_connection_closed_as_it_was_sent_to_is_retried_for_a_get
     with pytest.raises(UpstreamError) as caught:  # a POST is not sent twice
         await fetch(pool)
     assert not isinstance(caught.value, NotSent)
+
+
+async def test_a_silent_upstream_is_not_asked_twice(upstream):
+    raw, pool = await upstream(OK, answer_after(5), OK, read_timeout=0.3)
+    assert (await fetch(pool, "GET", body=b""))[2] == b"{}"
+    with pytest.raises(UpstreamTimeout):  # a timeout is no crossed close: one wait, not two
+        await fetch(pool, "GET", body=b"")
+    assert len(raw.requests) == 2
