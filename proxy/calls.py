@@ -28,7 +28,7 @@ from typing import Protocol
 import orjson
 
 from .config import UpstreamSettings
-from .forward import is_stream, is_timeout, never_sent, response_headers, storable_headers
+from .forward import failure_slug, is_stream, never_sent, response_headers, storable_headers
 from .policy import OnAmbiguous, Verdict, verdict
 from .store import Store, StoreUnavailable
 from .store.base import Recorded
@@ -259,7 +259,7 @@ class Call:
     async def _broken(self, store: Store, exc: Exception) -> CallResult:
         """The exchange with the upstream failed: nothing happened if the request was never
         sent; otherwise the outcome is ambiguous."""
-        slug = "upstream-timeout" if is_timeout(exc) else "upstream-unavailable"
+        slug = failure_slug(exc)
         if never_sent(exc):
             await store.journal.release(self.kid, self.owner)
             return CallResult(Fate.RELEASED, (slug, f"no connection to {self.upstream.name} "

@@ -101,3 +101,8 @@ def never_sent(exc: BaseException) -> bool:
 
 def is_timeout(exc: BaseException) -> bool:
     return isinstance(exc, (asyncio.TimeoutError, UpstreamTimeout))
+
+
+def failure_slug(exc: BaseException) -> str:
+    """The problem type of a failed exchange with an upstream."""
+    return "upstream-timeout" if is_timeout(exc) else "upstream-unavailable"

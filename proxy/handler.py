@@ -21,7 +21,7 @@ from .errors import OUTCOME, STARTED, UPSTREAM_S, client_gone
 from .facts import FACTS, Facts, key_kind
 from .fencing import Fence
 from .fingerprint import fingerprint
-from .forward import forwarded_key, is_stream, is_timeout, request_headers, response_headers
+from .forward import failure_slug, forwarded_key, is_stream, request_headers, response_headers
 from .forwarded import Forwarding
 from .freshness import Freshness
 from .heartbeats import Heartbeats
@@ -186,8 +186,7 @@ class Proxy:
         try:
             resp = await self.pools[upstream.name].request(request.method, route.path_qs, headers, body)
         except UpstreamError as exc:
-            raise Problem("upstream-timeout" if is_timeout(exc) else "upstream-unavailable",
-                          f"{type(exc).__name__} talking to {upstream.name}: {exc}") from None
+            raise _upstream_failed(upstream, exc) from None
         try:
             upstream_s = request[UPSTREAM_S] = time.perf_counter() - sent
             out = response_headers(resp.headers)
@@ -215,8 +214,7 @@ class Proxy:
                 raise ConnectionResetError("the client went away") from None
             if not isinstance(exc, UpstreamError):
                 raise
-            raise Problem("upstream-timeout" if is_timeout(exc) else "upstream-unavailable",
-                          f"{type(exc).__name__} talking to {upstream.name}: {exc}") from None
+            raise _upstream_failed(upstream, exc) from None
         finally:
             resp.release()
 
@@ -474,3 +472,7 @@ def _lapsed(entry: Entry) -> bool:
     """An in-flight entry whose proxy stopped renewing its lease: claimable again."""
     return entry.state == EntryState.IN_FLIGHT and entry.lease_until < time.time()
 
+
+def _upstream_failed(upstream: UpstreamSettings, exc: UpstreamError) -> Problem:
+    """A passthrough's failed exchange with its upstream, as the agent's problem."""
+    return Problem(failure_slug(exc), f"{type(exc).__name__} talking to {upstream.name}: {exc}")
