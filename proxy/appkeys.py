@@ -9,6 +9,7 @@ from .metrics import Metrics
 from .runs import RunsService
 from .runs.held import Attachments
 from .store import Store
+from aiohttp.typedefs import Middleware
 
 SETTINGS = web.AppKey("settings", Settings)
 STORE = web.AppKey("store", Store)
@@ -17,3 +18,5 @@ METRICS = web.AppKey("metrics", Metrics)
 RUNS = web.AppKey("runs", RunsService)
 TENANTS = web.AppKey("tenants", TenantResolver)
 ATTACHMENTS = web.AppKey("attachments", Attachments)
+# What a proxied call passes through when the front door takes it past the router (app.front_door)
+STRAIGHT = web.AppKey("straight", list[Middleware])

@@ -13,6 +13,7 @@ import orjson
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
+from .app import open_front_door
 from .config import Settings
 from .connections import REFUSAL, Gate, ProxySite
 from .eventloop import run, until_signalled
@@ -78,6 +79,7 @@ async def start_serving(app: web.Application, settings: Settings, *,
     runner = web.AppRunner(app, handler_cancellation=False, shutdown_timeout=s.shutdown_timeout)
     await runner.setup()
     try:
+        open_front_door(runner)
         gate = Gate(runner.server, s, access_log_class=access_logger(settings),
                     access_log=access_log if s.access_log else None, keepalive_timeout=s.idle_timeout)
         site = ProxySite(runner, s.host, s.port, gate, reuse_port=reuse_port)

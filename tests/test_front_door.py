@@ -1,0 +1,115 @@
+"""The front door (app.front_door): proxied calls go straight to the proxy handler, past
+aiohttp's router, and no answer changes for it.
+
+Every target below is sent over a raw socket to two servers of one configuration: one
+with the front door, as ``idemproxy serve`` runs, and one without, where aiohttp's router
+decides everything. Both must answer alike, refusals included.
+"""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from aiohttp.test_utils import TestServer
+
+from idemproxy.proxy.app import goes_straight
+from idemproxy.proxy.cli import build_app
+from rawhttp import raw_request
+
+CHAT = orjson.dumps({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]})
+UPSTREAMS = {"openai": None, "tools": None}
+
+
+@pytest.fixture
+async def two_doors(make_proxy, sqlite_url):
+    """(with the front door, routed only): two servers on one store and configuration."""
+    front = await make_proxy(sqlite_url)
+    routed = TestServer(build_app(front.settings, supervise=False), host="127.0.0.1")
+    await routed.start_server()
+    yield front.url, str(routed.make_url("")).rstrip("/")
+    await routed.close()
+
+
+async def answers(url: str, method: str, target: str, *headers: str, body: bytes = b""):
+    head = "\n".join([f"{method} {target} HTTP/1.1", "Host: proxy", *headers,
+                      f"Content-Length: {len(body)}"])
+    resp = await raw_request(url, head, body)
+    kind = resp.headers.get("Content-Type", "").split(";")[0]
+    problem = resp.json()["type"] if kind == "application/problem+json" else None
+    return resp.status, kind, problem
+
+
+@pytest.mark.parametrize("method, target", [
+    ("POST", "/openai/v1/chat/completions"),
+    ("GET", "/openai/v1/models?limit=2"),
+    ("POST", "/runs/fd-run/epochs/0/openai/v1/chat/completions"),
+    ("POST", "/runs/fd-run/openai/v1/chat/completions"),
+    ("POST", "/runs/fd%2Frun/epochs/0/openai/v1/chat/completions"),  # the router decodes: not straight
+    ("POST", "/runs/fd-run/epochs/0%31/openai/v1/chat/completions"),
+    ("POST", "/runs/fd-run/epochs/x/openai/v1/chat/completions"),
+    ("POST", "/runs/fd-run?a=/epochs/0/openai/v1/chat/completions"),
+    ("POST", "/runs/fd-run/epochs/0/nope/v1/chat/completions"),
+    ("POST", "/openai/../healthz"),
+    ("POST", "/openai/%2e%2e/admin/runs"),
+    ("GET", "/openai"),
+    ("POST", "/nope/v1/chat/completions"),
+    ("GET", "/healthz"),
+    ("GET", "/runs/fd-run"),
+    ("GET", "/admin/runs"),
+    ("GET", "//openai/v1/models"),
+    ("OPTIONS", "*"),
+])
+async def test_the_front_door_changes_no_answer(two_doors, method, target):
+    front, routed = two_doors
+    headers = ("Content-Type: application/json", "Idem-Policy: passthrough")
+    body = CHAT if method == "POST" else b""
+    assert await answers(front, method, target, *headers, body=body) == \
+        await answers(routed, method, target, *headers, body=body)
+
+
+async def test_a_recorded_call_is_the_same_through_either_door(two_doors, provider):
+    """Recorded through the front door, replayed through the router, and the other way."""
+    front, routed = two_doors
+    for first, second, key in ((front, routed, "fd-1"), (routed, front, "fd-2")):
+        headers = ("Content-Type: application/json", f"Idempotency-Key: {key}")
+        recorded = await raw_request(first, "\n".join([
+            "POST /openai/v1/chat/completions HTTP/1.1", "Host: proxy", *headers,
+            f"Content-Length: {len(CHAT)}"]), CHAT)
+        replayed = await raw_request(second, "\n".join([
+            "POST /openai/v1/chat/completions HTTP/1.1", "Host: proxy", *headers,
+            f"Content-Length: {len(CHAT)}"]), CHAT)
+        assert recorded.status == replayed.status == 200
+        assert recorded.headers["Idempotent-Replayed"] == "false"
+        assert replayed.headers["Idempotent-Replayed"] == "true"
+        assert replayed.body == recorded.body
+    assert provider.calls["chat"] == 2
+
+
+async def test_expect_100_continue_is_answered_before_the_body(two_doors, http):
+    """aiohttp's router sends 100 Continue; the front door leaves such requests to it."""
+    front, _ = two_doors
+    async with http.post(front + "/openai/v1/chat/completions", data=CHAT, expect100=True,
+                         headers={"Content-Type": "application/json", "Idempotency-Key": "fd-expect"}) as resp:
+        assert resp.status == 200
+        assert resp.headers["Idempotent-Replayed"] == "false"
+
+
+@pytest.mark.parametrize("target, straight", [
+    ("/openai/v1/chat/completions", True),
+    ("/openai/", True),
+    ("/tools/x?y=1", True),
+    ("/runs/r1/epochs/0/openai/v1/chat/completions", True),
+    ("/runs/r1/epochs/0/", True),
+    ("/openai", False),  # too short to be sure: routed (to the proxy all the same)
+    ("/nope/v1", False),
+    ("/runs/r1/openai/v1", False),  # the runs API's routes come first
+    ("/runs/r%2F1/epochs/0/openai/v1", False),
+    ("/runs/r1/epochs/0?x/openai/v1", False),
+    ("/runs//epochs/0/openai/v1", False),
+    ("/runs/r1/epochs/0", False),
+    ("/healthz", False),
+    ("*", False),
+    ("example.com:443", False),
+])
+def test_which_targets_go_straight(target, straight):
+    assert goes_straight(target, UPSTREAMS) is straight
