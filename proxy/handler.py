@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from aiohttp import web
@@ -65,6 +66,10 @@ class Proxy:
     answers: AnswerCache = field(init=False)  # complete entries recorded or read here, in memory
     replay_cache: ReplayCache = field(init=False)  # restarted attempts' journals, in memory
     mcp: McpUpstreams = field(default_factory=McpUpstreams)  # kind = "mcp" upstreams' state
+    # A claim's owner: this process's random prefix and a count (os.urandom per claim was a
+    # syscall per record). Made with the Proxy, in the process that serves: workers differ.
+    _owner: str = field(init=False, default_factory=lambda: os.urandom(12).hex() + "-")
+    _claims: itertools.count = field(init=False, default_factory=itertools.count)
 
     def __post_init__(self) -> None:
         self.on_ambiguous = {name: policy.on_ambiguous(up) for name, up in self.settings.upstreams.items()}
@@ -141,14 +146,21 @@ class Proxy:
             raise Problem("too-large", f"request body over {limit} bytes", max_request_bytes=limit)
         if not request.body_exists:
             return b""
-        if length is not None:  # bounded above: read it in one go
+        content = request.content
+        if content.is_eof():  # all of it came with the head: taken as it lies, no read loop (3-5 µs)
+            body = content.read_nowait()
+        elif length is not None:  # bounded above: read it in one go
             return await request.read()
-        body = bytearray()
-        async for chunk in request.content.iter_any():
-            body += chunk
-            if len(body) > limit:
-                raise Problem("too-large", f"request body over {limit} bytes", max_request_bytes=limit)
-        return bytes(body)
+        else:
+            body = bytearray()
+            async for chunk in content.iter_any():
+                body += chunk
+                if len(body) > limit:
+                    break
+            body = bytes(body)
+        if len(body) > limit:  # chunked: no length said so beforehand
+            raise Problem("too-large", f"request body over {limit} bytes", max_request_bytes=limit)
+        return body
 
     async def _fence_or_preloaded(self, ident: Identity, chosen: Policy) -> CachedAttempt | None:
         """Fence the request; for a recorded call, also find its attempt's journal in memory,
@@ -334,7 +346,7 @@ class Proxy:
                      fp: str) -> ClaimResult:
         store = self.settings.store
         result = await self.store.journal.claim(Claim(
-            scope=scope, fingerprint=fp, owner=os.urandom(16).hex(), lease_s=store.lease,
+            scope=scope, fingerprint=fp, owner=f"{self._owner}{next(self._claims)}", lease_s=store.lease,
             retention_s=store.retention, method=request.method, path=route.path, epoch=ident.epoch,
             on_expired=self.on_ambiguous[route.upstream.name], namespace=ident.namespace))
         if result.stale_epoch is not None:  # a restart moved the run on since the fence
@@ -407,8 +419,11 @@ class Proxy:
             self.tasks.discard(task)
             self.calls.pop(entry.kid, None)
             if call.result is not None and call.result.fate is Fate.RECORDED:  # committed: as the store has it
-                self.answers.put(replace(entry, state=EntryState.COMPLETE, owner=None, response=call.answer,
-                                         completed_at=time.time()), noted)
+                # the claim's entry is this call's alone: made complete in place, not copied
+                # (dataclasses.replace cost a record 3 µs)
+                entry.state, entry.owner, entry.response = EntryState.COMPLETE, None, call.answer
+                entry.completed_at = time.time()
+                self.answers.put(entry, noted)
         task.add_done_callback(done)
         return call
 

@@ -193,8 +193,12 @@ class TenantResolver:
 
     def _material(self, headers: CIMultiDictProxy[str]) -> str:
         """What identifies the caller: its credential headers and cookies, "" for none."""
-        material = "\n".join(f"{h}={headers[h]}" for h in self._credential_headers
-                             if headers.get(h, "").strip())  # an empty value is no credential
+        named = []
+        for h in self._credential_headers:
+            value = headers.get(h)
+            if value is not None and value.strip():  # an empty value is no credential
+                named.append(f"{h}={value}")
+        material = "\n".join(named)
         if self._credential_cookies and "Cookie" in headers:
             # every value of a named cookie, in order: `s=A; s=B` is not the caller `s=A`
             material += "".join(f"\ncookie:{name}={value}" for name, value in _cookies(headers)

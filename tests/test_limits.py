@@ -10,7 +10,7 @@ import pytest
 from idemproxy.proxy.config import StoreSettings
 from idemproxy.proxy.store import make_store
 from idemproxy.proxy.store.base import EntryState
-from rawhttp import problem
+from rawhttp import problem, raw_problem, raw_request
 
 CHAT = "/openai/v1/chat/completions"
 
@@ -43,6 +43,23 @@ async def test_bodies_over_max_request_bytes_are_413(make_proxy, sqlite_url, pro
                                                   "Idempotency-Key": "fits"}) as r:
         assert r.status == 200
     assert provider.calls["tool:send"] == 1
+
+
+@pytest.mark.parametrize("over", [True, False])
+async def test_a_chunked_body_that_comes_whole_with_its_head_is_capped_too(make_proxy, sqlite_url, provider, over):
+    """One write holds the head and every chunk: the body is in before the handler looks
+    (taken as it lies, no read loop), and the cap holds all the same."""
+    proxy = await make_proxy(sqlite_url, server={"max_request_bytes": 1000})
+    body = b'{"pad":"' + b"x" * ((1200 if over else 990) - 10) + b'"}'
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (body[:600], body[600:])) + b"0\r\n\r\n"
+    resp = await raw_request(proxy.url, "POST /tools/send HTTP/1.1\nHost: proxy\nContent-Type: application/json\n"
+                                        "Idempotency-Key: whole-chunked\nTransfer-Encoding: chunked", chunked)
+    if over:
+        raw_problem(resp, "too-large", 413)
+        assert sum(provider.calls.values()) == 0
+    else:
+        assert resp.status == 200 and provider.calls["tool:send"] == 1
+        assert provider.seen[-1]["body"] == body
 
 
 async def test_response_over_max_record_bytes_passes_but_is_not_replayable(make_proxy, store_url, provider, http):
