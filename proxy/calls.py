@@ -206,7 +206,8 @@ class Call:
         self.streamed = is_stream(resp.headers)
         if (resp.content_length or 0) > self.max_record_bytes:
             self.streamed = True  # unrecordable anyway: pass it on without buffering it whole
-        self._publish()
+        if self.streamed:  # a whole answer's listeners wait for its end (replay._listen): no wake-up for them
+            self._publish()
 
     def _take(self, chunk: bytes, resp: UpstreamResponse) -> None:
         """One read from the upstream: into the record, then on to listeners, unless it may
