@@ -193,7 +193,8 @@ async def _purge(runs: RunsService) -> None:
 
 
 def _admit(request: web.Request) -> None:
-    """What every request passes before its handler (errors.problem_middleware runs it)."""
+    """What every routed request passes before its handler (errors.problem_middleware runs it);
+    the front door admits a proxied call with request_started alone, since it skips the route."""
     request_started(request)
     # Targets no route can take (`CONNECT host:port`, `OPTIONS *`) never reach the proxy
     # handler; refuse them as problems too, not with aiohttp's plain-text 404.

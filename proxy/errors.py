@@ -44,7 +44,8 @@ RENDER_PROBLEM = web.RequestKey("render_problem", object)
 
 def problem_middleware(metrics: Metrics, admit: Callable[[web.Request], None] | None = None) -> Middleware:
     """The app's one middleware (each one more costs every request a coroutine and a call:
-    issue 13): ``admit`` checks the request first, its refusals answered like any other."""
+    issue 13), and the error boundary of what the front door sends straight to the proxy
+    (app.front_door): ``admit`` checks the request first, its refusals answered like any other."""
     @web.middleware
     async def problems(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
