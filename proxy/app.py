@@ -84,7 +84,8 @@ def front_door(app: web.Application, routed: Handler) -> Handler:
     Straight means a target whose first segment names an upstream (no route but the proxy's
     starts with one: config RESERVED_NAMES), or one under ``/runs/{run}/epochs/{epoch}/``,
     the proxy's route ahead of the runs API. Anything else is ``routed``, as are requests
-    with ``Expect`` (aiohttp's router answers 100-continue) and targets not in origin form.
+    with ``Expect`` (aiohttp's router answers 100-continue), CONNECT, and targets not in origin form.
+    CONNECT's target is an authority, never a path, so the router refuses it whatever it says.
     The router still sends a proxied call it gets to the same handler (``_proxy``)."""
     handler: Handler = app[PROXY].handle
     for middleware in reversed(app[STRAIGHT]):
@@ -93,7 +94,8 @@ def front_door(app: web.Application, routed: Handler) -> Handler:
 
     async def handle(request: web.BaseRequest) -> web.StreamResponse:
         target = request.raw_path
-        if goes_straight(target, upstreams) and hdrs.EXPECT not in request.headers:
+        if (goes_straight(target, upstreams) and request.method != hdrs.METH_CONNECT
+                and hdrs.EXPECT not in request.headers):
             return await handler(request)
         return await routed(request)
     return handle

@@ -93,6 +93,7 @@ class Call:
     chunks: list[bytes] = field(default_factory=list)  # published so far
     result: CallResult | None = None
     upstream_s: float = 0.0  # time until the upstream's headers
+    head_at: float = 0.0  # time.perf_counter() when they came (a whole answer's listeners wake later)
     listeners: int = 0  # requests being answered from this call now (replay.listen)
     answer: Recorded | None = None  # what was recorded, once committed (its model and usage)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -201,6 +202,7 @@ class Call:
     def _begin(self, resp: UpstreamResponse, upstream_s: float) -> None:
         """The upstream's head: listeners may answer now (a stream from its first bytes)."""
         self.upstream_s = upstream_s
+        self.head_at = time.perf_counter()
         self.status = resp.status
         self.headers = response_headers(resp.headers)
         self.streamed = is_stream(resp.headers)

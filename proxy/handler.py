@@ -150,7 +150,7 @@ class Proxy:
         if content.is_eof():  # all of it came with the head: taken as it lies, no read loop (3-5 µs)
             body = content.read_nowait()
         elif length is not None:  # bounded above: read it in one go
-            return await request.read()
+            body = await request.read()
         else:
             body = bytearray()
             async for chunk in content.iter_any():
@@ -158,7 +158,7 @@ class Proxy:
                 if len(body) > limit:
                     break
             body = bytes(body)
-        if len(body) > limit:  # chunked: no length said so beforehand
+        if len(body) > limit:  # chunked, or grown by its Content-Encoding: no length said so beforehand
             raise Problem("too-large", f"request body over {limit} bytes", max_request_bytes=limit)
         return body
 

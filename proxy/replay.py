@@ -120,11 +120,14 @@ async def listen(request: web.Request, call: Call, started: float, replayed: boo
 
 
 async def _listen(request: web.Request, call: Call, started: float, replayed: bool) -> web.StreamResponse:
+    listening = time.perf_counter()
     await call.headers_ready()
     if not call.status:  # failed before the upstream answered
         result = await call.finished()
         raise Problem(*result.problem)
-    timing = server_timing(time.perf_counter() - started - call.upstream_s, call.upstream_s)
+    # the proxy's own time up to the head, as this listener met it (the body's time is the upstream's)
+    at_head = max(call.head_at, listening)
+    timing = server_timing(at_head - started - call.upstream_s, call.upstream_s)
     headers = _headers(call.headers, replayed, timing)
     if not call.streamed:
         result = await call.finished()

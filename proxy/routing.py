@@ -8,14 +8,17 @@ base path on an upstream that decodes more than we do.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Mapping
 from urllib.parse import unquote
 
-
 from .config import UpstreamSettings
 from .identity import parse_epoch, parse_run
 from .problems import Problem
+
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # in a decoded path: refused (_refuse_escapes)
+
 
 @dataclass(frozen=True, slots=True)
 class Route:
@@ -69,6 +72,11 @@ def _refuse_escapes(path: str) -> None:
             # "..;x" is ".." to servlet containers, which drop ;matrix parameters
             if segment.partition(";")[0] in ("..", "."):
                 raise Problem("invalid-request", "path segments '.' and '..' are refused")
+        # a line break or another control character, encoded: no upstream path holds one, and
+        # one that decodes it would split or rewrite the request line (aiohttp's router found no
+        # route for a line break either; the front door asks us)
+        if CONTROL.search(seen):
+            raise Problem("invalid-request", "control characters in the path are refused")
         decoded = unquote(seen)
         if decoded == seen:
             return

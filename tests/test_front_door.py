@@ -58,6 +58,11 @@ async def answers(url: str, method: str, target: str, *headers: str, body: bytes
     ("GET", "/admin/runs"),
     ("GET", "//openai/v1/models"),
     ("OPTIONS", "*"),
+    ("CONNECT", "/tools/send"),  # an authority is all CONNECT names: refused, whatever it says
+    ("POST", "/tools/send%0A"),  # no route has a line break in it; the proxy refuses one too
+    ("GET", "/openai/v1/models%0D%0AX-Injected:%201"),
+    ("POST", "/runs/fd-run/epochs/0/openai/v1/chat/completions%0A"),
+    ("GET", "/openai/v1/models%0D"),
 ])
 async def test_the_front_door_changes_no_answer(two_doors, method, target):
     front, routed = two_doors
@@ -113,3 +118,14 @@ async def test_expect_100_continue_is_answered_before_the_body(two_doors, http):
 ])
 def test_which_targets_go_straight(target, straight):
     assert goes_straight(target, UPSTREAMS) is straight
+
+
+@pytest.mark.parametrize("line", ["POST /tools/send%0A HTTP/1.1", "CONNECT /tools/send HTTP/1.1",
+                                  "POST /tools/send%00 HTTP/1.1"])
+async def test_a_refused_target_reaches_no_upstream(make_proxy, sqlite_url, provider, line):
+    """From the review of the front door: these went straight to the upstream, and were recorded."""
+    proxy = await make_proxy(sqlite_url)
+    resp = await raw_request(proxy.url, line + "\nHost: p\nIdempotency-Key: k1\nContent-Type: application/json"
+                                               "\nContent-Length: 2", b"{}")
+    assert resp.status == 400 and resp.json()["type"].endswith("/invalid-request")
+    assert provider.seen == []

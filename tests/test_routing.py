@@ -8,6 +8,7 @@ itself (problem+json) with nothing reaching the fake provider.
 from __future__ import annotations
 
 import asyncio
+import time
 from urllib.parse import urlsplit
 
 import pytest
@@ -228,3 +229,16 @@ async def test_every_answer_carries_server_timing(echo_proxy, provider, http):
     answers.append(("connect", connect.status, connect.headers.get("Server-Timing")))
     for what, status, timing in answers:
         assert timing and timing.startswith("idemproxy;dur="), (what, status, timing)
+
+
+async def test_a_recorded_answer_times_its_body_as_the_upstreams(echo_proxy, provider, http):
+    """The head of a whole answer came at once, its body a second later: the proxy's own time
+    is what it spent up to the head (a listener is woken only at the end: calls.Call._begin)."""
+    headers = {"Idempotency-Key": "slow-body", "X-Fake-Size": str(2 * 65536), "X-Fake-Chunk-Delay": "1"}
+    started = time.perf_counter()
+    async with http.post(echo_proxy.url + "/raw/flood", headers=headers) as resp:
+        assert resp.status == 200 and len(await resp.read()) == 2 * 65536
+        timing = resp.headers["Server-Timing"]
+    assert time.perf_counter() - started >= 1.0
+    own = float(timing.split("idemproxy;dur=")[1].split(",")[0])
+    assert own < 500, timing  # milliseconds; 1,000+ when the body's second was counted as ours
