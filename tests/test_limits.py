@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import time
 
 import pytest
@@ -60,6 +61,28 @@ async def test_a_chunked_body_that_comes_whole_with_its_head_is_capped_too(make_
     else:
         assert resp.status == 200 and provider.calls["tool:send"] == 1
         assert provider.seen[-1]["body"] == body
+
+
+@pytest.mark.parametrize("late", [False, True])
+async def test_a_body_grown_past_the_cap_by_its_encoding_is_413(make_proxy, sqlite_url, provider, late):
+    """aiohttp inflates a gzip body as it reads; the cap is on what the upstream would get,
+    whether the body came with its head or after it."""
+    proxy = await make_proxy(sqlite_url, server={"max_request_bytes": 1000})
+    inflated = b'{"pad":"' + b"x" * 1490 + b'"}'  # 1,500 bytes: over the cap, under aiohttp's own
+    body = gzip.compress(inflated)
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /tools/send HTTP/1.1\r\nHost: p\r\nContent-Type: application/json\r\n"
+                 b"Content-Encoding: gzip\r\nIdempotency-Key: gz\r\nConnection: close\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body))
+    if late:
+        await writer.drain()
+        await asyncio.sleep(0.3)  # the handler is reading by now
+    writer.write(body)
+    answer = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+    assert sum(provider.calls.values()) == 0
 
 
 async def test_response_over_max_record_bytes_passes_but_is_not_replayable(make_proxy, store_url, provider, http):
