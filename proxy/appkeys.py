@@ -1,6 +1,7 @@
 """The typed state an idemproxy app keeps (aiohttp ``web.AppKey``), in one place."""
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from .config import Settings
 from .handler import Proxy
@@ -9,7 +10,6 @@ from .metrics import Metrics
 from .runs import RunsService
 from .runs.held import Attachments
 from .store import Store
-from aiohttp.typedefs import Middleware
 
 SETTINGS = web.AppKey("settings", Settings)
 STORE = web.AppKey("store", Store)
