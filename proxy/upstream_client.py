@@ -399,7 +399,6 @@ class _Connection(asyncio.Protocol):
         response = self.response = UpstreamResponse(self, skip_body)
         self.exchanges += 1
         self.received = False
-        self.resume()
         if body:
             self.transport.writelines((head, body))
         else:
