@@ -176,6 +176,26 @@ HOT_STATEMENTS = ("CLAIM_MANY", "GET_MANY", "COMPLETE_MANY", "RELEASE", "RENEW",
                   "DELETE_JOURNAL", "SILENT_RUNS", "PURGE_RUNS", "ATTACH", "LOSE")
 
 
+@pytest.mark.parametrize("take_over, commit", [(True, "off"), (False, "on")])
+async def test_a_claim_waits_for_the_wal_flush_only_where_a_lapsed_one_is_quarantined(schema, open_pg,
+                                                                                      take_over, commit):
+    """Under on_ambiguous = retry (take_over), a claim a server crash lost and one whose proxy
+    died both end in the call going upstream again, so its commit skips the WAL flush; under
+    quarantine, the claim must outlive the crash to quarantine the key."""
+    store = await open_pg()  # made the schema
+    now = time.time()
+    args = (["k"], ["t"], [None], [None], ["tools"], ["k"], ["fp"], ["POST"], ["/p"], ["o"], [now + 60],
+            [now], [now + 3600], ["default"], now, take_over)
+    async with store.connection._pool.acquire() as conn:  # a session as the store configures it
+        transaction = conn.transaction()  # the setting as the claim's own commit would see it
+        await transaction.start()
+        try:
+            assert (await conn.fetch(sql.CLAIM_MANY, *args))[0]["won"]
+            assert await conn.fetchval("SHOW synchronous_commit") == commit
+        finally:
+            await transaction.rollback()
+
+
 async def test_statements_use_their_index_even_planned_on_empty_tables(schema, open_pg):
     """A new deployment's tables are empty when its statements are first planned; a plan
     kept from then must still find rows by index once the tables are large."""

@@ -4,7 +4,8 @@
   run's epoch ``FOR SHARE``, so a fenced attempt never claims a key.
 - Calls that arrive together are one statement (:mod:`..batching`): gets, claims, and
   completes, so N concurrent records share one commit. A claim reads the key's live
-  entry first and answers with it, writing nothing: a replay is one read.
+  entry first and answers with it, writing nothing: a replay is one read. Claims under
+  ``on_ambiguous = retry`` commit without waiting for the WAL flush (sql.CLAIM_MANY says why).
 """
 
 from __future__ import annotations

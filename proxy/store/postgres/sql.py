@@ -28,8 +28,15 @@ RUN_COLUMNS = ("tenant, run_id, state, epoch, restarts, last_seen, started_at, t
 # restart and sees the new epoch. Either way no fenced attempt holds a key.
 # One row per claim: its kid, won, the run's epoch when the claim is fenced, then the
 # live entry's columns (NULL when there is none).
+# Under "retry" ($16) the claims commit without waiting for the WAL flush: a claim that a
+# server crash lost and one whose proxy died both end in the next try going upstream
+# again (the lapsed one after its lease), so waiting bought nothing. A proxy's crash loses
+# neither; the record that answers the agent is always flushed. Measured on the bench
+# (issue 13): record 4,300-4,800 -> 4,900-5,600 requests/s, 25% less server CPU per
+# record. Under "quarantine" a claim must outlive a crash, to quarantine its key.
 CLAIM_MANY = f"""
-WITH c AS (
+WITH relaxed AS (SELECT set_config('synchronous_commit', 'off', true) WHERE $16),
+c AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[], $6::text[],
                          $7::text[], $8::text[], $9::text[], $10::text[], $11::float8[],
                          $12::float8[], $13::float8[], $14::text[])
@@ -75,7 +82,8 @@ SELECT c.kid AS asked, c.kid IN (SELECT kid FROM claimed) AS won,
                     (SELECT r.epoch FROM runs r WHERE r.tenant = c.namespace AND r.run_id = c.run))
        END AS run_epoch,
        live.*
-FROM c LEFT JOIN live ON live.kid = c.kid"""
+FROM c LEFT JOIN live ON live.kid = c.kid
+WHERE (SELECT count(*) FROM relaxed) >= 0  -- evaluated, so that its setting holds"""
 
 # $1 kid, $2 now, $3 detail, $4 fingerprint, $5 channel: a dead proxy's claim under "quarantine"
 QUARANTINE_EXPIRED = f"""
