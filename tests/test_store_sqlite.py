@@ -10,6 +10,7 @@ import time
 from idemproxy.proxy.config import StoreSettings
 from idemproxy.proxy.store import make_store
 from idemproxy.proxy.store.base import Run
+from idemproxy.proxy.store.sqlite.disk import DiskThread
 
 
 async def test_a_relaxed_write_waits_for_another_writers_lock_then_commits(sqlite_url):
@@ -118,3 +119,28 @@ async def test_a_caller_that_leaves_during_a_long_write_does_not_stall_the_other
         assert await db.write(_count) == 1
     finally:
         await store.aclose()
+
+
+async def test_the_disk_thread_runs_in_order_hands_back_errors_and_finishes_its_queue():
+    """The writer's thread (proxy/store/sqlite/disk.py): its jobs run one at a time in the
+    order asked, a job's exception reaches its caller alone, and close() runs what is queued."""
+    disk = DiskThread("test-disk")
+    ran: list[int] = []
+
+    def job(n: int) -> int:
+        time.sleep(0.01)
+        ran.append(n)
+        return n * 10
+
+    def broken() -> None:
+        raise ValueError("a job's own error")
+    try:
+        futures = [disk.run(job, 1), disk.run(broken), disk.run(job, 2)]
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        assert results[0] == 10 and results[2] == 20 and isinstance(results[1], ValueError)
+        assert ran == [1, 2]
+        last = disk.run(job, 3)  # queued, then the thread is closed: it runs first
+    finally:
+        disk.close()
+    assert ran == [1, 2, 3]
+    assert await asyncio.wait_for(last, 1.0) == 30  # its answer was handed to the loop before the close

@@ -3,8 +3,8 @@
 Durability: WAL with ``synchronous=FULL``, so a commit is fsynced before it returns.
 
 - :mod:`.connection`: the reader and the group-committing writer (its fsyncs waited for on
-  a thread of its own), shared by the journal and the runs; sqlite3's errors become
-  StoreUnavailable.
+  a thread of its own, :mod:`.disk`), shared by the journal and the runs; sqlite3's errors
+  become StoreUnavailable.
 - :mod:`.schema`: the tables, and the upgrades of an older file, run at open.
 - :mod:`.journal`, :mod:`.runs`: the two halves of the store contract over that connection.
 """

@@ -18,10 +18,10 @@ import os
 import sqlite3
 import stat
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from ..base import Bell, StoreUnavailable, Waiters
+from .disk import DiskThread
 from .schema import SCHEMA_VERSION, migrate
 
 log = logging.getLogger("idemproxy.store")
@@ -65,7 +65,7 @@ class SQLiteConnection:
         self._reader: sqlite3.Connection | None = None
         self._relaxed: sqlite3.Connection | None = None  # writes that need not reach the disk
         # the writer's waits: the fsync of a commit, a write lock another process holds
-        self._disk: ThreadPoolExecutor | None = None
+        self._disk: DiskThread | None = None
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
@@ -91,14 +91,14 @@ class SQLiteConnection:
             for pragma in ("synchronous=NORMAL", "busy_timeout=0", "wal_autocheckpoint=0"):
                 self._relaxed.execute(f"PRAGMA {pragma}")
         self._writer = writer
-        self._disk = ThreadPoolExecutor(1, thread_name_prefix="idemproxy-sqlite-commit")
+        self._disk = DiskThread("idemproxy-sqlite-commit")
 
     async def aclose(self) -> None:
         if self._sender is not None:  # what is queued is written first; never cut off mid-commit
             await asyncio.gather(asyncio.shield(self._sender), return_exceptions=True)
             self._sender = None
         if self._disk is not None:
-            self._disk.shutdown(wait=True)
+            self._disk.close()
             self._disk = None
         for conn in (self._writer, self._reader, self._relaxed):
             if conn is not None:
@@ -205,7 +205,7 @@ class SQLiteConnection:
                         conn.execute("ROLLBACK")
                         await self._begin(conn)
                         await self._run(conn, batch, isolated=True)
-                    await self._on_disk_thread(conn.execute, "COMMIT")
+                    await self._on_disk_thread(conn.commit)
                 except BaseException:
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
@@ -257,7 +257,7 @@ class SQLiteConnection:
         """``fn(*args)`` on the writer's thread. Cancelled meanwhile, this still waits for
         ``fn`` to return before it lets the cancel through: the writer's connection is never
         used by two threads at once (the caller rolls back on its way out)."""
-        future = asyncio.get_running_loop().run_in_executor(self._disk, fn, *args)
+        future = self._disk.run(fn, *args)
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
