@@ -271,22 +271,16 @@ class Proxy:
                     request[OUTCOME] = Outcome.JOINED
                     return await listen(request, call, started, replayed=True)
                 continue  # it gave the key back meanwhile: claim it like any retry
-            # a store whose claim answers a taken key with its entry is asked that alone
+            # the claim answers a taken key with its entry: one store call either way
             since = time.perf_counter()
-            journal = self.store.journal
             noted = self.freshness.generation  # before the store call: what it gives may be kept
-            entry = await journal.get(kid) if not journal.claim_reads else None
-            if entry is None or _lapsed(entry):
-                result = await self._claim(request, route, ident, scope, fp)
-                facts.timed(since)
-                if result.won:
-                    if attempt is not None:  # the attempt goes live: its replays are over
-                        self.replay_cache.drop(attempt)
-                    return await self._call(request, route, result.entry, body, ident.namespace, started,
-                                            noted)
-                entry = result.entry
-            else:
-                facts.timed(since)
+            result = await self._claim(request, route, ident, scope, fp)
+            facts.timed(since)
+            if result.won:
+                if attempt is not None:  # the attempt goes live: its replays are over
+                    self.replay_cache.drop(attempt)
+                return await self._call(request, route, result.entry, body, ident.namespace, started, noted)
+            entry = result.entry
             self.answers.put(entry, noted)
             answer = await self._from_journal(request, upstream, entry, fp, started)
             if answer is not None:
@@ -481,11 +475,6 @@ class Proxy:
         if self.tasks:
             log.info("waiting up to %.0fs for %d call(s) in flight", timeout, len(self.tasks))
             await asyncio.wait(list(self.tasks), timeout=timeout)
-
-
-def _lapsed(entry: Entry) -> bool:
-    """An in-flight entry whose proxy stopped renewing its lease: claimable again."""
-    return entry.state == EntryState.IN_FLIGHT and entry.lease_until < time.time()
 
 
 def _upstream_failed(upstream: UpstreamSettings, exc: UpstreamError) -> Problem:

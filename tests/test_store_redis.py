@@ -293,3 +293,31 @@ async def test_proxy_on_a_stopped_redis_fails_closed_and_recovers(private_redis,
     async with http.get(proxy.url + "/readyz") as r:
         assert r.status == 200
     assert provider.calls["chat"] == 2
+
+
+async def test_a_new_key_costs_two_scripts_and_a_replay_from_the_store_one(private_redis, make_proxy, provider,
+                                                                          http):
+    """The proxy asks for a claim first, on Redis too: the claim script answers a taken key
+    with its entry. A record is then two scripts (claim, complete), not three (a read first)."""
+    server = private_redis().start()
+    calls = redis_asyncio.Redis.from_url(server.url)
+
+    async def scripts() -> int:
+        return (await calls.info("commandstats")).get("cmdstat_evalsha", {}).get("calls", 0)
+    try:
+        proxies = [await make_proxy(server.url), await make_proxy(server.url)]  # two replicas, one store
+        body = {"model": "m", "messages": [{"role": "user", "content": "count my store calls"}]}
+        for key in ("warm-up", "counted"):  # the warm-up loads the scripts (a first EVALSHA fails, NOSCRIPT)
+            headers = {"Idempotency-Key": key, "Authorization": "Bearer sk-a"}
+            before = await scripts()
+            async with http.post(f"{proxies[0].url}/openai/v1/chat/completions", json=body, headers=headers) as r:
+                assert r.status == 200 and r.headers["Idempotent-Replayed"] == "false"
+            recorded = await scripts()
+            # the other replica has nothing in memory: its replay asks the store, once
+            async with http.post(f"{proxies[1].url}/openai/v1/chat/completions", json=body, headers=headers) as r:
+                assert r.status == 200 and r.headers["Idempotent-Replayed"] == "true"
+        assert recorded - before == 2
+        assert await scripts() - recorded == 1
+        assert provider.calls["chat"] == 2
+    finally:
+        await calls.aclose()

@@ -324,12 +324,10 @@ class Waiters:
 class Journal(Protocol):
     """Journal entries: claimed, completed or quarantined, replayed, purged (SPEC §4-§6)."""
 
-    # True when claim() answers a taken key with its entry as cheaply as get(): the proxy
-    # then asks claim() first, and a new key costs one round trip less
-    claim_reads: bool
-
     async def get(self, kid: str) -> Entry | None: """The live entry, with its response."""
-    async def claim(self, claim: Claim) -> ClaimResult: """Own ``claim.scope`` unless taken."""
+    async def claim(self, claim: Claim) -> ClaimResult:
+        """Own ``claim.scope`` unless taken; a taken key is answered with its live entry (the
+        proxy asks nothing else first: a new key costs two store calls, claim and complete)."""
     async def next_occurrence(self, namespace: str, run: str, epoch: int | None, fingerprint: str,
                               retention_s: float, *, tenant: str) -> int:
         """Count of earlier calls alike in the run's epoch by ``tenant`` (see ``counted``)."""

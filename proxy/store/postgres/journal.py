@@ -46,8 +46,6 @@ def _rows(status: str) -> int:
 
 
 class PostgresJournal:
-    claim_reads = True  # a taken key's claim is a read, answered with the entry
-
     def __init__(self, db: PostgresConnection):
         self._db = db
         self._waiters = db.waiters

@@ -60,11 +60,6 @@ def _response_fields(recorded: Recorded, now: float) -> dict[str, Any]:
 
 
 class RedisJournal:
-    # The claim script answers a taken key with its entry, but a replay costs 12 µs more
-    # through it than through the read script, and a record saves only 8 µs (measured):
-    # replays are what a restarted run is made of, so the proxy reads first.
-    claim_reads = False
-
     def __init__(self, db: RedisConnection):
         self._db = db
         self._waiters = db.waiters
@@ -97,6 +92,12 @@ class RedisJournal:
         return entry if entry.expires_at > time.time() else None
 
     async def claim(self, claim: Claim) -> ClaimResult:
+        # The claim script answers a taken key with its entry, so the proxy asks it first and
+        # a record is two pipelined calls (claim, complete), not three. A replay that reaches
+        # the store costs ~12 us more through it than through the read script, but few do: a
+        # restarted attempt's journal is loaded into memory once (ReplayCache), and an entry
+        # read or recorded here is answered from memory after (AnswerCache). Alternating A/B,
+        # record @32: 3,815 -> 4,771 requests/s, 251 -> 210 us of CPU per record (issue 13).
         scope, now, key = claim.scope, time.time(), self._db.key
         kid, rk = scope.kid, run_ref(claim.namespace, scope.run) if scope.run else ""
         entry = claim.entry(now)

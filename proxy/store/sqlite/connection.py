@@ -205,7 +205,7 @@ class SQLiteConnection:
                         conn.execute("ROLLBACK")
                         await self._begin(conn)
                         await self._run(conn, batch, isolated=True)
-                    await self._on_disk_thread(conn.commit)
+                    await self._on_disk_thread(conn.execute, "COMMIT")
                 except BaseException:
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
