@@ -71,6 +71,24 @@ async def test_a_caller_waits_no_longer_than_the_timeout():
     await batches.flushed()  # the batch still ends; nobody is left to read its answer
 
 
+async def test_each_caller_is_held_to_its_own_deadline_by_one_watchdog():
+    """One timer serves every caller (batching.Watchdog): a caller that came later fails at
+    its own deadline, not at the next round after the first caller's, nor never."""
+    batches = Batches("test", Server(delay=1.0).send, timeout=0.2)
+
+    async def timed() -> float:
+        began = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="no answer within 0.2s"):
+            await batches(2)
+        return time.monotonic() - began
+    first = asyncio.ensure_future(timed())
+    await asyncio.sleep(0.1)
+    later = await timed()
+    assert 0.19 <= await first < 0.28
+    assert 0.19 <= later < 0.28  # a dog that looked again a whole timeout later: ~0.3
+    await batches.flushed()
+
+
 async def test_an_item_whose_caller_gave_up_before_its_turn_is_never_sent():
     server = Server(delay=0.2)
     heard = []

@@ -10,7 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from idemproxy.proxy.identity import MAX_KEY_LENGTH, parse_epoch, parse_key, parse_policy, parse_run
+import hmac
+
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from idemproxy.proxy.identity import MAX_KEY_LENGTH, TenantResolver, parse_epoch, parse_key, parse_policy, parse_run
 from idemproxy.proxy.policy import Policy
 from idemproxy.proxy.problems import Problem
 from rawhttp import problem, raw_problem, raw_request
@@ -115,6 +119,19 @@ def test_run_epoch_policy_parsing():
             parse_epoch(bad)
     with pytest.raises(Problem, match="Idem-Policy"):
         parse_policy("sometimes")
+
+
+def test_a_credentials_tenant_is_its_hmac_and_never_changes():
+    """Journal entries are addressed by it: a tenant worked out differently after an upgrade
+    would orphan every record. Pinned to RFC 2104 HMAC-SHA256, under two credentials in turn
+    (the keyed HMAC is copied per credential, never fed twice)."""
+    secret = b"s" * 32
+    resolver = TenantResolver(secret, ("authorization",), "Idem-Tenant", ())
+    for credential in ("Bearer sk-one", "Bearer sk-two", "Bearer sk-one"):
+        headers = CIMultiDictProxy(CIMultiDict({"Authorization": credential}))
+        material = f"authorization={credential}".encode()
+        assert resolver.of_credential(headers) == "k:" + hmac.new(secret, material, "sha256").hexdigest()[:32]
+    assert resolver.of_credential(CIMultiDictProxy(CIMultiDict())) == "anonymous"
 
 
 # -- through the proxy ---------------------------------------------------------------------

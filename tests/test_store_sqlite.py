@@ -7,9 +7,11 @@ import asyncio
 import sqlite3
 import time
 
+import pytest
+
 from idemproxy.proxy.config import StoreSettings
 from idemproxy.proxy.store import make_store
-from idemproxy.proxy.store.base import Run
+from idemproxy.proxy.store.base import Run, StoreUnavailable
 from idemproxy.proxy.store.sqlite.disk import DiskThread
 
 
@@ -117,6 +119,34 @@ async def test_a_caller_that_leaves_during_a_long_write_does_not_stall_the_other
         leaving.cancel()
         assert await asyncio.wait_for(staying, 2.0) == 1
         assert await db.write(_count) == 1
+    finally:
+        await store.aclose()
+
+
+async def test_a_write_not_begun_by_its_deadline_fails_and_one_begun_gets_a_second_bound(tmp_path):
+    """The watchdog's two bounds (SQLiteConnection._overdue): a write still queued at its
+    deadline never runs; a write whose transaction began is given as long again, since its
+    outcome is the truth, and only a commit that outlasts that too is failed."""
+    store = make_store(StoreSettings(url=f"sqlite:///{tmp_path / 'j.db'}", timeout=0.3))
+    await store.open()
+    db = store.connection
+    try:
+        def slow(seconds):
+            def op(c):
+                time.sleep(seconds)
+                return _count(c)
+            return op
+        began = time.monotonic()
+        busy = asyncio.create_task(db.write(slow(0.45), long=True))  # begun: 0.45 s is within 0.3 + 0.3
+        await asyncio.sleep(0.05)
+        with pytest.raises(StoreUnavailable, match="took longer than 0.3s"):
+            await db.write(_insert(7))  # queued behind it past its deadline
+        assert await busy == 0
+        assert 0.4 <= time.monotonic() - began < 1.0
+        assert await db.write(_count) == 0  # the write that gave up never ran
+        stuck = asyncio.create_task(db.write(slow(0.9), long=True))  # begun, past both bounds
+        with pytest.raises(StoreUnavailable, match="commit took longer than its bound"):
+            await stuck
     finally:
         await store.aclose()
 

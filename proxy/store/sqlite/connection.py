@@ -21,6 +21,7 @@ import time
 from typing import Any, Callable
 
 from ..base import Bell, StoreUnavailable, Waiters
+from ..batching import Watchdog
 from .disk import DiskThread
 from .schema import SCHEMA_VERSION, migrate
 
@@ -60,7 +61,9 @@ class SQLiteConnection:
         self.waiters = Waiters(POLL_S)  # woken by our own writes; other processes' by the poll
         self.lost = Bell()  # rung by our own writes only: other processes' supervisors tick on
         self._queued: list[_Write] = []
+        self._batch: list[_Write] = []  # the transaction being written
         self._sender: asyncio.Task | None = None
+        self._watchdog = Watchdog(self._overdue)
         self._writer: sqlite3.Connection | None = None
         self._reader: sqlite3.Connection | None = None
         self._relaxed: sqlite3.Connection | None = None  # writes that need not reach the disk
@@ -97,6 +100,7 @@ class SQLiteConnection:
         if self._sender is not None:  # what is queued is written first; never cut off mid-commit
             await asyncio.gather(asyncio.shield(self._sender), return_exceptions=True)
             self._sender = None
+        self._watchdog.disarm()
         if self._disk is not None:
             self._disk.close()
             self._disk = None
@@ -131,24 +135,28 @@ class SQLiteConnection:
             if done:
                 return result
         loop = asyncio.get_running_loop()
-        op = _Write(fn, loop.create_future(), long)
+        op = _Write(fn, loop.create_future(), long, loop.time() + self.timeout)
         self._queued.append(op)
         if self._sender is None or self._sender.done():
             self._sender = loop.create_task(self._drain(), name="idemproxy-sqlite-writes")
-        # one timer handle, not asyncio.wait_for and shield: every record makes two writes
-        timer = loop.call_later(self.timeout, self._overdue, op)
-        try:
-            return await op.future
-        finally:
-            timer.cancel()
+        self._watchdog.arm(loop, op.deadline)
+        return await op.future
 
-    def _overdue(self, op: _Write) -> None:
-        if op.future.done():
-            return
-        if op.state == _QUEUED:  # never begun: it never will be
-            op.future.set_exception(StoreUnavailable(f"sqlite write took longer than {self.timeout}s"))
-        else:  # begun: its outcome, committed or not, is the truth; this bound is for a disk that never returns
-            op.timer = asyncio.get_running_loop().call_later(self.timeout, _expire, op.future)
+    def _overdue(self, now: float) -> float | None:
+        """The watchdog's round: a write not begun by its deadline never will be; one begun
+        gets as long again (its outcome, committed or not, is the truth: this second bound
+        is for a disk that never returns)."""
+        waiting = [op for op in (*self._queued, *self._batch) if not op.future.done()]
+        for op in waiting:
+            if op.deadline > now:
+                continue
+            if op.state == _QUEUED:
+                op.future.set_exception(StoreUnavailable(f"sqlite write took longer than {self.timeout}s"))
+            elif op.state == _BEGUN:
+                op.state, op.deadline = _OVERDUE, now + self.timeout
+            else:
+                op.future.set_exception(StoreUnavailable("sqlite commit took longer than its bound"))
+        return min((op.deadline for op in waiting if not op.future.done()), default=None)
 
     def _write_here(self, fn: Callable[[sqlite3.Connection], Any]) -> tuple[bool, Any]:
         """(True, ``fn``'s result) once committed on the relaxed connection; (False, None)
@@ -180,7 +188,7 @@ class SQLiteConnection:
             # One turn of the loop first, so that callers answered by the last commit queue
             # their next write in time to share this one.
             await asyncio.sleep(0)
-            batch = [op for op in self._queued if not op.future.done()]
+            batch = self._batch = [op for op in self._queued if not op.future.done()]
             self._queued = []
             if not batch:
                 continue
@@ -191,6 +199,8 @@ class SQLiteConnection:
                     if not op.future.done():
                         op.future.set_exception(StoreUnavailable("sqlite store is closing"))
                 raise
+            finally:
+                self._batch = []
 
     async def _commit(self, batch: list[_Write]) -> None:
         conn = self._writer
@@ -214,8 +224,6 @@ class SQLiteConnection:
             for op in batch:
                 op.outcome = (None, failure)
         for op in batch:
-            if op.timer is not None:
-                op.timer.cancel()
             if not op.future.done():
                 value, exc = op.outcome
                 if exc is not None:
@@ -234,7 +242,7 @@ class SQLiteConnection:
         for op in batch:
             if op.future.done():  # its caller left before the transaction began
                 continue
-            op.state = _BEGUN
+            op.state = max(op.state, _BEGUN)  # an overdue one stays overdue (the isolated rerun)
             if op.long:
                 op.outcome = await self._on_disk_thread(_written, conn, op.fn, isolated)
             else:
@@ -321,20 +329,20 @@ def _close_to_others(name: str) -> None:
         log.warning("cannot take the permissions of others from %s: %s", name, exc)
 
 
-_QUEUED, _BEGUN = 0, 1
+_QUEUED, _BEGUN, _OVERDUE = 0, 1, 2  # _OVERDUE: begun, and past its first deadline
 
 
 class _Write:
     """A queued write: run in a transaction, or given up by its caller before that began,
     never both, so a write whose caller already answered 503 cannot commit later (a claim
     nobody owns)."""
-    __slots__ = ("fn", "future", "long", "state", "outcome", "timer")
+    __slots__ = ("fn", "future", "long", "deadline", "state", "outcome")
 
-    def __init__(self, fn: Callable[[sqlite3.Connection], Any], future: asyncio.Future, long: bool):
-        self.fn, self.future, self.long = fn, future, long
+    def __init__(self, fn: Callable[[sqlite3.Connection], Any], future: asyncio.Future, long: bool,
+                 deadline: float):
+        self.fn, self.future, self.long, self.deadline = fn, future, long, deadline
         self.state = _QUEUED
         self.outcome: tuple[Any, BaseException | None] = (None, None)
-        self.timer: asyncio.TimerHandle | None = None
 
 
 def _written(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], Any],
@@ -355,8 +363,3 @@ def _written(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], Any],
     if isolated:
         conn.execute("RELEASE op")
     return result, None
-
-
-def _expire(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_exception(StoreUnavailable("sqlite commit took longer than its bound"))
