@@ -77,7 +77,7 @@ class CallResult:
     problem: tuple[str, str] | None = None  # (slug, detail) when listeners get an error instead
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Call:
     kid: str
     owner: str

@@ -151,6 +151,19 @@ async def test_a_write_not_begun_by_its_deadline_fails_and_one_begun_gets_a_seco
         await store.aclose()
 
 
+def test_parameters_registered_as_themselves_are_stored_as_before():
+    """connection.py registers bytes, None and the state enums with sqlite3 as themselves
+    (a cheaper look-up); each must still be stored as a BLOB, a NULL and TEXT."""
+    from idemproxy.proxy.store.base import EntryState, RunState
+    from idemproxy.proxy.store.sqlite import connection  # noqa: F401 - registers them
+    conn = sqlite3.connect(":memory:")
+    row = conn.execute("SELECT typeof(?), ?, typeof(?), typeof(?), ?, typeof(?), ?",
+                       (b"\x00body", b"\x00body", None, EntryState.COMPLETE, EntryState.COMPLETE,
+                        RunState.DEAD, RunState.DEAD)).fetchone()
+    assert row == ("blob", b"\x00body", "null", "text", "complete", "text", "dead")
+    assert type(row[4]) is str
+
+
 async def test_the_disk_thread_runs_in_order_hands_back_errors_and_finishes_its_queue():
     """The writer's thread (proxy/store/sqlite/disk.py): its jobs run one at a time in the
     order asked, a job's exception reaches its caller alone, and close() runs what is queued."""
