@@ -11,7 +11,7 @@ import pytest
 
 from idemproxy.proxy.config import StoreSettings
 from idemproxy.proxy.store import make_store
-from idemproxy.proxy.store.base import Run, StoreUnavailable
+from idemproxy.proxy.store.base import Claim, Run, Scope, StoreUnavailable
 from idemproxy.proxy.store.sqlite.disk import DiskThread
 
 
@@ -147,6 +147,61 @@ async def test_a_write_not_begun_by_its_deadline_fails_and_one_begun_gets_a_seco
         stuck = asyncio.create_task(db.write(slow(0.9), long=True))  # begun, past both bounds
         with pytest.raises(StoreUnavailable, match="commit took longer than its bound"):
             await stuck
+    finally:
+        await store.aclose()
+
+
+def _claim(key: str, on_expired: str) -> Claim:
+    return Claim(scope=Scope.of_key("tenant", None, "openai", key), fingerprint="fp", owner=f"owner-{key}",
+                 lease_s=30, retention_s=3600, on_expired=on_expired)
+
+
+async def test_a_claim_under_retry_is_answered_before_its_commit_and_under_quarantine_after(sqlite_url):
+    """Under on_ambiguous = retry a claim is answered once written in its transaction
+    (journal.py, ``early``); the commit follows. Under quarantine it must outlive a crash, so
+    it waits for the commit. A slow write beside it in the same transaction holds that commit."""
+    store = make_store(StoreSettings(url=sqlite_url))
+    await store.open()
+    db, journal = store.connection, store.journal
+
+    def slow(c):
+        time.sleep(0.4)
+        return _count(c)
+    try:
+        for on_expired, answered_before_commit in (("retry", True), ("quarantine", False)):
+            began = time.monotonic()
+            claimed = asyncio.create_task(journal.claim(_claim(on_expired, on_expired)))
+            held = asyncio.create_task(db.write(slow, long=True))  # the same turn: the same transaction
+            result = await claimed
+            took = time.monotonic() - began
+            assert result.won
+            assert (took < 0.3) is answered_before_commit, (on_expired, took)
+            await held
+            entry = await journal.get(result.entry.kid)  # committed: the reader sees it
+            assert entry is not None and entry.owner == f"owner-{on_expired}"
+    finally:
+        await store.aclose()
+
+
+async def test_an_early_claim_still_lands_when_a_write_beside_it_fails(sqlite_url):
+    """A write that raises undoes its transaction, and the others run again one by one
+    (SQLiteConnection._commit). A claim already answered is among them: its caller acted on it."""
+    store = make_store(StoreSettings(url=sqlite_url))
+    await store.open()
+
+    def broken(c):
+        _insert(9)(c)
+        raise ValueError("this write's own error")
+    try:
+        claimed = asyncio.create_task(store.journal.claim(_claim("k1", "retry")))
+        failed = asyncio.create_task(store.connection.write(broken))
+        result = await claimed
+        with pytest.raises(ValueError, match="own error"):
+            await failed
+        assert result.won
+        entry = await store.journal.get(result.entry.kid)
+        assert entry is not None and entry.state == "in_flight" and entry.owner == "owner-k1"
+        assert await store.connection.write(_count) == 0  # the failed write left nothing
     finally:
         await store.aclose()
 

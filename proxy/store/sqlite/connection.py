@@ -72,6 +72,8 @@ class SQLiteConnection:
         self._batch: list[_Write] = []  # the transaction being written
         self._sender: asyncio.Task | None = None
         self._watchdog = Watchdog(self._overdue)
+        # set while writes answered before their commit (``early``) wait for it: see settled()
+        self._unsettled: asyncio.Future | None = None
         self._writer: sqlite3.Connection | None = None
         self._reader: sqlite3.Connection | None = None
         self._relaxed: sqlite3.Connection | None = None  # writes that need not reach the disk
@@ -124,7 +126,7 @@ class SQLiteConnection:
             return self._reader.execute(sql, args).fetchall()
 
     async def write(self, fn: Callable[[sqlite3.Connection], Any], durable: bool = True,
-                    long: bool = False) -> Any:
+                    long: bool = False, early: bool = False) -> Any:
         """``fn(conn)`` in the writer's next transaction; its result once that has committed.
 
         ``durable=False``: a write that every reader must see at once but that need not be
@@ -132,6 +134,8 @@ class SQLiteConnection:
         does not). It runs at once on the relaxed connection when the write lock is free,
         and otherwise queues like any other. ``long``: a write that may take milliseconds
         (many rows), run on the writer's thread so that the loop goes on meanwhile.
+        ``early``: answered as soon as it has run in its transaction, before the commit (see
+        ``_run``); a crash, or a commit that fails, then loses it after its caller acted on it.
 
         A write whose caller gives up (``timeout``) before its transaction began never
         runs; one already running is waited for once more, and its outcome is the truth.
@@ -143,12 +147,18 @@ class SQLiteConnection:
             if done:
                 return result
         loop = asyncio.get_running_loop()
-        op = _Write(fn, loop.create_future(), long, loop.time() + self.timeout)
+        op = _Write(fn, loop.create_future(), long, loop.time() + self.timeout, early)
         self._queued.append(op)
         if self._sender is None or self._sender.done():
             self._sender = loop.create_task(self._drain(), name="idemproxy-sqlite-writes")
         self._watchdog.arm(loop, op.deadline)
         return await op.future
+
+    async def settled(self) -> None:
+        """Return once every write answered early has committed, or failed: a read after this
+        sees what this process told its callers."""
+        if self._unsettled is not None:
+            await asyncio.shield(self._unsettled)
 
     def _overdue(self, now: float) -> float | None:
         """The watchdog's round: a write not begun by its deadline never will be; one begun
@@ -209,6 +219,9 @@ class SQLiteConnection:
                 raise
             finally:
                 self._batch = []
+                unsettled, self._unsettled = self._unsettled, None
+                if unsettled is not None:  # committed or not, it is what readers will find
+                    unsettled.set_result(None)
 
     async def _commit(self, batch: list[_Write]) -> None:
         conn = self._writer
@@ -245,10 +258,17 @@ class SQLiteConnection:
 
         Until a write changes something, the transaction has read only what is committed:
         a write that changed nothing (a claim that found its key taken, a renewal of a
-        lease already lost) is answered at once, without waiting for the commit."""
+        lease already lost) is answered at once, without waiting for the commit. So is an
+        ``early`` write: the write lock orders every other writer behind this transaction,
+        so what it found is what they will find once it commits.
+
+        An early write answered in the first pass runs again in the isolated one: its caller
+        acts on it. (Between the two the lock is let go: another process may take its key
+        meanwhile, and the caller's record then finds it lost, as after a lapsed lease.)"""
         unchanged = conn.total_changes
         for op in batch:
-            if op.future.done():  # its caller left before the transaction began
+            answered = op.early and op.state != _QUEUED
+            if op.future.done() and not answered:  # its caller left before the transaction began
                 continue
             op.state = max(op.state, _BEGUN)  # an overdue one stays overdue (the isolated rerun)
             if op.long:
@@ -259,7 +279,13 @@ class SQLiteConnection:
             if exc is not None:
                 if not isolated:
                     return False
-            elif conn.total_changes == unchanged and not op.future.done():
+            elif op.future.done():
+                continue
+            elif conn.total_changes == unchanged:
+                op.future.set_result(value)
+            elif op.early:
+                if self._unsettled is None:
+                    self._unsettled = asyncio.get_running_loop().create_future()
                 op.future.set_result(value)
         return True
 
@@ -344,11 +370,11 @@ class _Write:
     """A queued write: run in a transaction, or given up by its caller before that began,
     never both, so a write whose caller already answered 503 cannot commit later (a claim
     nobody owns)."""
-    __slots__ = ("fn", "future", "long", "deadline", "state", "outcome")
+    __slots__ = ("fn", "future", "long", "deadline", "early", "state", "outcome")
 
     def __init__(self, fn: Callable[[sqlite3.Connection], Any], future: asyncio.Future, long: bool,
-                 deadline: float):
-        self.fn, self.future, self.long, self.deadline = fn, future, long, deadline
+                 deadline: float, early: bool = False):
+        self.fn, self.future, self.long, self.deadline, self.early = fn, future, long, deadline, early
         self.state = _QUEUED
         self.outcome: tuple[Any, BaseException | None] = (None, None)
 

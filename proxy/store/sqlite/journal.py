@@ -66,8 +66,14 @@ class SQLiteJournal:
         self._db = db
         self._waiters = db.waiters
 
+    async def _read(self, sql: str, args: tuple | dict = ()) -> list[sqlite3.Row]:
+        """A read that sees every write this process has answered: a claim answered before
+        its commit (``claim``) is waited for, as in any read-your-writes store."""
+        await self._db.settled()
+        return self._db.read(sql, args)
+
     async def get(self, kid: str) -> Entry | None:
-        rows = self._db.read(GET, (kid, time.time()))
+        rows = await self._read(GET, (kid, time.time()))
         return _entry(rows[0], _recorded(rows[0])) if rows else None
 
     async def claim(self, claim: Claim) -> ClaimResult:
@@ -105,7 +111,13 @@ class SQLiteJournal:
             c.execute(DROP_PARTIALS, (kid,))
             c.execute(CLAIM_OVER, values)
             return ClaimResult(True, claim.entry(now))
-        return await self._db.write(op)
+        # Under on_ambiguous = retry the claim is answered once written, before its commit
+        # (SQLiteConnection.write's ``early``), as PostgreSQL's is not flushed: a crash that loses
+        # it frees the key at once instead of after its lease, and the next try goes upstream
+        # again either way. The record is committed, and fsynced, before anyone is answered.
+        # Under quarantine the claim must outlive a crash, to be quarantined: it waits.
+        # Measured (issue 13): record @32 +17-19% req/s, -12-18% CPU per record.
+        return await self._db.write(op, early=claim.on_expired == "retry")
 
     async def next_occurrence(self, namespace: str, run: str, epoch: int | None, fingerprint: str,
                               retention_s: float, *, tenant: str) -> int:
@@ -128,7 +140,7 @@ class SQLiteJournal:
 
     async def recorded(self, namespace: str, run: str, max_bytes: int) -> tuple[dict[str, Entry], bool]:
         # with a running total of the bodies, up to the first entry past max_bytes (dropped below)
-        rows = self._db.read(
+        rows = await self._read(
             f"SELECT * FROM (SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing, "
             "sum(length(body)) OVER (ORDER BY created_at, kid) AS upto FROM journal "
             "WHERE namespace = ? AND run = ? AND state = ? AND expires_at > ?) "
@@ -215,7 +227,7 @@ class SQLiteJournal:
         self._waiters.wake(kid)
 
     async def read_partial(self, kid: str, after_seq: int) -> list[tuple[int, bytes]]:
-        rows = self._db.read("SELECT seq, data FROM partials WHERE kid = ? AND seq > ? ORDER BY seq",
+        rows = await self._read("SELECT seq, data FROM partials WHERE kid = ? AND seq > ? ORDER BY seq",
                              (kid, after_seq))
         return [(r[0], r[1]) for r in rows]
 
@@ -255,13 +267,13 @@ class SQLiteJournal:
         return await paced(step)
 
     async def entries(self, namespace: str, run: str) -> list[Entry]:
-        rows = self._db.read(f"SELECT {ENTRY_COLUMNS}, status, replayed FROM journal "
+        rows = await self._read(f"SELECT {ENTRY_COLUMNS}, status, replayed FROM journal "
                              "WHERE namespace = ? AND run = ? ORDER BY created_at", (namespace, run))
         return [_listed(row) for row in rows]
 
     async def search(self, *, state: str | None = None, key: str | None = None, tenant: str | None = None,
                      run: str | None = None, limit: int = 100) -> list[Entry]:
-        rows = self._db.read(
+        rows = await self._read(
             f"SELECT {ENTRY_COLUMNS}, status, replayed FROM journal WHERE expires_at > :now "
             "AND (:state IS NULL OR state = :state) AND (:key IS NULL OR key = :key) "
             "AND (:tenant IS NULL OR tenant = :tenant) AND (:run IS NULL OR run = :run) "
@@ -281,14 +293,14 @@ class SQLiteJournal:
         return await self._db.write(op, long=True)  # a run's entries may be thousands of rows
 
     async def generation(self) -> int:
-        rows = self._db.read("SELECT generation FROM cache_generation")
+        rows = await self._read("SELECT generation FROM cache_generation")
         return rows[0][0] if rows else 0
 
     async def count_steps(self, runs: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
         if not runs:
             return {}
         # the runs as one JSON parameter: one indexed query however many runs are listed
-        rows = self._db.read(
+        rows = await self._read(
             "WITH wanted (namespace, run) AS (SELECT DISTINCT json_extract(value, '$[0]'), "
             "json_extract(value, '$[1]') FROM json_each(?)) "
             "SELECT w.namespace, w.run, count(*) FROM wanted w "
