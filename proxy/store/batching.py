@@ -37,7 +37,7 @@ AGAIN_S = 1.0  # GiveBack releases once more this long after the first release w
 
 class Watchdog:
     """One timer for every caller waiting on a queue. Each caller notes its deadline and
-    :meth:`arm` s the dog, which costs nothing while it is armed already; when it fires,
+    calls :meth:`arm`, which costs nothing while the timer is set already; when it fires,
     ``overdue(now)`` fails whoever is past their deadline and says when to look again (the
     soonest deadline left), or None when nobody waits."""
 
