@@ -293,7 +293,9 @@ class SQLiteJournal:
         return await self._db.write(op, long=True)  # a run's entries may be thousands of rows
 
     async def generation(self) -> int:
-        rows = await self._read("SELECT generation FROM cache_generation")
+        # straight from the reader: no claim writes the generation, so an early one is not
+        # waited for, and Freshness's lease (begun before this read) loses no time to a commit
+        rows = self._db.read("SELECT generation FROM cache_generation")
         return rows[0][0] if rows else 0
 
     async def count_steps(self, runs: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
