@@ -184,8 +184,8 @@ async def test_a_claim_waits_for_the_wal_flush_only_where_a_lapsed_one_is_quaran
     quarantine, the claim must outlive the crash to quarantine the key."""
     store = await open_pg()  # made the schema
     now = time.time()
-    args = (["k"], ["t"], [None], [None], ["tools"], ["k"], ["fp"], ["POST"], ["/p"], ["o"], [now + 60],
-            [now], [now + 3600], ["default"], now, take_over)
+    args = ([("k", "t", None, None, "tools", "k", "fp", "POST", "/p", "o", now + 60, now, now + 3600, "default")],
+            now, take_over)
     async with store.connection._pool.acquire() as conn:  # a session as the store configures it
         transaction = conn.transaction()  # the setting as the claim's own commit would see it
         await transaction.start()
@@ -223,8 +223,8 @@ async def test_our_sessions_plan_a_statement_once_not_per_call(schema, open_pg):
     store = await open_pg()
     await store.journal.claim(claim_of("k"))
     now = time.time()
-    args = (["k"], ["t"], [None], [None], ["openai"], ["k"], ["fp"], ["POST"], ["/p"], ["o2"], [now + 60],
-            [now], [now + 3600], ["default"], now, True)
+    args = ([("k", "t", None, None, "openai", "k", "fp", "POST", "/p", "o2", now + 60, now, now + 3600, "default")],
+            now, True)
     async with store.connection._pool.acquire() as conn:
         for _ in range(8):
             await conn.fetch(sql.CLAIM_MANY, *args)

@@ -117,10 +117,10 @@ class PostgresJournal:
             if not members:
                 continue
             members.sort(key=lambda i: batch[i][0].scope.kid)
-            columns = zip(*((c.scope.kid, c.scope.tenant, c.scope.run, c.epoch, c.scope.upstream,
-                             c.scope.key, c.fingerprint, c.method, c.path, c.owner, now + c.lease_s,
-                             now, now + c.retention_s, c.namespace) for c, now in (batch[i] for i in members)))
-            rows = await self._db.batch("claim", sql.CLAIM_MANY, *map(list, columns), time.time(), take_over)
+            claims = [(c.scope.kid, c.scope.tenant, c.scope.run, c.epoch, c.scope.upstream, c.scope.key,
+                       c.fingerprint, c.method, c.path, c.owner, now + c.lease_s, now, now + c.retention_s,
+                       c.namespace) for c, now in (batch[i] for i in members)]  # claim_row (schema.py)
+            rows = await self._db.batch("claim", sql.CLAIM_MANY, claims, time.time(), take_over)
             found = {row["asked"]: row for row in rows}
             for i in members:
                 row = found[batch[i][0].scope.kid]
@@ -165,10 +165,9 @@ class PostgresJournal:
     async def _complete_many(self, batch: list[tuple[str, str, Recorded]]) -> list[bool]:
         """Group commit: every complete() queued meanwhile goes in one statement, one commit."""
         # in kid order, as claims lock rows: a takeover batch and this one never wait in a cycle
-        columns = zip(*((kid, owner, r.status, json_text(r.headers), r.body, r.streamed, json_text(r.timing))
-                        for kid, owner, r in sorted(batch, key=lambda done: done[0])))
-        rows = await self._db.batch("complete", sql.COMPLETE_MANY, *map(list, columns), time.time(),
-                                    self._db.channel)
+        records = [(kid, owner, r.status, json_text(r.headers), r.body, r.streamed, json_text(r.timing))
+                   for kid, owner, r in sorted(batch, key=lambda done: done[0])]  # record_row (schema.py)
+        rows = await self._db.batch("complete", sql.COMPLETE_MANY, records, time.time(), self._db.channel)
         kept = {(row["kid"], row["owner"]) for row in rows}
         return [(kid, owner) in kept for kid, owner, _ in batch]
 

@@ -46,6 +46,16 @@ ALTER TABLE journal ADD COLUMN replayed JSONB;
 """), (5, """
 -- the journal's invalidation generation (Journal.generation): no row reads as 0
 CREATE TABLE cache_generation (id INTEGER PRIMARY KEY CHECK (id = 0), generation BIGINT NOT NULL);
+"""), (6, """
+-- a batch of claims or records is sent as one array of these rows, not one array per column:
+-- asyncpg tests every element of an array for being an array itself, two isinstance() checks
+-- per text, and a row once (sql.CLAIM_MANY)
+CREATE TYPE claim_row AS (
+    kid TEXT, tenant TEXT, run TEXT, epoch BIGINT, upstream TEXT, key TEXT, fingerprint TEXT,
+    method TEXT, path TEXT, owner TEXT, lease_until DOUBLE PRECISION, created_at DOUBLE PRECISION,
+    expires_at DOUBLE PRECISION, namespace TEXT);
+CREATE TYPE record_row AS (
+    kid TEXT, owner TEXT, status INTEGER, headers TEXT, body BYTEA, streamed BOOLEAN, timing TEXT);
 """)]
 
 

@@ -16,10 +16,10 @@ RUN_COLUMNS = ("tenant, run_id, state, epoch, restarts, last_seen, started_at, t
                "max_restarts, hook, metadata, created_at, ended_at, next_restart_at, history, restart_times, "
                "lost_epoch, attachments")
 
-# Claims that arrived together, one element per claim in arrays: $1 kid, $2 tenant,
-# $3 run, $4 epoch, $5 upstream, $6 key, $7 fingerprint, $8 method, $9 path, $10 owner,
-# $11 lease_until, $12 created_at, $13 expires_at, $14 namespace; then $15 now and $16
-# take over an expired lease (on_expired == "retry"). Kids are distinct.
+# Claims that arrived together: $1 one claim_row each (schema.py), $2 now, $3 take over an
+# expired lease (on_expired == "retry"). Kids are distinct. (One array of rows, not an
+# array per column: asyncpg checks each element of an array for being an array itself,
+# with two isinstance() calls per text: 10% of a PostgreSQL record's instructions.)
 # A key with a live entry (one not to take over) is answered with that entry and not
 # written at all: a replay costs a read, no lock and no commit to disk. The others are
 # inserted in kid order, so replicas sending overlapping batches lock rows in one order.
@@ -28,25 +28,21 @@ RUN_COLUMNS = ("tenant, run_id, state, epoch, restarts, last_seen, started_at, t
 # restart and sees the new epoch. Either way no fenced attempt holds a key.
 # One row per claim: its kid, won, the run's epoch when the claim is fenced, then the
 # live entry's columns (NULL when there is none).
-# Under "retry" ($16) the claims commit without waiting for the WAL flush: a claim that a
+# Under "retry" ($3) the claims commit without waiting for the WAL flush: a claim that a
 # server crash lost and one whose proxy died both end in the next try going upstream
 # again (the lapsed one after its lease), so waiting bought nothing. A proxy's crash loses
 # neither; the record that answers the agent is always flushed. Measured on the bench
 # (issue 13): record 4,300-4,800 -> 4,900-5,600 requests/s, 25% less server CPU per
 # record. Under "quarantine" a claim must outlive a crash, to quarantine its key.
 CLAIM_MANY = f"""
-WITH relaxed AS (SELECT set_config('synchronous_commit', 'off', true) WHERE $16),
+WITH relaxed AS (SELECT set_config('synchronous_commit', 'off', true) WHERE $3),
 c AS (
-    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[], $6::text[],
-                         $7::text[], $8::text[], $9::text[], $10::text[], $11::float8[],
-                         $12::float8[], $13::float8[], $14::text[])
-        AS c(kid, tenant, run, epoch, upstream, key, fingerprint, method, path, owner,
-             lease_until, created_at, expires_at, namespace)),
+    SELECT * FROM unnest($1::claim_row[])),
 live AS (
     SELECT j.* FROM c, LATERAL (
         SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing FROM journal
-        WHERE journal.kid = c.kid AND journal.expires_at > $15
-          AND NOT ($16 AND journal.state = '{EntryState.IN_FLIGHT}' AND journal.lease_until <= $15
+        WHERE journal.kid = c.kid AND journal.expires_at > $2
+          AND NOT ($3 AND journal.state = '{EntryState.IN_FLIGHT}' AND journal.lease_until <= $2
                    AND journal.fingerprint = c.fingerprint)
         LIMIT 1) AS j),
 asks AS (SELECT * FROM c WHERE kid NOT IN (SELECT kid FROM live)),
@@ -71,8 +67,8 @@ claimed AS (
         headers = NULL, body = NULL, streamed = false, timing = NULL, detail = NULL,
         completed_at = NULL, replays = 0, replayed = NULL
     -- an expired entry runs as new; a dead proxy's claim is taken over under "retry"
-    WHERE journal.expires_at <= $15 OR ($16 AND journal.state = '{EntryState.IN_FLIGHT}'
-          AND journal.lease_until <= $15 AND journal.fingerprint = excluded.fingerprint)
+    WHERE journal.expires_at <= $2 OR ($3 AND journal.state = '{EntryState.IN_FLIGHT}'
+          AND journal.lease_until <= $2 AND journal.fingerprint = excluded.fingerprint)
     RETURNING kid),
 -- a new claim, or a takeover: bytes a dead call left behind must not be joined
 dropped AS (DELETE FROM partials WHERE kid IN (SELECT kid FROM claimed))
@@ -91,20 +87,19 @@ UPDATE journal SET state = '{EntryState.UNKNOWN}', owner = NULL, detail = $3
 WHERE kid = $1 AND state = '{EntryState.IN_FLIGHT}' AND lease_until <= $2 AND expires_at > $2 AND fingerprint = $4
 RETURNING {ENTRY_COLUMNS}, pg_notify($5, kid)"""
 
-# Arrays, one element per record: $1 kid, $2 owner, $3 status, $4 headers (JSON text),
-# $5 body, $6 streamed, $7 timing (JSON text); then $8 now, $9 channel.
+# $1 one record_row per record (schema.py: as CLAIM_MANY's claim rows), $2 now, $3 channel.
 COMPLETE_MANY = f"""
-WITH done AS (
+WITH u AS (SELECT * FROM unnest($1::record_row[])),
+done AS (
     UPDATE journal j SET state = '{EntryState.COMPLETE}', owner = NULL, status = u.status,
         headers = u.headers::jsonb, body = u.body, streamed = u.streamed, timing = u.timing::jsonb,
-        completed_at = $8
-    FROM unnest($1::text[], $2::text[], $3::int[], $4::text[], $5::bytea[], $6::bool[], $7::text[])
-        AS u(kid, owner, status, headers, body, streamed, timing)
+        completed_at = $2
+    FROM u
     WHERE j.kid = u.kid AND j.owner = u.owner AND j.state = '{EntryState.IN_FLIGHT}'
     RETURNING j.kid, u.owner),
-dropped AS (DELETE FROM partials WHERE kid = ANY($1::text[])),
+dropped AS (DELETE FROM partials WHERE kid IN (SELECT kid FROM u)),
 -- one notification per hundred kids, not one each (a payload holds 8000 bytes)
-told AS (SELECT pg_notify($9, string_agg(kid, ' ')) FROM (
+told AS (SELECT pg_notify($3, string_agg(kid, ' ')) FROM (
     SELECT kid, (row_number() OVER ()) / 100 AS chunk FROM done) AS d GROUP BY chunk)
 SELECT kid, owner FROM done WHERE (SELECT count(*) FROM told) >= 0  -- (which sends them)"""
 
