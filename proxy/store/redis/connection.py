@@ -16,6 +16,7 @@ from typing import Any, Awaitable
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import hiredis
+import orjson
 import redis.asyncio as redis_asyncio  # the redis-py library: absolute imports never mean this package
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -69,6 +70,13 @@ def run_ref(namespace: str, run_id: str) -> str:
 def text(value: bytes | str | None) -> str | None:
     """A reply's bytes as text (None stays None)."""
     return value.decode() if isinstance(value, bytes) else value
+
+
+def field(value: Any) -> str:
+    """A value as the text Redis keeps. A float's is its shortest round-trip digits, as
+    repr() gives them, from orjson at a seventh of repr()'s cost: 80 ns against 590, five
+    per record (issue 13)."""
+    return orjson.dumps(value).decode() if type(value) is float else str(value)
 
 
 def maybe(kind: type, value: bytes | None) -> Any:

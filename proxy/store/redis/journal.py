@@ -17,14 +17,14 @@ import orjson
 from ..base import Claim, ClaimResult, Entry, EntryState, Recorded, counted, replayed_from
 from ..batching import Batches, GiveBack
 from ..purging import paced
-from .connection import RedisConnection, maybe, run_ref, text
+from .connection import RedisConnection, field, maybe, run_ref, text
 from .scripts import ENTRY_FIELDS, READ_FIELDS
 
 
 def _flat(fields: dict[str, Any]) -> list[Any]:
     """{name: value} as [name, value, ...] for HSET; bytes stay bytes, the rest become text."""
     return [x for name, value in fields.items()
-            for x in (name, value if isinstance(value, bytes) else str(value))]
+            for x in (name, value if isinstance(value, bytes) else field(value))]
 
 
 def _entry(values: list[bytes | None]) -> Entry:
@@ -101,14 +101,14 @@ class RedisJournal:
         scope, now, key = claim.scope, time.time(), self._db.key
         kid, rk = scope.kid, run_ref(claim.namespace, scope.run) if scope.run else ""
         entry = claim.entry(now)
-        fields = {name: str(value) for name in ENTRY_FIELDS if (value := getattr(entry, name)) is not None}
+        fields = {name: field(value) for name in ENTRY_FIELDS if (value := getattr(entry, name)) is not None}
         if rk:
             fields["rk"] = rk  # so release() finds the run's occurrence counters and journal
         fenced = scope.run is not None and claim.epoch is not None
         reply = await self._pipelined_script(
             "claim", [key("entry", kid), key("partial", kid), key("run", rk), key("steps", rk),
                       key("steps-expiry")],
-            [repr(now), claim.epoch if fenced else "", claim.fingerprint, claim.owner, claim.on_expired,
+            [field(now), claim.epoch if fenced else "", claim.fingerprint, claim.owner, claim.on_expired,
              int(entry.expires_at * 1000), kid, f"{kid} {rk}" if rk else "", orjson.dumps(fields)],
             claim)
         if reply[0] == b"stale":
