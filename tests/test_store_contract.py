@@ -100,6 +100,23 @@ async def test_first_claim_wins_and_the_next_one_sees_it(store):
     assert (entry.method, entry.path, entry.namespace, entry.response) == ("POST", "/charge", NS, None)
 
 
+async def test_a_claims_times_are_kept_to_the_bit(store):
+    """What a claim answers with is what the store keeps: the times read back equal, not
+    merely close (Redis writes a float as text, and must write every digit of it)."""
+    sc = scope()
+    first = await store.journal.claim(claim_of(sc))
+    kept = await store.journal.get(sc.kid)
+    said = first.entry
+    assert (kept.created_at, kept.lease_until, kept.expires_at) == (said.created_at, said.lease_until,
+                                                                     said.expires_at)
+    assert said.lease_until == said.created_at + 30.0 and said.expires_at == said.created_at + 3600.0
+    before = time.time()
+    await store.journal.complete(sc.kid, first.entry.owner, REPLY)
+    done = await store.journal.get(sc.kid)
+    assert before <= done.completed_at <= time.time()
+    assert (done.created_at, done.expires_at) == (said.created_at, said.expires_at)
+
+
 async def test_a_lost_claim_carries_the_record_to_replay(store):
     sc = scope()
     owner = await claimed(store, sc)
