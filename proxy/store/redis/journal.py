@@ -136,13 +136,13 @@ class RedisJournal:
 
     async def recorded(self, namespace: str, run: str, max_bytes: int) -> tuple[dict[str, Entry], bool]:
         complete, rows = await self._db.script("recorded", [self._db.key("steps", run_ref(namespace, run))],
-                                               [self._db.prefix, repr(time.time()), max_bytes])
+                                               [self._db.prefix, field(time.time()), max_bytes])
         entries = (_entry(values) for values in rows)
         return {entry.kid: entry for entry in entries}, complete == 1
 
     async def renew(self, kid: str, owner: str, lease_s: float) -> bool:
         return await self._db.script("renew", [self._db.key("entry", kid)],
-                                     [owner, repr(time.time() + lease_s)]) == 1
+                                     [owner, field(time.time() + lease_s)]) == 1
 
     async def complete(self, kid: str, owner: str, recorded: Recorded) -> bool:
         try:
@@ -199,7 +199,7 @@ class RedisJournal:
     async def count_replays(self, counts: dict[str, int]) -> None:
         if counts:
             await self._db.script("count_replays", [self._db.key("entry", kid) for kid in counts],
-                                  [self._db.prefix, repr(time.time()), *counts.values()])
+                                  [self._db.prefix, field(time.time()), *counts.values()])
 
     async def purge(self, now: float, batch: int = 1000) -> int:
         """Forget the index entries of expired journal entries (Redis expires the entries)."""

@@ -12,7 +12,7 @@ from typing import Any, Awaitable
 import orjson
 
 from ..base import HISTORY_LIMIT, RUN_STATES, Run, RunState, check_settable
-from .connection import RedisConnection, maybe, run_ref, text
+from .connection import RedisConnection, field, maybe, run_ref, text
 
 
 def _fields(raw: dict | list) -> dict[str, bytes]:
@@ -42,7 +42,7 @@ def _new_run_fields(run: Run) -> dict[str, str | None]:
               "created_at": run.created_at, "ended_at": run.ended_at,
               "next_restart_at": run.next_restart_at, "lost_epoch": run.lost_epoch,
               "attachments": run.attachments}
-    return {k: None if v is None else str(v) for k, v in fields.items()}
+    return {k: None if v is None else field(v) for k, v in fields.items()}
 
 
 class RedisRuns:
@@ -98,35 +98,35 @@ class RedisRuns:
             return int(current)  # the common case: a known run at its current epoch, no write
         new = Run(namespace, run_id, RunState.RUNNING, epoch or 0, 0, now, now, defaults.timeout_s,
                   defaults.grace_s, defaults.max_restarts, defaults.hook, defaults.metadata, now)
-        return int(await self._script("observe_epoch", rk, "" if epoch is None else epoch, repr(now),
+        return int(await self._script("observe_epoch", rk, "" if epoch is None else epoch, field(now),
                                       orjson.dumps(_new_run_fields(new))))
 
     async def touch(self, beats: dict[tuple[str, str], float]) -> None:
         if beats:  # ARGV: the prefix, then rk, at, rk, at, ...
-            pairs = (x for (namespace, run), at in beats.items() for x in (run_ref(namespace, run), repr(at)))
+            pairs = (x for (namespace, run), at in beats.items() for x in (run_ref(namespace, run), field(at)))
             await self._db.script("touch", [], [self._db.prefix, *pairs])
 
     async def heartbeat(self, namespace: str, run_id: str, now: float,
                         epoch: int | None = None) -> Run | None:
-        reply = await self._script("heartbeat", run_ref(namespace, run_id), repr(now),
+        reply = await self._script("heartbeat", run_ref(namespace, run_id), field(now),
                                    "" if epoch is None else epoch)
         return _run(*reply) if reply else None
 
     async def end(self, namespace: str, run_id: str, state: str, now: float,
                   epoch: int | None = None) -> Run | None:
-        reply = await self._script("end_run", run_ref(namespace, run_id), state, repr(now),
+        reply = await self._script("end_run", run_ref(namespace, run_id), state, field(now),
                                    "" if epoch is None else epoch)
         return _run(*reply) if reply else None
 
     async def new_attempt(self, namespace: str, run_id: str, expected_epoch: int | None, now: float,
                           reason: str, restart: bool, window_s: float | None = None) -> Run | None:
         reply = await self._script("new_attempt", run_ref(namespace, run_id),
-                                   "" if expected_epoch is None else expected_epoch, repr(now), reason,
-                                   int(restart), "" if window_s is None else repr(float(window_s)))
+                                   "" if expected_epoch is None else expected_epoch, field(now), reason,
+                                   int(restart), "" if window_s is None else field(float(window_s)))
         return _run(*reply) if reply else None
 
     async def revive(self, namespace: str, run_id: str, now: float) -> Run | None:
-        reply = await self._script("revive_run", run_ref(namespace, run_id), repr(now))
+        reply = await self._script("revive_run", run_ref(namespace, run_id), field(now))
         return _run(*reply) if reply else None
 
     async def silent(self, now: float) -> list[Run]:
@@ -140,7 +140,7 @@ class RedisRuns:
     async def purge(self, before: float, batch: int = 1000) -> int:
         total = 0
         while True:  # in batches, so no script holds the server for long
-            n = await self._script("purge_runs", "", repr(before), batch)
+            n = await self._script("purge_runs", "", field(before), batch)
             total += n
             if n < batch:
                 return total
@@ -161,7 +161,7 @@ class RedisRuns:
     async def set_state(self, namespace: str, run_id: str, state: str | None, now: float,
                         event: dict[str, Any] | None = None, **fields: Any) -> None:
         check_settable(fields)
-        changes = {k: None if v is None else str(v) for k, v in fields.items()}
+        changes = {k: None if v is None else field(v) for k, v in fields.items()}
         if state is not None:
             changes["state"] = state
         await self._script("set_run_state", run_ref(namespace, run_id), orjson.dumps(changes),
