@@ -34,7 +34,7 @@ def _table(value: Any) -> dict[str, Any]:
 def _plain(name: str, value: Any) -> Any:
     if isinstance(value, Secret):
         return MASK
-    if isinstance(value, str) and name.endswith("url"):
+    if isinstance(value, str) and (name.endswith("url") or name == "proxy"):  # proxy: user:pass@
         return mask_url(value)
     if dataclasses.is_dataclass(value):
         return {f.name: _plain(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)}

@@ -7,10 +7,12 @@ import functools
 import hashlib
 
 from typing import Callable
+from urllib.parse import urlsplit
 
 from multidict import CIMultiDictProxy
 
 from .config import UpstreamSettings
+from .egress import Egress, choose_proxy, tls_context
 from .forwarded import FORWARDING
 from .upstream_client import NotSent, UpstreamPool, UpstreamTimeout
 
@@ -88,7 +90,15 @@ def make_pool(upstream: UpstreamSettings, on_request: Callable[[list], list] | N
     """The upstream's connections; ``on_request`` sees every request's headers (tracing)."""
     return UpstreamPool(upstream.url, max_connections=upstream.max_connections,
                         connect_timeout=upstream.connect_timeout, read_timeout=upstream.read_timeout,
-                        on_request=on_request)
+                        on_request=on_request, egress=make_egress(upstream))
+
+
+def make_egress(upstream: UpstreamSettings) -> Egress:
+    """How the upstream is reached: its ``proxy`` option or the process environment's
+    HTTP(S)_PROXY and NO_PROXY, read once here; its TLS files (proxy/egress.py)."""
+    https = urlsplit(upstream.url).scheme == "https"
+    tls = tls_context(upstream.ca_file, upstream.client_cert, upstream.client_key) if https else None
+    return Egress(upstream.url, proxy=choose_proxy(upstream.url, upstream.proxy), tls=tls)
 
 
 def never_sent(exc: BaseException) -> bool:

@@ -19,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
-import ssl
 import time
 from typing import Callable
 from urllib.parse import unquote, urlsplit
 
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
+
+from .egress import Egress
 
 PAUSE_ABOVE_BYTES = 1 << 16  # unread body held before the upstream is asked to wait
 KEEPALIVE_S = 30.0  # an idle connection older than this is closed, not reused
@@ -60,7 +61,8 @@ class UpstreamPool:
     """Keep-alive connections to one origin, at most ``max_connections`` of them open."""
 
     def __init__(self, url: str, *, max_connections: int, connect_timeout: float | None,
-                 read_timeout: float | None, on_request: Callable[[list], list] | None = None):
+                 read_timeout: float | None, on_request: Callable[[list], list] | None = None,
+                 egress: Egress | None = None):
         parts = urlsplit(url)
         self.host = parts.hostname or ""
         self.tls = parts.scheme == "https"
@@ -78,7 +80,8 @@ class UpstreamPool:
         if parts.username is not None:
             pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
             self._auth = "Basic " + base64.b64encode(pair).decode()
-        self._ssl = ssl.create_default_context() if self.tls else None
+        # how connections are opened (direct or through an egress proxy, TLS): proxy/egress.py
+        self.egress = egress if egress is not None else Egress(url)
         self._idle: collections.deque[_Connection] = collections.deque()
         self._connected: set[_Connection] = set()  # busy or idle
         self._open = 0  # connecting, busy or idle
@@ -115,7 +118,9 @@ class UpstreamPool:
             raise
 
     def _head(self, method: str, target: str, headers: list[tuple[str, str]], body: bytes) -> bytes:
-        lines = [f"{method} {self.base_path}{target} HTTP/1.1", self._fixed]
+        egress = self.egress  # through a forward proxy: absolute-form, Proxy-Authorization
+        lines = [f"{method} {egress.target_prefix}{self.base_path}{target} HTTP/1.1", self._fixed,
+                 *egress.header_lines]
         if self._auth is None:
             lines += [f"{k}: {v}" for k, v in headers]
         else:
@@ -167,8 +172,7 @@ class UpstreamPool:
         conn = _Connection(self)  # its slot is freed once, by whichever of us sees it fail first
         try:
             async with asyncio.timeout_at(deadline):
-                await loop.create_connection(lambda: conn, self.host, self.port, ssl=self._ssl,
-                                             server_hostname=self.host if self.tls else None)
+                await self.egress.connect(conn)
         except TimeoutError:
             self._gone(conn)
             raise ConnectTimeout(f"no connection to {self.host}:{self.port} "

@@ -9,11 +9,14 @@ import os
 import socket
 import subprocess
 import sys
+import tomllib
 import urllib.request
 from pathlib import Path
 
 import orjson
 import pytest
+
+import idemproxy.proxy as idemproxy_package
 
 pytestmark = pytest.mark.slow
 
@@ -64,8 +67,10 @@ def test_check_names_the_store_as_written_and_creates_no_journal(tmp_path):
 
 
 def test_version_and_the_effective_configuration(tmp_path):
+    released = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
     version = idemproxy("--version", cwd=tmp_path)
-    assert version.returncode == 0 and version.stdout.startswith("idemproxy 0.")
+    assert version.returncode == 0 and version.stdout == f"idemproxy {released['project']['version']}\n"
+    assert idemproxy_package.__version__ == released["project"]["version"]
     shown = idemproxy("config", "--store", "postgresql://u:hunter2@db/x", "--set", "admin.token=sesame",
                       cwd=tmp_path, env={"IDEMPROXY_SERVER_PORT": "9999", "IDEMPROXY_SERVR_HOST": "typo"})
     assert shown.returncode == 0, shown.stderr

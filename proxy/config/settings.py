@@ -12,6 +12,7 @@ from enum import StrEnum
 from typing import Mapping
 from urllib.parse import urlsplit
 
+from ..egress import FROM_ENVIRONMENT
 from .masking import Secret, mask_url, repr_masking_urls
 
 ENV_PREFIX = "IDEMPROXY_"
@@ -149,6 +150,15 @@ class UpstreamSettings:
     read_only_tools: str = "passthrough"   # readOnlyHint: true
     idempotent_tools: str = "record"       # idempotentHint: true
     non_destructive_tools: str = "record"  # destructiveHint: false
+    # How it is reached (proxy/egress.py). proxy: "env" reads HTTPS_PROXY (https upstreams),
+    # HTTP_PROXY (http ones) and NO_PROXY, as curl and httpx do; "" goes direct; or an
+    # http://[user:pass@]host:port egress proxy, its credentials sent as Proxy-Authorization.
+    proxy: str = FROM_ENVIRONMENT
+    # TLS to an https upstream, verification always on: ca_file, a PEM bundle trusted in
+    # place of the system's; client_cert and client_key, for a server that requires mTLS.
+    ca_file: str | None = None
+    client_cert: str | None = None
+    client_key: str | None = None
 
     def __repr__(self) -> str:
         return (f"UpstreamSettings(name={self.name!r}, url={mask_url(self.url)!r}, kind={self.kind!r}, "

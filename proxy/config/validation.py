@@ -6,8 +6,11 @@ import ipaddress
 import re
 from urllib.parse import urlsplit
 
+from ..egress import FROM_ENVIRONMENT, ProxyURL, tls_context
 from .settings import (ANONYMOUS_CHOICES, MAX_STANDBY, RESERVED_NAMES, RUNS_PER_CREDENTIAL, RUNS_SHARED,
-                       ConfigError, Policy, Settings)
+                       ConfigError, Policy, Settings, UpstreamSettings)
+
+TLS_OPTIONS = ("ca_file", "client_cert", "client_key")
 
 
 def validate(s: Settings) -> None:
@@ -31,6 +34,7 @@ def validate(s: Settings) -> None:
         for rule in up.rules:
             if rule.policy not in tuple(Policy):
                 raise ConfigError(f"upstreams.{up.name}.rules: unknown policy {rule.policy!r}")
+        _check_egress(up)
         if not re.fullmatch(r"[A-Za-z0-9_.~-]+", up.name) or up.name in RESERVED_NAMES:
             raise ConfigError(f"upstream name {up.name!r} is not usable in a path "
                               f"(reserved: {', '.join(sorted(RESERVED_NAMES))})")
@@ -68,3 +72,24 @@ def validate(s: Settings) -> None:
             ipaddress.ip_network(cidr, strict=False)
         except ValueError:
             raise ConfigError(f"server.trusted_proxies: {cidr!r} is not an address or CIDR") from None
+
+
+def _check_egress(up: UpstreamSettings) -> None:
+    """An upstream's proxy and TLS options, its TLS files loaded: a missing file or a bad PEM
+    stops the start, not every call."""
+    if up.proxy not in (FROM_ENVIRONMENT, ""):
+        try:
+            ProxyURL(up.proxy)
+        except ValueError as exc:
+            raise ConfigError(f"upstreams.{up.name}.proxy: {exc}") from None
+    given = [name for name in TLS_OPTIONS if getattr(up, name)]
+    if not given:
+        return
+    if urlsplit(up.url).scheme != "https":
+        raise ConfigError(f"upstreams.{up.name}: {', '.join(given)} need an https url")
+    if up.client_key and not up.client_cert:
+        raise ConfigError(f"upstreams.{up.name}.client_key needs client_cert")
+    try:
+        tls_context(up.ca_file, up.client_cert, up.client_key)
+    except OSError as exc:  # a missing file, or ssl.SSLError: not PEM, a key that is not the cert's
+        raise ConfigError(f"upstreams.{up.name}: cannot load {', '.join(given)}: {exc}") from None

@@ -38,7 +38,7 @@ from .launch import Launch
 from .run import Run
 from .standby import StandbyDismissed, wait_for_assignment
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AsyncAttachment", "AsyncRun", "Attachment", "IdemProxyError", "Launch", "ProblemError", "ProxyUnreachable", "Run",
