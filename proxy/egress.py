@@ -7,7 +7,10 @@ request-target prefix (absolute-form through a proxy) and extra header lines.
 - Which proxy: the upstream's ``proxy`` option when set (``""``: direct), else the
   environment as curl, urllib and httpx read it: ``HTTPS_PROXY`` for https origins,
   ``HTTP_PROXY`` for http ones, lowercase names before uppercase, ``NO_PROXY`` (host
-  suffixes, ``host:port``, IP networks, ``*``) to go direct.
+  suffixes, ``host:port``, IP networks, ``*``) to go direct. Loopback upstreams
+  (``localhost``, 127.0.0.0/8, ::1) never take the environment's proxy, as Go's
+  ProxyFromEnvironment rules: a proxy's loopback is not ours, and a sidecar tool server
+  must not break when the machine has a proxy set.
 - https through a proxy: ``CONNECT host:port``, then TLS inside the tunnel, with the real
   host's SNI and certificate check (the proxy sees names, never content).
 - http through a proxy: absolute-form request targets (RFC 9112 §3.2.2), the proxy's
@@ -110,12 +113,22 @@ def choose_proxy(url: str, option: str = FROM_ENVIRONMENT, env: Mapping[str, str
     proxies = environment_proxies(os.environ if env is None else env)
     chosen = proxies.get(parts.scheme)
     port = parts.port or (443 if parts.scheme == "https" else 80)
-    if not chosen or bypasses(parts.hostname or "", port, proxies.get("no", "")):
+    host = parts.hostname or ""
+    if not chosen or _loopback(host) or bypasses(host, port, proxies.get("no", "")):
         return None
     try:
         return ProxyURL(chosen)
     except ValueError as exc:  # refused, not ignored: going direct could bypass a mandatory proxy
         raise ValueError(f"{parts.scheme.upper()}_PROXY: {exc}") from None
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def tls_context(ca_file: str | None = None, client_cert: str | None = None,

@@ -40,6 +40,10 @@ CORP = "http://proxy.corp:3128"
     ("http://10.1.2.3:9000", {"HTTP_PROXY": CORP, "NO_PROXY": "10.0.0.0/8"}, None),  # a network, as curl
     ("http://[fd00::5]:9000", {"HTTP_PROXY": CORP, "NO_PROXY": "fd00::/8"}, None),
     ("http://11.1.2.3:9000", {"HTTP_PROXY": CORP, "NO_PROXY": "10.0.0.0/8"}, CORP),
+    # loopback never takes the environment's proxy (Go's rule): the proxy's loopback is not ours
+    ("http://127.0.0.1:9000", {"HTTP_PROXY": CORP}, None),
+    ("http://localhost:9000", {"HTTP_PROXY": CORP}, None),
+    ("https://[::1]:9443", {"HTTPS_PROXY": CORP}, None),
 ])
 def test_the_environment_names_the_proxy_as_curl_and_httpx_read_it(url, env, expected):
     chosen = choose_proxy(url, "env", env)
@@ -51,6 +55,7 @@ def test_the_upstreams_proxy_option_overrides_the_environment():
     assert choose_proxy("https://api.openai.com", "", env) is None  # "" goes direct
     chosen = choose_proxy("https://api.openai.com", "http://other:8080", env)  # NO_PROXY is the env's
     assert (chosen.host, chosen.port) == ("other", 8080)
+    assert choose_proxy("http://127.0.0.1:9000", "http://other:8080", env) is not None  # loopback too
 
 
 def test_an_unusable_proxy_is_refused_not_bypassed():

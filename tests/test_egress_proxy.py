@@ -4,6 +4,8 @@ in the middle (tests/squid.py), a real upstream behind it. Each upstream is name
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from aiohttp import web
 
@@ -14,6 +16,7 @@ from rawhttp import problem
 from squid import Squid
 
 NAME = "upstream.test"
+DIRECT = "direct.test"
 PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY")
 
 
@@ -51,6 +54,20 @@ async def tls_upstream(tmp_path):
     port = runner.addresses[0][1]
     yield f"https://{NAME}:{port}", app, ca
     await runner.cleanup()
+
+
+@pytest.fixture
+async def direct_name(monkeypatch):
+    """``direct.test``: a name only idemproxy resolves (to the loopback), never squid. Only
+    the resolver's answer is made up; the connection is real. (Loopback itself never takes
+    the environment's proxy, so the tests that must see one bypassed use this name.)"""
+    loop = asyncio.get_running_loop()
+    resolve = loop.getaddrinfo
+
+    async def getaddrinfo(host, port, *args, **kwargs):
+        return await resolve("127.0.0.1" if host == DIRECT else host, port, *args, **kwargs)
+    monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+    return DIRECT
 
 
 def port_of(url: str) -> str:
@@ -142,15 +159,16 @@ async def test_a_proxy_refusing_connect_is_a_502_and_the_key_stays_free(
     assert app[fake_provider.CALLS]["tool:send"] == 1
 
 
-async def test_no_proxy_sends_a_host_direct(monkeypatch, squid, provider, make_proxy, sqlite_url, http):
+async def test_no_proxy_sends_a_host_direct(monkeypatch, squid, direct_name, provider, make_proxy, sqlite_url,
+                                           http):
     egress = squid()
     # the lowercase forms, as curl and urllib read them; they win over the uppercase ones
     monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")  # nothing listens: used, it would fail
     monkeypatch.setenv("http_proxy", egress.url)
-    monkeypatch.setenv("no_proxy", "localhost,127.0.0.0/8")
+    monkeypatch.setenv("no_proxy", f"localhost,{DIRECT}")
     port = port_of(provider.url)
     proxy = await make_proxy(sqlite_url, upstreams__tools={"url": f"http://{NAME}:{port}/tools"},
-                             upstreams__local={"url": f"http://127.0.0.1:{port}/tools", "kind": "tool"})
+                             upstreams__local={"url": f"http://{DIRECT}:{port}/tools", "kind": "tool"})
     for name in ("tools", "local"):
         async with http.post(f"{proxy.url}/{name}/send", json={}, headers={"Idempotency-Key": name}) as r:
             assert r.status == 200, await r.text()
@@ -159,15 +177,33 @@ async def test_no_proxy_sends_a_host_direct(monkeypatch, squid, provider, make_p
 
 
 async def test_an_empty_proxy_option_goes_direct_whatever_the_environment(
-        monkeypatch, squid, provider, make_proxy, sqlite_url, http):
+        monkeypatch, squid, direct_name, provider, make_proxy, sqlite_url, http):
     egress = squid()
     monkeypatch.setenv("HTTP_PROXY", egress.url)
     port = port_of(provider.url)
     proxy = await make_proxy(sqlite_url, upstreams__tools={"url": f"http://{NAME}:{port}/tools"},
-                             upstreams__local={"url": f"http://127.0.0.1:{port}/tools", "kind": "tool",
+                             upstreams__local={"url": f"http://{DIRECT}:{port}/tools", "kind": "tool",
                                                "proxy": ""})
     for name in ("tools", "local"):
         async with http.post(f"{proxy.url}/{name}/send", json={}, headers={"Idempotency-Key": name}) as r:
             assert r.status == 200, await r.text()
     assert provider.calls["tool:send"] == 2
     assert egress.access_log() == [f"POST http://{NAME}:{port}/tools/send - 200"]
+
+
+async def test_a_loopback_upstream_never_takes_the_environments_proxy(monkeypatch, squid, provider, make_proxy,
+                                                                      sqlite_url, http):
+    egress = squid()
+    monkeypatch.setenv("HTTP_PROXY", egress.url)
+    port = port_of(provider.url)
+    proxy = await make_proxy(sqlite_url, upstreams__tools={"url": f"http://{NAME}:{port}/tools"},
+                             upstreams__local={"url": f"http://127.0.0.1:{port}/tools", "kind": "tool"},
+                             upstreams__forced={"url": f"http://127.0.0.1:{port}/tools", "kind": "tool",
+                                                "proxy": egress.url})
+    for name in ("tools", "local", "forced"):
+        async with http.post(f"{proxy.url}/{name}/send", json={}, headers={"Idempotency-Key": name}) as r:
+            assert r.status == 200, await r.text()
+    assert provider.calls["tool:send"] == 3
+    # an explicit proxy is taken even for the loopback: the operator said so
+    assert egress.access_log() == [f"POST http://{NAME}:{port}/tools/send - 200",
+                                   f"POST http://127.0.0.1:{port}/tools/send - 200"]
