@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import logging
 
 from typing import Callable
 from urllib.parse import urlsplit
@@ -12,9 +13,11 @@ from urllib.parse import urlsplit
 from multidict import CIMultiDictProxy
 
 from .config import UpstreamSettings
-from .egress import Egress, choose_proxy, tls_context
+from .egress import FROM_ENVIRONMENT, Egress, choose_proxy, tls_context
 from .forwarded import FORWARDING
 from .upstream_client import NotSent, UpstreamPool, UpstreamTimeout
+
+log = logging.getLogger("idemproxy.proxy")
 
 # RFC 9110 §7.6.1: meaningful for one connection only, never forwarded.
 HOP_BY_HOP = frozenset({"connection", "proxy-connection", "keep-alive", "te", "trailer",
@@ -98,7 +101,11 @@ def make_egress(upstream: UpstreamSettings) -> Egress:
     HTTP(S)_PROXY and NO_PROXY, read once here; its TLS files (proxy/egress.py)."""
     https = urlsplit(upstream.url).scheme == "https"
     tls = tls_context(upstream.ca_file, upstream.client_cert, upstream.client_key) if https else None
-    return Egress(upstream.url, proxy=choose_proxy(upstream.url, upstream.proxy), tls=tls)
+    egress = Egress(upstream.url, proxy=choose_proxy(upstream.url, upstream.proxy), tls=tls)
+    if egress.proxy is not None:  # which proxy, once: "why can't I reach it" starts here (masked)
+        log.info("upstream %s goes through the egress proxy %r (%s)", upstream.name, egress.proxy,
+                 "the environment" if upstream.proxy == FROM_ENVIRONMENT else "its proxy option")
+    return egress
 
 
 def never_sent(exc: BaseException) -> bool:

@@ -5,6 +5,7 @@ in the middle (tests/squid.py), a real upstream behind it. Each upstream is name
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 from aiohttp import web
@@ -119,7 +120,8 @@ async def test_an_https_upstream_behind_a_private_ca_is_reached_through_connect(
 
 
 async def test_the_proxy_urls_credentials_are_sent_as_proxy_authorization(
-        squid, provider, tls_upstream, make_proxy, sqlite_url, http):
+        squid, provider, tls_upstream, make_proxy, sqlite_url, http, caplog):
+    caplog.set_level(logging.INFO, "idemproxy")
     url, app, ca = tls_upstream
     egress = squid(users={"alice": "s3cret"})
     via = egress.url_as("alice", "s3cret")
@@ -137,10 +139,15 @@ async def test_the_proxy_urls_credentials_are_sent_as_proxy_authorization(
     assert f"CONNECT {NAME}:{port_of(url)} alice 200" in log
     assert all(" alice " in line for line in log), log  # squid let nothing through unauthenticated
     assert "Proxy-Authorization" not in provider.seen[0]["headers"]  # for squid's eyes only
+    # the log says which proxy each upstream takes, never with its credentials
+    assert f"upstream secure goes through the egress proxy ProxyURL('http://***@127.0.0.1:{egress.port}')" \
+        in caplog.text
+    assert "s3cret" not in caplog.text and "alice" not in caplog.text
 
 
 async def test_a_proxy_refusing_connect_is_a_502_and_the_key_stays_free(
-        squid, tls_upstream, make_proxy, sqlite_url, http):
+        squid, tls_upstream, make_proxy, sqlite_url, http, caplog):
+    caplog.set_level(logging.DEBUG, "idemproxy")
     url, app, ca = tls_upstream
     egress = squid(users={"alice": "s3cret"})
     tools = {"url": url + "/tools", "ca_file": str(ca.cert_file)}
@@ -157,6 +164,7 @@ async def test_a_proxy_refusing_connect_is_a_502_and_the_key_stays_free(
     async with http.post(allowed.url + "/tools/send", json={}, headers={"Idempotency-Key": "k1"}) as r:
         assert r.status == 200 and r.headers["Idempotent-Replayed"] == "false"
     assert app[fake_provider.CALLS]["tool:send"] == 1
+    assert "wrong" not in caplog.text and "s3cret" not in caplog.text
 
 
 async def test_no_proxy_sends_a_host_direct(monkeypatch, squid, direct_name, provider, make_proxy, sqlite_url,
