@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 import fake_provider
-from conftest import until
+from conftest import proxy_sections, until
 from private_ca import PrivateCA
 from rawhttp import problem
 from squid import Squid
@@ -215,3 +215,23 @@ async def test_a_loopback_upstream_never_takes_the_environments_proxy(monkeypatc
     # an explicit proxy is taken even for the loopback: the operator said so
     assert egress.access_log() == [f"POST http://{NAME}:{port}/tools/send - 200",
                                    f"POST http://127.0.0.1:{port}/tools/send - 200"]
+
+
+@pytest.mark.slow  # a subprocess proxy
+async def test_idemproxy_serve_reads_the_environment_and_tunnels_on_its_own_loop(
+        squid, tls_upstream, proxy_process, provider, sqlite_url, http):
+    """`idemproxy serve` as deployed: its own process, on uvloop where installed (whose
+    create_connection has no happy_eyeballs_delay), HTTPS_PROXY from its environment."""
+    url, app, ca = tls_upstream
+    egress = squid()
+    sections = proxy_sections(provider.url, sqlite_url,
+                              upstreams__tools={"url": url + "/tools", "ca_file": str(ca.cert_file)})
+    server = await asyncio.to_thread(proxy_process, sections, env={"HTTPS_PROXY": egress.url})
+    async with http.post(server.url + "/tools/send", json={}, headers={"Idempotency-Key": "k1"}) as r:
+        assert r.status == 200, await r.text()
+    assert app[fake_provider.CALLS]["tool:send"] == 1
+    await asyncio.to_thread(server.stop)
+
+    async def logged():
+        return egress.access_log()
+    assert await until(logged, 5.0, "the tunnel in squid's log") == [f"CONNECT {NAME}:{port_of(url)} - 200"]
