@@ -156,10 +156,11 @@ class Call:
 
     # -- the call -------------------------------------------------------------------------
 
-    async def run(self, pool: UpstreamPool, store: Store, method: str, target: str,
+    async def run(self, pool: UpstreamPool, tenant: str, store: Store, method: str, target: str,
                   headers, body: bytes, heartbeat) -> None:
+        """Make the call on one of ``tenant``'s upstream connections, and record its outcome."""
         try:
-            self.result = await self._run(pool, store, method, target, headers, body, heartbeat)
+            self.result = await self._run(pool, tenant, store, method, target, headers, body, heartbeat)
         except asyncio.CancelledError:
             self.result = CallResult(Fate.FAILED, ("upstream-unavailable", "the proxy is shutting down"))
             raise
@@ -172,12 +173,12 @@ class Call:
         finally:
             self._publish()
 
-    async def _run(self, pool: UpstreamPool, store: Store, method, target, headers, body,
+    async def _run(self, pool: UpstreamPool, tenant: str, store: Store, method, target, headers, body,
                    heartbeat) -> CallResult:
         sent = time.perf_counter()
         self._record_until = sent + self.max_record_seconds
         try:
-            resp = await pool.request(method, target, headers, body)
+            resp = await pool.request(method, target, headers, body, tenant=tenant)  # never resent
             try:
                 self._begin(resp, time.perf_counter() - sent)
                 flusher = self._start_sharing(store)
@@ -267,7 +268,7 @@ class Call:
             await store.journal.release(self.kid, self.owner)
             return CallResult(Fate.RELEASED, (slug, f"no connection to {self.upstream.name} "
                                               f"({type(exc).__name__}); nothing was sent, the key is free"))
-        return await self._ambiguous(store, slug, f"{type(exc).__name__} talking to {self.upstream.name}")
+        return await self._ambiguous(store, slug, f"{type(exc).__name__} talking to {self.upstream.name}: {exc}")
 
     async def _settle(self, store: Store) -> CallResult:
         """The upstream answered in full: journal what its status calls for (SPEC §4)."""

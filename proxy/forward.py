@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 from multidict import CIMultiDictProxy
 
-from .config import UpstreamSettings
+from .config import UpstreamSettings, keepalive_timeout
 from .egress import FROM_ENVIRONMENT, Egress, choose_proxy, tls_context
 from .forwarded import FORWARDING
 from .upstream_client import NotSent, UpstreamPool, UpstreamTimeout
@@ -93,7 +93,9 @@ def make_pool(upstream: UpstreamSettings, on_request: Callable[[list], list] | N
     """The upstream's connections; ``on_request`` sees every request's headers (tracing)."""
     return UpstreamPool(upstream.url, max_connections=upstream.max_connections,
                         connect_timeout=upstream.connect_timeout, read_timeout=upstream.read_timeout,
-                        on_request=on_request, egress=make_egress(upstream))
+                        on_request=on_request, keepalive_timeout=keepalive_timeout(upstream),
+                        max_head_bytes=upstream.max_head_bytes, max_head_fields=upstream.max_head_fields,
+                        egress=make_egress(upstream))
 
 
 def make_egress(upstream: UpstreamSettings) -> Egress:

@@ -102,7 +102,7 @@ class Proxy:
                 facts.timed(since)
             if chosen is Policy.PASSTHROUGH:
                 request[OUTCOME] = Outcome.PASSTHROUGH
-                return await self._passthrough(request, route, body, started)
+                return await self._passthrough(request, route, ident, body, started)
             return await self._record(request, route, ident, body, started, attempt=attempt)
         except ConnectionResetError:  # the agent went away; a recorded call goes on without it
             request[OUTCOME] = Outcome.DISCONNECTED
@@ -188,15 +188,17 @@ class Proxy:
 
     # -- passthrough ----------------------------------------------------------------------
 
-    async def _passthrough(self, request: web.Request, route: Route, body: bytes, started: float,
-                           tap: Callable[[bytes], None] | None = None) -> web.StreamResponse:
+    async def _passthrough(self, request: web.Request, route: Route, ident: Identity, body: bytes,
+                           started: float, tap: Callable[[bytes], None] | None = None) -> web.StreamResponse:
         """Forward, record nothing; ``tap`` sees the answer's bytes as they pass."""
         upstream = route.upstream
         headers = request_headers(request.headers, upstream, self.settings.tenants.header, None,
                                   self.forwarding.headers(request.headers, request.remote))
         sent = time.perf_counter()
         try:
-            resp = await self.pools[upstream.name].request(request.method, route.path_qs, headers, body)
+            resp = await self.pools[upstream.name].request(
+                request.method, route.path_qs, headers, body,
+                tenant=self._connection_tenant(request, ident.namespace), may_resend=True)
         except UpstreamError as exc:
             raise _upstream_failed(upstream, exc) from None
         try:
@@ -229,6 +231,12 @@ class Proxy:
             raise _upstream_failed(upstream, exc) from None
         finally:
             resp.release()
+
+    def _connection_tenant(self, request: web.Request, namespace: str) -> str:
+        """Whose upstream connections the request may use: its tenant's (SPEC §15), so that
+        nothing an upstream sends on a connection can reach another tenant."""
+        return self.tenants.tenant(request.headers, namespace) if namespace else \
+            self.tenants.of_credential(request.headers)
 
     # -- record and replay ----------------------------------------------------------------
 
@@ -404,7 +412,8 @@ class Proxy:
                                   forwarded_key(entry.kid) if upstream.idempotency_header else None,
                                   self.forwarding.headers(request.headers, request.remote))
         beat = (lambda: self.heartbeats.beat(namespace, entry.run)) if entry.run else (lambda: None)
-        task = asyncio.create_task(call.run(self.pools[upstream.name], self.store, request.method,
+        tenant = self._connection_tenant(request, namespace)
+        task = asyncio.create_task(call.run(self.pools[upstream.name], tenant, self.store, request.method,
                                             route.path_qs, headers, body, beat))
         self.calls[entry.kid] = call
         self.tasks.add(task)
@@ -444,7 +453,7 @@ class Proxy:
             facts.timed(since)
         if plan.call is None:
             request[OUTCOME] = Outcome.PASSTHROUGH
-            return await self._passthrough(request, route, body, started, plan.tap)
+            return await self._passthrough(request, route, ident, body, started, plan.tap)
         counted = functools.partial(self.mcp.occurrence, plan) if plan.site else None
         resp = await self._record(request, route, plan.ident, body, started, plan.fp, counted, attempt)
         return self.mcp.deliver(request, plan, resp) if plan.site is not None else resp

@@ -29,11 +29,17 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from .egress import Egress
 
 PAUSE_ABOVE_BYTES = 1 << 16  # unread body held before the upstream is asked to wait
-KEEPALIVE_S = 30.0  # an idle connection older than this is closed, not reused
+# Methods whose body an upstream may ignore (RFC 9110 §9.3: a GET body has no defined meaning).
+# One that ignores it reads the body as the next request on the connection and answers it (CL.0
+# desync): a connection that carried such a body is closed after its answer, never reused.
 BODYLESS_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS", "TRACE"})
-# Sent again, once, on a new connection when a reused one closed before a byte of its answer:
-# its close crossed our request. RFC 9110 §9.2.2: these mean the same sent twice (aiohttp's rule).
+# A passthrough in one of these is sent again, once, on a new connection when a reused one closed
+# before a byte of its answer: its close crossed our request. RFC 9110 §9.2.2: these mean the
+# same sent twice. A recorded call is never sent again by the pool, whatever its method: its
+# journal promises at most one execution per key, and a PUT the upstream acted on before it
+# closed would act twice.
 RETRIED_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
+KEEPALIVE_MARGIN_S = 1.0  # a server's `Keep-Alive: timeout=N` is trusted for N less this
 
 
 class UpstreamError(Exception):
@@ -57,12 +63,25 @@ class UnsendableRequest(NotSent):
     """The request cannot be written as HTTP/1.1 (a line break in a header): nothing was sent."""
 
 
+class HeadTooLarge(UpstreamError):
+    """The upstream's answer head is over ``max_head_bytes`` or ``max_head_fields``."""
+
+
 class UpstreamPool:
-    """Keep-alive connections to one origin, at most ``max_connections`` of them open."""
+    """Keep-alive connections to one origin, at most ``max_connections`` of them open.
+
+    Idle connections are kept per *tenant* (the ``tenant`` of each request) and a connection
+    only ever carries one tenant's requests. HTTP/1.1 pairs answers to requests by order
+    alone, so bytes an upstream sends late, twice or past the framed answer are read as the
+    answer to the connection's next request: kept within one tenant, they can never become
+    another tenant's recorded answer, whatever their timing. The cap is shared: a tenant
+    that finds the pool full closes another tenant's least recently used idle connection.
+    """
 
     def __init__(self, url: str, *, max_connections: int, connect_timeout: float | None,
                  read_timeout: float | None, on_request: Callable[[list], list] | None = None,
-                 egress: Egress | None = None):
+                 keepalive_timeout: float = 4.0, max_head_bytes: int = 64 * 1024,
+                 max_head_fields: int = 256, egress: Egress | None = None):
         parts = urlsplit(url)
         self.host = parts.hostname or ""
         self.tls = parts.scheme == "https"
@@ -73,6 +92,8 @@ class UpstreamPool:
         self.connect_timeout = connect_timeout if connect_timeout and connect_timeout > 0 else None
         self.read_timeout = read_timeout if read_timeout and read_timeout > 0 else None
         self.on_request = on_request  # sees and may change every request's headers (tracing)
+        self.keepalive_timeout = max(0.0, keepalive_timeout)  # 0: every connection closes after one answer
+        self.max_head_bytes, self.max_head_fields = max_head_bytes, max_head_fields
         default_port = self.port == (443 if self.tls else 80)
         shown = f"[{self.host}]" if ":" in self.host else self.host
         self._fixed = f"Host: {shown if default_port else f'{shown}:{self.port}'}"
@@ -82,37 +103,45 @@ class UpstreamPool:
             self._auth = "Basic " + base64.b64encode(pair).decode()
         # how connections are opened (direct or through an egress proxy, TLS): proxy/egress.py
         self.egress = egress if egress is not None else Egress(url)
-        self._idle: collections.deque[_Connection] = collections.deque()
+        self._idle: dict[str, collections.deque[_Connection]] = {}  # per tenant, most recent last
+        self._idle_order: dict[_Connection, None] = {}  # every idle connection, least recent first
         self._connected: set[_Connection] = set()  # busy or idle
         self._open = 0  # connecting, busy or idle
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self._closed = False
 
     async def request(self, method: str, target: str, headers: list[tuple[str, str]],
-                      body: bytes) -> UpstreamResponse:
+                      body: bytes, *, tenant: str = "", may_resend: bool = False) -> UpstreamResponse:
         """Send one request (``target``: the path and query after the upstream's base path,
         sent exactly as the agent sent it: re-quoting would change what a signed or picky
-        upstream receives); returns once the answer's head is in. Call ``release()`` or
-        ``close()`` when done."""
+        upstream receives) on one of ``tenant``'s connections; returns once the answer's head
+        is in. Call ``release()`` or ``close()`` when done.
+
+        ``may_resend``: a passthrough, which may go once more on a new connection when a
+        reused one closed before a byte of its answer (RETRIED_METHODS only). A recorded
+        call is never sent twice by the pool."""
         if self.on_request is not None:
             headers = self.on_request(headers)
         head = self._head(method, target, headers, body)
-        conn = await self._acquire()
+        # a body on a method whose body the upstream may ignore: the connection is not reused
+        reuse = not body or method not in BODYLESS_METHODS
+        conn = await self._acquire(tenant)
         reused = conn.exchanges > 0
         try:
-            return await conn.exchange(head, body, method == "HEAD")
+            return await conn.exchange(head, body, method == "HEAD", reuse)
         except UpstreamError:
             closed_by_upstream = conn.lost and not conn.aborted  # not a timeout, not a parse error
             conn.abort()
-            if not (reused and closed_by_upstream and not conn.received and method in RETRIED_METHODS):
+            if not (may_resend and reused and closed_by_upstream and not conn.received
+                    and method in RETRIED_METHODS):
                 raise
             self._gone(conn)  # its slot now, not when its close is seen: the new one takes it
         except BaseException:
             conn.abort()
             raise
-        conn = await self._connect(None)
+        conn = await self._connect(None, tenant)
         try:
-            return await conn.exchange(head, body, method == "HEAD")
+            return await conn.exchange(head, body, method == "HEAD", reuse)
         except BaseException:
             conn.abort()
             raise
@@ -134,18 +163,24 @@ class UpstreamPool:
             raise UnsendableRequest("a line break in the request line or a header")
         return head.encode("utf-8", "surrogateescape")  # the bytes aiohttp's server decoded
 
-    async def _acquire(self) -> _Connection:
+    async def _acquire(self, tenant: str) -> _Connection:
         deadline = None
         while True:
-            while self._idle:
-                conn = self._idle.pop()  # the most recently used: the least likely to be stale
+            idle = self._idle.get(tenant)
+            while idle:
+                conn = idle.pop()  # the most recently used: the least likely to be stale
+                del self._idle_order[conn]
+                if not idle:  # tenants come and go: none is kept without a connection
+                    del self._idle[tenant]
                 if conn.reusable():
                     return conn
                 conn.abort()
             if self._closed:
                 raise NotSent("the proxy is shutting down")
+            if self._open >= self.max_connections and self._idle_order:
+                self._evict(next(iter(self._idle_order)))  # another tenant's, least recently used
             if self._open < self.max_connections:
-                return await self._connect(deadline)
+                return await self._connect(deadline, tenant)
             loop = asyncio.get_running_loop()
             if deadline is None and self.connect_timeout is not None:
                 deadline = loop.time() + self.connect_timeout
@@ -164,12 +199,12 @@ class UpstreamPool:
                                          f"within {self.connect_timeout} s") from None
                 raise
 
-    async def _connect(self, deadline: float | None) -> _Connection:
+    async def _connect(self, deadline: float | None, tenant: str) -> _Connection:
         self._open += 1
         loop = asyncio.get_running_loop()
         if deadline is None and self.connect_timeout is not None:
             deadline = loop.time() + self.connect_timeout
-        conn = _Connection(self)  # its slot is freed once, by whichever of us sees it fail first
+        conn = _Connection(self, tenant)  # its slot is freed once, by whichever of us sees it fail first
         try:
             async with asyncio.timeout_at(deadline):
                 await self.egress.connect(conn)
@@ -194,13 +229,28 @@ class UpstreamPool:
             conn.abort()
             return
         conn.resume()  # a relay that stopped reading may have left it paused
-        conn.idle_since = now = time.monotonic()
-        self._idle.append(conn)
-        oldest = self._idle[0]  # new ones are taken first: the oldest would never be looked at
-        if now - oldest.idle_since >= KEEPALIVE_S:
-            self._idle.popleft()
-            oldest.abort()
+        now = time.monotonic()
+        oldest = next(iter(self._idle_order), None)  # new ones are taken first: the oldest would
+        if oldest is not None and now >= oldest.expires_at:  # never be looked at, so look here
+            self._evict(oldest)
+        conn.expires_at = now + conn.keepalive
+        self._idle.setdefault(conn.tenant, collections.deque()).append(conn)
+        self._idle_order[conn] = None
         self._wake()
+
+    def _forget_idle(self, conn: _Connection) -> None:
+        if conn in self._idle_order:
+            del self._idle_order[conn]
+            idle = self._idle[conn.tenant]
+            idle.remove(conn)
+            if not idle:
+                del self._idle[conn.tenant]
+
+    def _evict(self, conn: _Connection) -> None:
+        """Close an idle connection and free its slot now (its close is seen later)."""
+        self._forget_idle(conn)
+        conn.abort()
+        self._gone(conn)
 
     def _gone(self, conn: _Connection) -> None:
         """A connection closed, or failed to open: its slot is free (once)."""
@@ -209,10 +259,7 @@ class UpstreamPool:
         conn.slot_freed = True
         self._open -= 1
         self._connected.discard(conn)
-        try:
-            self._idle.remove(conn)
-        except ValueError:
-            pass
+        self._forget_idle(conn)
         self._wake()
 
     def _wake(self) -> None:
@@ -227,6 +274,7 @@ class UpstreamPool:
         have drained): an upstream's handler is never left writing to a proxy that is gone."""
         self._closed = True
         self._idle.clear()
+        self._idle_order.clear()
         for conn in list(self._connected):
             conn.abort()
         for waiter in self._waiters:
@@ -298,7 +346,7 @@ class UpstreamResponse:
         conn = self._conn
         conn.response = None
         if self._complete and self._keep_alive and self._error is None and not self._skip_body \
-                and not conn.lost and not conn.transport.get_write_buffer_size():
+                and conn.keepalive > 0 and not conn.lost and not conn.transport.get_write_buffer_size():
             # (an answer that came before our request was all written: nginx closes those too)
             conn.pool._idle_again(conn)
         else:
@@ -355,6 +403,8 @@ class UpstreamResponse:
         self.status = status
         self._keep_alive = keep_alive
         self.headers = CIMultiDictProxy(CIMultiDict(self._raw))
+        if "Keep-Alive" in self.headers:
+            self._conn.server_keepalive(self.headers.getall("Keep-Alive"))
         length = self.headers.get("Content-Length")
         self.content_length = int(length) if length is not None and length.isdigit() else None
         if self._skip_body or status in (204, 304):
@@ -386,12 +436,17 @@ _NO_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
 class _Connection(asyncio.Protocol):
     """One connection to the upstream, one exchange at a time; its parser calls back here."""
 
-    def __init__(self, pool: UpstreamPool):
+    def __init__(self, pool: UpstreamPool, tenant: str):
         self.pool = pool
+        self.tenant = tenant  # the only tenant whose requests it carries (see UpstreamPool)
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.response: UpstreamResponse | None = None
-        self.idle_since = 0.0
+        self.keepalive = pool.keepalive_timeout  # how long it may wait idle; 0: not reused
+        self.expires_at = 0.0  # when idle: closed, not reused, from then on
+        # the current exchange's answer heads, 1xx included: bytes read while a head was
+        # incomplete, and the fields' own size and count
+        self.head_bytes = self.head_size = self.head_fields = 0
         self.lost = False
         self.aborted = False  # closed by us: its end is no end of a body
         self.paused = False
@@ -399,10 +454,14 @@ class _Connection(asyncio.Protocol):
         self.exchanges = 0  # requests sent on it
         self.received = False  # any byte of the current exchange's answer
 
-    async def exchange(self, head: bytes, body: bytes, skip_body: bool) -> UpstreamResponse:
+    async def exchange(self, head: bytes, body: bytes, skip_body: bool,
+                       reuse: bool = True) -> UpstreamResponse:
         response = self.response = UpstreamResponse(self, skip_body)
         self.exchanges += 1
         self.received = False
+        self.head_bytes = self.head_size = self.head_fields = 0
+        if not reuse:
+            self.keepalive = 0.0
         if body:
             self.transport.writelines((head, body))
         else:
@@ -412,8 +471,21 @@ class _Connection(asyncio.Protocol):
         return response
 
     def reusable(self) -> bool:
-        return (not self.lost and not self.transport.is_closing()
-                and time.monotonic() - self.idle_since < KEEPALIVE_S)
+        return not self.lost and not self.transport.is_closing() and time.monotonic() < self.expires_at
+
+    def server_keepalive(self, values: list[str]) -> None:
+        """``Keep-Alive: timeout=N`` (RFC 2068 §19.7.1, still sent by Node and others): the
+        server closes idle connections after N s, so we stop reusing them a margin earlier
+        than that, lest a request cross its close."""
+        for value in values:
+            for param in value.split(","):
+                name, _, number = param.partition("=")
+                if name.strip().lower() == "timeout":
+                    try:
+                        seconds = float(number.strip().strip('"'))
+                    except ValueError:
+                        continue
+                    self.keepalive = max(0.0, min(self.keepalive, seconds - KEEPALIVE_MARGIN_S))
 
     def abort(self) -> None:
         if self.transport is not None and not self.lost:
@@ -442,14 +514,25 @@ class _Connection(asyncio.Protocol):
             self.abort()
             return
         self.received = True
+        if not response.status:  # a head still coming: bounded, so a huge one cannot grow us
+            self.head_bytes += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             response._fail(UpstreamError("the upstream switched protocols"))
             self.abort()
+        except httptools.HttpParserCallbackError as exc:  # one of ours, raised in a callback below
+            cause = exc.__context__
+            response._fail(cause if isinstance(cause, UpstreamError) else UpstreamError(str(exc)))
+            self.abort()
         except httptools.HttpParserError as exc:
             response._fail(UpstreamError(f"malformed answer from the upstream: {exc}"))
             self.abort()
+        else:
+            if not response.status and self.head_bytes > self.pool.max_head_bytes:
+                limit = self.pool.max_head_bytes
+                response._fail(HeadTooLarge(f"the upstream's answer head is over {limit} bytes"))
+                self.abort()
 
     def eof_received(self) -> bool:
         return False  # close our side too
@@ -473,6 +556,13 @@ class _Connection(asyncio.Protocol):
             self.response._keep_alive = False
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        # counted field by field: a head that arrives whole within one read is bounded too
+        self.head_fields += 1
+        self.head_size += len(name) + len(value) + 4
+        if self.head_fields > self.pool.max_head_fields:
+            raise HeadTooLarge(f"the upstream's answer head has over {self.pool.max_head_fields} fields")
+        if self.head_size > self.pool.max_head_bytes:
+            raise HeadTooLarge(f"the upstream's answer head is over {self.pool.max_head_bytes} bytes")
         self.response._raw.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
 
     def on_headers_complete(self) -> None:

@@ -10,6 +10,7 @@ import socket
 import ssl
 import struct
 import subprocess
+import time
 
 import pytest
 
@@ -87,8 +88,8 @@ async def upstream():
         await raw.close()
 
 
-async def fetch(pool: UpstreamPool, method="POST", target="/v1/x", headers=(), body=b"{}"):
-    resp = await pool.request(method, target, list(headers), body)
+async def fetch(pool: UpstreamPool, method="POST", target="/v1/x", headers=(), body=b"{}", **options):
+    resp = await pool.request(method, target, list(headers), body, **options)
     try:
         return resp.status, resp.headers, await resp.read()
     finally:
@@ -387,17 +388,32 @@ async def test_a_missing_last_chunk_is_no_end_of_a_body(upstream):
         await fetch(pool)
 
 
-async def test_a_reused_connection_closed_as_it_was_sent_to_is_retried_for_a_get_only(upstream):
-    async def close_without_answer(writer):
-        writer.close()
+async def close_without_answer(writer):
+    writer.close()
+
+
+async def test_a_passthrough_get_on_a_reused_connection_that_closed_is_sent_again(upstream):
     raw, pool = await upstream(OK, close_without_answer, OK, OK, close_without_answer)
-    assert (await fetch(pool, "GET", body=b""))[2] == b"{}"
-    assert (await fetch(pool, "GET", body=b""))[2] == b"{}"  # its close crossed our request: sent again
+    assert (await fetch(pool, "GET", body=b"", may_resend=True))[2] == b"{}"
+    # its close crossed our request: sent again (RFC 9110 §9.2.2)
+    assert (await fetch(pool, "GET", body=b"", may_resend=True))[2] == b"{}"
     assert (len(raw.requests), raw.connections) == (3, 2)
-    assert (await fetch(pool))[2] == b"{}"
-    with pytest.raises(UpstreamError) as caught:  # a POST is not sent twice
-        await fetch(pool)
+    assert (await fetch(pool, may_resend=True))[2] == b"{}"
+    with pytest.raises(UpstreamError) as caught:  # a POST is not sent twice, even in passthrough
+        await fetch(pool, may_resend=True)
     assert not isinstance(caught.value, NotSent)
+
+
+@pytest.mark.parametrize("method", ["PUT", "DELETE", "GET"])
+async def test_a_recorded_call_is_never_sent_twice_whatever_its_method(upstream, method):
+    """The upstream acts, then closes the reused connection without answering: the pool
+    says so (sent, outcome unknown) instead of acting twice (issue 25, item 3)."""
+    raw, pool = await upstream(OK, close_without_answer, OK)
+    assert (await fetch(pool, method, body=b""))[0] == 200
+    with pytest.raises(UpstreamError) as caught:
+        await fetch(pool, method, body=b"")
+    assert not isinstance(caught.value, NotSent)
+    assert len(raw.requests) == 2
 
 
 async def test_a_silent_upstream_is_not_asked_twice(upstream):
@@ -406,3 +422,135 @@ async def test_a_silent_upstream_is_not_asked_twice(upstream):
     with pytest.raises(UpstreamTimeout):  # a timeout is no crossed close: one wait, not two
         await fetch(pool, "GET", body=b"")
     assert len(raw.requests) == 2
+
+
+# -- the upstream boundary (SPEC §15): connections per tenant, poisoned connections, heads --
+
+def answer_twice(first: bytes, second: bytes, after: float = 0.08):
+    """A broken or malicious upstream: a second, unasked-for answer ``after`` the first."""
+    async def twice(writer):
+        writer.write(first)
+        await asyncio.sleep(after)
+        writer.write(second)
+    return twice
+
+
+def ok(text: str) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(text), text.encode())
+
+
+async def test_a_connection_is_never_shared_between_tenants(upstream):
+    raw, pool = await upstream(OK, OK, OK, OK)
+    await fetch(pool, tenant="alice")
+    await fetch(pool, tenant="bob")  # alice's idle connection is not bob's
+    await fetch(pool, tenant="alice")
+    await fetch(pool, tenant="bob")
+    assert raw.connections == 2
+
+
+@pytest.mark.parametrize("max_connections", [1, 4])
+async def test_a_late_second_answer_never_reaches_another_tenant(upstream, max_connections):
+    """Issue 25, item 2: the upstream answers alice's call twice, 80 ms apart; bob's call,
+    sent in between, gets its own answer from a connection of his own."""
+    raw, pool = await upstream(answer_twice(ok("alice"), ok("stray")), ok("bob"),
+                               max_connections=max_connections)
+    assert (await fetch(pool, tenant="alice"))[2] == b"alice"
+    assert (await fetch(pool, tenant="bob"))[2] == b"bob"  # at once, before the stray answer
+    await asyncio.sleep(0.2)
+    assert raw.connections == 2
+
+
+async def test_a_tenant_at_the_cap_closes_another_tenants_idle_connection(upstream):
+    raw, pool = await upstream(OK, OK, OK, max_connections=1)
+    await fetch(pool, tenant="alice")
+    await fetch(pool, tenant="bob")
+    await fetch(pool, tenant="alice")
+    assert raw.connections == 3 and pool._open == 1
+
+
+async def test_bytes_on_an_idle_connection_poison_it(upstream):
+    raw, pool = await upstream(answer_twice(ok("first"), ok("stray"), after=0.05), ok("second"))
+    assert (await fetch(pool, tenant="alice"))[2] == b"first"
+    await asyncio.sleep(0.2)  # the stray answer arrives while the connection is idle
+    assert (await fetch(pool, tenant="alice"))[2] == b"second"
+    assert raw.connections == 2
+
+
+@pytest.mark.parametrize("method", sorted(upstream_client.BODYLESS_METHODS - {"HEAD"}))
+async def test_a_connection_that_carried_a_body_the_upstream_may_ignore_is_not_reused(upstream, method):
+    """Issue 25, item 1 (CL.0): an upstream that ignores a GET's body reads it as a request of
+    its own; the connection is closed after the GET's answer, so that answer reaches nobody."""
+    raw, pool = await upstream(OK, OK)
+    assert (await fetch(pool, method, body=b"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n"))[0] == 200
+    assert (await fetch(pool))[0] == 200
+    assert raw.connections == 2
+
+
+async def test_a_bodyless_get_keeps_its_connection(upstream):
+    raw, pool = await upstream(OK, OK)
+    await fetch(pool, "GET", body=b"")
+    await fetch(pool, "GET", body=b"")
+    assert raw.connections == 1
+
+
+async def test_an_endless_head_line_is_refused_in_bounded_memory(upstream):
+    async def endless(writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nX-Big: ")
+        for _ in range(400):  # 400 x 64 KiB = 25 MiB, if it were all read
+            writer.write(b"a" * 65536)
+            await writer.drain()
+    _, pool = await upstream(endless, max_head_bytes=64 * 1024)
+    started = time.monotonic()
+    with pytest.raises(upstream_client.HeadTooLarge, match="over 65536 bytes"):
+        await fetch(pool)
+    assert time.monotonic() - started < 1.5
+
+
+async def test_a_head_with_too_many_fields_is_refused(upstream):
+    fields = b"".join(b"X-F%d: v\r\n" % i for i in range(300))
+    _, pool = await upstream(b"HTTP/1.1 200 OK\r\n" + fields + b"Content-Length: 2\r\n\r\n{}")
+    with pytest.raises(upstream_client.HeadTooLarge, match="over 256 fields"):
+        await fetch(pool)
+
+
+async def test_a_head_just_under_the_caps_with_its_body_in_the_same_read_is_taken(upstream):
+    fields = b"".join(b"X-F%d: %s\r\n" % (i, b"v" * 200) for i in range(250))  # ~53 KiB
+    body = b"x" * 60000  # arrives with the head: not counted as head
+    raw, pool = await upstream(b"HTTP/1.1 200 OK\r\n" + fields + b"Content-Length: 60000\r\n\r\n" + body)
+    status, headers, got = await fetch(pool)
+    assert (status, len(headers), got) == (200, 251, body)
+
+
+async def test_idle_connections_expire_after_keepalive_timeout(upstream):
+    raw, pool = await upstream(OK, OK, OK, keepalive_timeout=0.3)
+    await fetch(pool)
+    await fetch(pool)  # within 0.3 s: reused
+    await asyncio.sleep(0.4)
+    await fetch(pool)
+    assert raw.connections == 2
+
+
+async def test_keepalive_timeout_zero_never_reuses(upstream):
+    raw, pool = await upstream(OK, OK, keepalive_timeout=0)
+    await fetch(pool)
+    await fetch(pool)
+    assert raw.connections == 2
+
+
+async def test_the_servers_keep_alive_timeout_is_honoured_with_a_margin(upstream):
+    """``Keep-Alive: timeout=1.5`` (Node sends timeout=5): reused within 0.5 s, not after."""
+    hinted = b"HTTP/1.1 200 OK\r\nKeep-Alive: timeout=1.5, max=100\r\nContent-Length: 2\r\n\r\n{}"
+    raw, pool = await upstream(hinted, hinted, hinted, keepalive_timeout=30)
+    await fetch(pool)
+    await fetch(pool)
+    assert raw.connections == 1
+    await asyncio.sleep(0.6)
+    await fetch(pool)
+    assert raw.connections == 2
+
+
+async def test_a_pool_keeps_nothing_for_tenants_without_idle_connections(upstream):
+    raw, pool = await upstream(*[OK] * 20, max_connections=2)
+    for n in range(20):
+        await fetch(pool, tenant=f"t{n}")
+    assert len(pool._idle) <= 2 and len(pool._idle_order) <= 2 and pool._open <= 2

@@ -14,11 +14,11 @@ from .settings import (ANONYMOUS_CHOICES, ENV_PREFIX, MAX_STANDBY, MODEL_PROVIDE
                        RESERVED_NAMES, RUNS_PER_CREDENTIAL, RUNS_SHARED, SECTIONS, AdminSettings,
                        ConfigError, HookSettings, IgnoreFields, Policy, Rule, RunSettings, ServerSettings,
                        Settings, StoreSettings, SupervisorSettings, TenantSettings, UpstreamSettings,
-                       ambiguous_policy, shares_anonymous, upstream_kind)
+                       ambiguous_policy, keepalive_timeout, shares_anonymous, upstream_kind)
 
 __all__ = ["ANONYMOUS_CHOICES", "ENV_PREFIX", "MAX_STANDBY", "MODEL_PROVIDERS", "NAMED_SECTIONS",
            "RESERVED_NAMES", "RUNS_PER_CREDENTIAL", "RUNS_SHARED", "SECTIONS", "AdminSettings", "ConfigError",
            "HookSettings", "IgnoreFields", "Policy", "Rule", "RunSettings", "Secret", "ServerSettings",
            "Settings", "StoreSettings", "SupervisorSettings", "TenantSettings", "UpstreamSettings",
-           "ambiguous_policy", "load_settings", "mask_url", "parse_duration", "shares_anonymous",
+           "ambiguous_policy", "keepalive_timeout", "load_settings", "mask_url", "parse_duration", "shares_anonymous",
            "unknown_variables", "upstream_kind"]

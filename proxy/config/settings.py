@@ -26,6 +26,8 @@ class Policy(StrEnum):
     PASSTHROUGH = "passthrough"  # forward, record nothing
 
 
+# [upstreams.*] keepalive_timeout by kind: under gunicorn's 2 s for tool servers
+MODEL_KEEPALIVE_S, TOOL_KEEPALIVE_S = 30.0, 1.5
 ANONYMOUS_CHOICES = ("refuse", "shared")  # [tenants] and [upstreams.*] anonymous
 MAX_STANDBY = 64  # [hooks.*] standby: idle processes per hook and supervisor
 
@@ -141,6 +143,16 @@ class UpstreamSettings:
     connect_timeout: float = 10.0
     read_timeout: float = 300.0  # longest silence between two bytes of the response
     max_connections: int = 256
+    # How long an idle connection is kept for reuse (0: never reused); by kind when unset:
+    # model providers' front doors keep idle connections for minutes, while common tool
+    # servers close them after 2 s (gunicorn) or 5 s (uvicorn, Node). A request that crosses
+    # the server's close fails, and a recorded call must not be sent again, so a tool's
+    # connection is let go first. A server's `Keep-Alive: timeout=N` lowers it to N - 1 s.
+    keepalive_timeout: float | None = None
+    # The most an answer's head may hold (status line and fields; 502 past either), as
+    # nginx's proxy_buffer_size bounds it: what an upstream sends cannot grow the proxy.
+    max_head_bytes: int = 64 * 1024
+    max_head_fields: int = 256
     # model -> [USD per million input tokens, per million output tokens] ("*" for any model),
     # overriding the genai-prices database (proxy/pricing.py);
     # for the cost that replays saved (idemproxy_cost_saved_usd_total)
@@ -269,6 +281,13 @@ def upstream_kind(up: UpstreamSettings) -> str:
 def shares_anonymous(up: UpstreamSettings, tenants: TenantSettings) -> bool:
     """Whether callers with no credential may record through ``up``, sharing one tenant."""
     return (up.anonymous or tenants.anonymous) == "shared"
+
+
+def keepalive_timeout(up: UpstreamSettings) -> float:
+    """How long ``up``'s idle connections are reused: its own setting, else by kind."""
+    if up.keepalive_timeout is not None:
+        return up.keepalive_timeout
+    return MODEL_KEEPALIVE_S if upstream_kind(up) == "model" else TOOL_KEEPALIVE_S
 
 
 def ambiguous_policy(up: UpstreamSettings) -> str:

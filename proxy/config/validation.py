@@ -27,6 +27,11 @@ def validate(s: Settings) -> None:
             raise ConfigError(f"upstreams.{up.name}.on_ambiguous must be 'retry' or 'quarantine'")
         if up.anonymous not in ("", *ANONYMOUS_CHOICES):
             raise ConfigError(f"upstreams.{up.name}.anonymous must be 'refuse' or 'shared'")
+        if up.keepalive_timeout is not None and up.keepalive_timeout < 0:
+            raise ConfigError(f"upstreams.{up.name}.keepalive_timeout must be 0 (no reuse) or more")
+        if up.max_head_bytes < 1024 or up.max_head_fields < 8:
+            raise ConfigError(f"upstreams.{up.name}: max_head_bytes must be at least 1024 and "
+                              "max_head_fields at least 8")
         for model, price in up.prices.items():
             if len(price) != 2:
                 raise ConfigError(f"upstreams.{up.name}.prices.{model} must be [input, output] USD per "
