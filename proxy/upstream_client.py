@@ -128,7 +128,7 @@ class UpstreamPool:
         conn = await self._acquire(tenant)
         reused = conn.exchanges > 0
         try:
-            return await conn.exchange(head, body, method == "HEAD", reuse)
+            return self._through_egress(await conn.exchange(head, body, method == "HEAD", reuse))
         except UpstreamError:
             closed_by_upstream = conn.lost and not conn.aborted  # not a timeout, not a parse error
             conn.abort()
@@ -141,10 +141,18 @@ class UpstreamPool:
             raise
         conn = await self._connect(None, tenant)
         try:
-            return await conn.exchange(head, body, method == "HEAD", reuse)
+            return self._through_egress(await conn.exchange(head, body, method == "HEAD", reuse))
         except BaseException:
             conn.abort()
             raise
+
+    def _through_egress(self, response: UpstreamResponse) -> UpstreamResponse:
+        """The answer, unless a forward proxy refused to pass the request on: a 407 is the
+        proxy's own (RFC 9110 §15.5.8), so the upstream never saw the request."""
+        if response.status == 407 and self.egress.target_prefix:
+            response.close()
+            raise NotSent("the egress proxy refused the request: 407 Proxy Authentication Required")
+        return response
 
     def _head(self, method: str, target: str, headers: list[tuple[str, str]], body: bytes) -> bytes:
         egress = self.egress  # through a forward proxy: absolute-form, Proxy-Authorization

@@ -167,6 +167,20 @@ async def test_a_proxy_refusing_connect_is_a_502_and_the_key_stays_free(
     assert "wrong" not in caplog.text and "s3cret" not in caplog.text
 
 
+async def test_a_forward_proxy_refusing_an_http_call_is_a_502_and_the_key_stays_free(
+        squid, provider, make_proxy, sqlite_url, http):
+    """Its 407 is the proxy's, not the upstream's: never recorded, the key released."""
+    egress = squid(users={"alice": "s3cret"})
+    plain = f"http://{NAME}:{port_of(provider.url)}/tools"
+    refused = await make_proxy(sqlite_url, upstreams__tools={"url": plain, "proxy": egress.url_as("alice", "no")})
+    async with http.post(refused.url + "/tools/send", json={}, headers={"Idempotency-Key": "k1"}) as r:
+        assert "nothing was sent, the key is free" in (await problem(r, "upstream-unavailable", 502))["detail"]
+    allowed = await make_proxy(sqlite_url, upstreams__tools={"url": plain, "proxy": egress.url_as("alice", "s3cret")})
+    async with http.post(allowed.url + "/tools/send", json={}, headers={"Idempotency-Key": "k1"}) as r:
+        assert r.status == 200 and r.headers["Idempotent-Replayed"] == "false"
+    assert provider.calls["tool:send"] == 1
+
+
 async def test_no_proxy_sends_a_host_direct(monkeypatch, squid, direct_name, provider, make_proxy, sqlite_url,
                                            http):
     egress = squid()
