@@ -290,7 +290,7 @@ class Proxy:
                 return await self._call(request, route, result.entry, body, ident.namespace, started, noted)
             entry = result.entry
             self.answers.put(entry, noted)
-            answer = await self._from_journal(request, upstream, entry, fp, started)
+            answer = await self._from_journal(request, upstream, entry, fp, started, deadline)
             if answer is not None:
                 return answer
             await self._wait(kid, deadline)
@@ -369,9 +369,10 @@ class Proxy:
             request[FACTS].answer = call.answer
 
     async def _from_journal(self, request: web.Request, upstream: UpstreamSettings, entry: Entry,
-                            fp: str, started: float) -> web.StreamResponse | None:
+                            fp: str, started: float, deadline: float = 0.0) -> web.StreamResponse | None:
         """Answer from a key someone else claimed: its replay, a refusal, or the stream
-        another proxy is recording. None: in flight, and its stream has not begun."""
+        another proxy is recording, once that proxy shows it is alive (join_remote; until
+        ``deadline``). None: in flight, and its stream has not begun or its lease ran out."""
         if entry.fingerprint != fp:
             raise key_reused("was first used")
         state = entry.state
@@ -388,7 +389,7 @@ class Proxy:
             raise outcome_unknown(entry)
         if state == EntryState.UNRECORDABLE:
             raise Problem("not-replayable", entry.detail or "the response was too large to record")
-        joined = await join_remote(request, self.store, entry.kid, started)
+        joined = await join_remote(request, self.store, entry, started, deadline)
         if joined is not None:
             request[OUTCOME] = Outcome.JOINED
         return joined

@@ -152,35 +152,68 @@ async def _listen(request: web.Request, call: Call, started: float, replayed: bo
     return resp
 
 
-async def join_remote(request: web.Request, store: Store, kid: str,
-                      started: float) -> web.StreamResponse | None:
-    """Join a stream that another proxy is recording, through its partials in the store.
+async def join_remote(request: web.Request, store: Store, claim: Entry, started: float,
+                      deadline: float) -> web.StreamResponse | None:
+    """Join a stream that another proxy is recording under ``claim``, through its partials in
+    the store.
 
-    Returns None when the entry is no longer in flight before the stream began (the
-    caller then looks at it afresh).
+    Bytes in the store are not an answer: a proxy killed mid-stream leaves them there until
+    its lease ends, and a replay is the whole recorded answer or nothing (SPEC §15). So the
+    head is sent only once the recording proxy shows it is alive, by sharing bytes after
+    this request first looked, or by completing the record; until then the request waits as
+    for any key in flight, until ``deadline`` (then 409 in-flight). None: ``claim`` is no
+    longer in flight (it ended, its lease ran out, or its stream has not begun): the caller
+    looks at the key afresh, and an expired claim is then ambiguous (SPEC §4).
+
+    Once bytes are sent, the answer follows that one claim to its recorded end, or is cut
+    short: its proxy died, the stream broke, or another claim took the key over (whose bytes
+    would not continue these).
     """
-    head = await store.journal.read_partial(kid, -1)
-    if not head or head[0][0] != 0:
+    journal = store.journal
+    shared = await journal.read_partial(claim.kid, -1)
+    if not shared or shared[0][0] != 0:
         return None
-    meta = orjson.loads(head[0][1])
+    seq = shared[-1][0]  # maybe all a dead proxy left behind
+    while True:
+        fresh = await journal.read_partial(claim.kid, seq)
+        entry = await journal.get(claim.kid)  # after the read: were those bytes this claim's?
+        if not _same_claim(entry, claim):
+            return None
+        if entry.state == EntryState.COMPLETE and entry.response is not None:
+            return await send_record(request, entry.response, started)
+        if entry.state != EntryState.IN_FLIGHT or entry.lease_until < time.time():
+            return None
+        if fresh:  # alive
+            break
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise in_flight()
+        await journal.wait(claim.kid, min(remaining, 1.0))
+    meta = orjson.loads(shared[0][1])
     resp = await start_stream(request, meta["status"], _headers(
         meta["headers"], True, server_timing(time.perf_counter() - started)), replayed=True)
-    seq, sent = 0, 0
-    for s, data in head[1:]:
-        await resp.write(data)
-        seq, sent = s, sent + len(data)
+    sent, pending = 0, shared[1:] + fresh
     while True:
-        entry: Entry | None = await store.journal.get(kid)
-        if entry is not None and entry.state == EntryState.COMPLETE and entry.response is not None:
+        for s, data in pending:
+            await resp.write(data)
+            seq, sent = s, sent + len(data)
+        await journal.wait(claim.kid, 1.0)
+        pending = await journal.read_partial(claim.kid, seq)
+        entry = await journal.get(claim.kid)
+        if not _same_claim(entry, claim):
+            return cut_short(request)  # taken over: the new call's bytes do not continue these
+        if entry.state == EntryState.COMPLETE and entry.response is not None:
             await resp.write(entry.response.body[sent:])
             await resp.write_eof()
             return resp
-        if entry is None or entry.state != EntryState.IN_FLIGHT or entry.lease_until < time.time():
+        if entry.state != EntryState.IN_FLIGHT or entry.lease_until < time.time():
             return cut_short(request)  # the stream broke upstream, or its proxy died
-        for s, data in await store.journal.read_partial(kid, seq):
-            await resp.write(data)
-            seq, sent = s, sent + len(data)
-        await store.journal.wait(kid, 1.0)
+
+
+def _same_claim(entry: Entry | None, claim: Entry) -> bool:
+    """Whether ``entry`` is still the outcome of ``claim``: a new claim on the key (a
+    takeover of an expired one) has a new ``created_at``."""
+    return entry is not None and entry.created_at == claim.created_at
 
 
 def key_reused(how: str) -> Problem:
