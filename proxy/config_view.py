@@ -1,6 +1,6 @@
 """The configuration shown to people: ``idemproxy config`` (the effective settings, secrets
-masked) and the README's table of every option, generated from the dataclasses in config/settings.py
-so that it cannot drift::
+masked) and docs/configuration.md's table of every option, generated from the dataclasses in
+config/settings.py so that it cannot drift::
 
     python -m idemproxy.proxy.config_view --markdown
 """
