@@ -1,4 +1,4 @@
-"""Replays from memory: complete journal entries this process recorded or read (issue 13).
+"""Replays from memory: complete journal entries this process recorded or read.
 
 A replay otherwise costs a store round trip (a read, or on PostgreSQL a claim that answers
 a taken key with its entry): most of what it costs, against a provider that answers fast.

@@ -102,7 +102,7 @@ class Connection(web.RequestHandler):
     def _answering(self) -> web.BaseRequest | None:
         """The request being answered. aiohttp's ``_request_in_progress`` holds from the
         handler's start until its answer is out (``finish_response``); overriding that
-        coroutine instead cost every request one more (issue 13). Once it is over, the
+        coroutine instead cost every request one more. Once it is over, the
         connection is idle, and aiohttp's keep-alive timeout takes over."""
         return self._request if self._request_in_progress else None
 

@@ -43,8 +43,8 @@ RENDER_PROBLEM = web.RequestKey("render_problem", object)
 
 
 def problem_middleware(metrics: Metrics, admit: Callable[[web.Request], None] | None = None) -> Middleware:
-    """The app's one middleware (each one more costs every request a coroutine and a call:
-    issue 13), and the error boundary of what the front door sends straight to the proxy
+    """The app's one middleware (each one more costs every request a coroutine and a call),
+    and the error boundary of what the front door sends straight to the proxy
     (app.front_door): ``admit`` checks the request first, its refusals answered like any other."""
     @web.middleware
     async def problems(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -57,7 +57,7 @@ def problem_middleware(metrics: Metrics, admit: Callable[[web.Request], None] | 
         except StoreUnavailable as exc:
             log.error("store unavailable: %s", exc)
             detail = "the journal store did not answer"
-            if STARTED in request:  # SPEC §7: a record request fails closed
+            if STARTED in request:  # a record request fails closed (docs/guarantees.md)
                 detail += "; nothing was forwarded"
             return answer(request, Problem("store-unavailable", detail))
         except web.HTTPRequestEntityTooLarge:  # a chunked body past client_max_size
@@ -90,7 +90,7 @@ def answer(request: web.Request, problem: Problem) -> web.StreamResponse:
     render = request.get(RENDER_PROBLEM)
     response = problem_response(problem, instance=path if path[:1] == "/" else None, render=render)
     started = request.get(STARTED)
-    if started is not None:  # the proxy's answers carry its own time (SPEC §5)
+    if started is not None:  # the proxy's answers carry its own time (docs/guarantees.md)
         response.headers["Server-Timing"] = server_timing(time.perf_counter() - started)
     return response
 

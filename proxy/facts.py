@@ -66,6 +66,6 @@ KEY_KINDS = {"key": "explicit", "derived": "derived", "fingerprint": "fingerprin
 
 
 def key_kind(scope_key: str) -> str:
-    """How a request's journal key was made (SPEC §2), from its scope's key: the agent's own
+    """How a request's journal key was made (docs/concepts.md), from its scope's key: the agent's own
     ``Idempotency-Key`` (explicit), derived in its run, or its fingerprint alone."""
     return KEY_KINDS.get(scope_key.partition(":")[0], "derived")

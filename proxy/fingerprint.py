@@ -1,4 +1,4 @@
-"""The fingerprint of a request: what makes two calls "the same call" (SPEC §3).
+"""The fingerprint of a request: what makes two calls "the same call" (docs/concepts.md).
 
 SHA-256 over method, upstream, path with query, and body. The rule for the body, one
 rule so that valid input never fails and different requests never share a record:

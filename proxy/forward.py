@@ -39,7 +39,7 @@ def _dropped(headers: CIMultiDictProxy[str], always: frozenset[str]) -> frozense
 @functools.lru_cache(maxsize=64)
 def _connection_tokens(values: tuple[str, ...]) -> frozenset[str]:
     """Header names a ``Connection`` field lists. Nearly every upstream answer says
-    ``keep-alive``: parsed once, not once per answer (issue 13)."""
+    ``keep-alive``: parsed once, not once per answer."""
     return frozenset(t.strip().lower() for value in values for t in value.split(","))
 
 

@@ -24,7 +24,7 @@ cannot be reached the reads fail, the lease lapses within W, and requests go to 
 
 What it does not see: a change made in the store by hand (SQL, redis-cli) without raising
 the generation, a store restored from a backup or a Redis that lost its data, and Redis
-evicting keys under ``maxmemory`` (a journal must not be evicted anyway). The README
+evicting keys under ``maxmemory`` (a journal must not be evicted anyway). docs/concepts.md
 ("Replays from memory") says how to raise the generation by hand.
 """
 

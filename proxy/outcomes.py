@@ -1,5 +1,5 @@
 """What the proxy did with a request: the ``outcome`` label of ``idemproxy_requests``
-(SPEC §9) and the fifth field of an access-log line."""
+(docs/operations.md) and the fifth field of an access-log line."""
 
 from __future__ import annotations
 

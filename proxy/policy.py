@@ -1,4 +1,4 @@
-"""What is recorded (SPEC §4): the policy of a request and the verdict on an answer."""
+"""What is recorded (docs/concepts.md): the policy of a request and the verdict on an answer."""
 
 from __future__ import annotations
 

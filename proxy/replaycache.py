@@ -1,11 +1,11 @@
-"""Replay in one read: a restarted attempt's replays answered from memory (issue 14).
+"""Replay in one read: a restarted attempt's replays answered from memory.
 
 A new attempt of a run (epoch > 0) usually begins by replaying what the attempt before it
 did: hundreds of calls, each a store round trip or two. On the attempt's first recorded
 request here, the proxy loads the run's complete journal entries in one read
 (``Journal.recorded``) and answers the attempt's replays from them.
 
-Why an entry in memory answers as the store would (what the README promises):
+Why an entry in memory answers as the store would (what docs/concepts.md promises):
 
 - Only COMPLETE entries are loaded, and a complete entry never changes until it expires
   or its run's journal is deleted: resolve changes quarantined entries only, release and
@@ -18,8 +18,8 @@ Why an entry in memory answers as the store would (what the README promises):
   them in memory would need the store to grant one process an attempt's counters, take
   them back when another process serves the same attempt (a lease and its revocation),
   and lose the attempt when a holder dies with counts it had not written; that round
-  trip is most of what a replayed call costs on PostgreSQL and Redis (README, "Replay in
-  one read").
+  trip is most of what a replayed call costs on PostgreSQL and Redis (docs/concepts.md,
+  "Replays from memory").
 
 The memory is bounded by ``[store] replay_cache_bytes`` (recorded bodies, all attempts
 together), and an attempt's entries are dropped when it goes live (its first call that

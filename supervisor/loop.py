@@ -1,4 +1,4 @@
-"""The supervisor: a small loop that restarts runs gone silent (SPEC §8).
+"""The supervisor: a small loop that restarts runs gone silent (docs/restarts.md).
 
 Every ``[supervisor] interval_s`` it asks the store for running runs silent for longer
 than their ``timeout_s`` (and past the ``grace_s`` that follows each start), or whose

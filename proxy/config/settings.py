@@ -21,7 +21,7 @@ MODEL_PROVIDERS = {"api.openai.com", "api.anthropic.com", "generativelanguage.go
 
 
 class Policy(StrEnum):
-    """What the proxy does with a request (SPEC §4): a rule's ``policy``, or ``Idem-Policy``."""
+    """What the proxy does with a request (docs/concepts.md): a rule's ``policy``, or ``Idem-Policy``."""
     RECORD = "record"            # claim the key, forward, record the outcome, then answer
     PASSTHROUGH = "passthrough"  # forward, record nothing
 
@@ -118,7 +118,7 @@ class TenantSettings:
     header: str = "Idem-Tenant"
     trusted_sources: tuple[str, ...] = ()  # CIDRs allowed to name a tenant by header
     credential_headers: tuple[str, ...] = ("authorization", "x-api-key", "api-key", "x-goog-api-key")
-    # Whose runs a caller reaches (SPEC §11): "credential", the namespace of the tenant of its
+    # Whose runs a caller reaches (docs/security.md): "credential", the namespace of the tenant of its
     # credential (or of the trusted tenant header); "shared", one namespace ("default") for every
     # caller without a trusted tenant header: a deliberate choice, for one trusted agent.
     runs: str = RUNS_PER_CREDENTIAL
@@ -211,7 +211,7 @@ class HookSettings:
     # When set, the only variables a command hook inherits (IDEM_* and `env` are still given).
     pass_env: tuple[str, ...] | None = None
     # Namespaces whose own registrations (and runs their traffic creates) may arm this hook;
-    # otherwise only the admin API can (README "Who may do what").
+    # otherwise only the admin API can (docs/security.md, "Who may do what").
     allow_tenants: tuple[str, ...] = ()
     # The command is the agent: its exit without complete/fail restarts the run at once.
     # False for a launcher that hands the agent to something else and exits (kubectl, systemd-run).

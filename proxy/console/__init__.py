@@ -1,4 +1,4 @@
-"""The operator console at ``/ui`` (SPEC §13), served by the proxy itself.
+"""The operator console at ``/ui`` (docs/operations.md), served by the proxy itself.
 
 Server-rendered pages over the runs service, behind the admin token; every asset ships in
 this package (``templates/``, ``static/``), nothing is fetched at run time and nothing is

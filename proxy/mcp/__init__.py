@@ -1,4 +1,4 @@
-"""MCP upstreams (SPEC §12): ``tools/call`` journaled over Streamable HTTP, everything else
+"""MCP upstreams (docs/mcp.md): ``tools/call`` journaled over Streamable HTTP, everything else
 passed through.
 
     jsonrpc.py      JSON-RPC messages, in a POST body or in server-sent events

@@ -1,4 +1,4 @@
-"""Tool annotations, learned from the ``tools/list`` answers that pass through (SPEC §12).
+"""Tool annotations, learned from the ``tools/list`` answers that pass through (docs/mcp.md).
 
 A tool annotated ``readOnlyHint: true`` is a read: by default it goes upstream every time
 (rule 3, replay reads). ``idempotentHint`` and ``destructiveHint`` steer the policy where the

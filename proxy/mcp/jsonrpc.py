@@ -47,7 +47,7 @@ def dumps(value: Any) -> bytes:
 
 
 def canonical(value: Any) -> bytes:
-    """Keys sorted, no insignificant whitespace (SPEC §3)."""
+    """Keys sorted, no insignificant whitespace (docs/concepts.md, "The fingerprint")."""
     try:
         return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
     except TypeError:

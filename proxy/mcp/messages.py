@@ -1,6 +1,6 @@
 """What an MCP POST asks for: a ``tools/call`` (journaled), or anything else (passed through).
 
-A ``tools/call`` is keyed by what it means (SPEC §12): the tool's name and its params in
+A ``tools/call`` is keyed by what it means (docs/mcp.md): the tool's name and its params in
 canonical JSON (``arguments``, and ``inputResponses``/``requestState`` of a multi-round call),
 never its JSON-RPC id, its session, or its ``_meta`` (progress token, trace context, the
 client's info: they change from one attempt to the next and do not change what the tool does).

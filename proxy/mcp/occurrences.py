@@ -1,6 +1,6 @@
 """Which occurrence of an identical ``tools/call`` a request is, in its run's attempt.
 
-The derived key counts identical calls in an attempt (SPEC §2): the n-th identical call of a
+The derived key counts identical calls in an attempt (docs/concepts.md): the n-th identical call of a
 restarted attempt maps onto the n-th recorded one. But an MCP client whose response stream
 breaks re-issues the same call with a new JSON-RPC id (MCP 2026-07-28, SEP-2575), and
 parallel tool calls can send the same call twice at once. Neither is a new step: until an

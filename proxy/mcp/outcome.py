@@ -1,4 +1,4 @@
-"""What an MCP server's answer to ``tools/call`` means for its journal entry (SPEC §4, §12).
+"""What an MCP server's answer to ``tools/call`` means for its journal entry (docs/mcp.md).
 
 The HTTP status alone does not say: a 2026-07-28 server answers invalid params with 400 and
 an internal error with 200, a 2025-11-25 server answers both with 200. The JSON-RPC response

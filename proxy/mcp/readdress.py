@@ -1,4 +1,4 @@
-"""A recorded ``tools/call`` answer, addressed to the caller at hand (SPEC §12).
+"""A recorded ``tools/call`` answer, addressed to the caller at hand (docs/mcp.md).
 
 A replay or a joined answer was recorded under the first caller's JSON-RPC id, and its
 progress notifications under the first caller's progress token. A restarted agent, or one

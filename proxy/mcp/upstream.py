@@ -1,4 +1,4 @@
-"""The MCP side of the request path (SPEC §12): what to do with one request to a
+"""The MCP side of the request path (docs/mcp.md): what to do with one request to a
 ``kind = "mcp"`` upstream, and what follows once it is answered.
 
 ``proxy/handler.py`` (``Proxy._mcp``) drives it with the machinery every upstream uses:
@@ -74,7 +74,7 @@ class McpUpstreams:
         chosen = ident.policy or (named_policy if named_tool == message.name else None) \
             or self.catalog.policy(upstream, whose, message.name)
         if chosen is Policy.PASSTHROUGH or (ident.policy is None and key is None and ident.run is None):
-            return Plan(ident)  # SPEC §4: without a key or a run there is nothing to replay into
+            return Plan(ident)  # without a key or a run there is nothing to replay into (docs/concepts.md)
         caller.progress_token = message.progress_token
         request[READDRESS] = caller
         fp = message.fingerprint(upstream.name, path_qs, whose)

@@ -1,4 +1,4 @@
-"""Held connections (SPEC §14): ``POST /runs/{id}/attach`` with the attempt's ``Idem-Epoch``.
+"""Held connections (docs/restarts.md): ``POST /runs/{id}/attach`` with the attempt's ``Idem-Epoch``.
 
 An agent started outside the supervisor's hooks (a Kubernetes Job, systemd, another host)
 holds one such request open for its attempt; the client library does it with

@@ -1,4 +1,4 @@
-"""The runs service: every change to a run, whoever asks for it (SPEC §8-§9).
+"""The runs service: every change to a run, whoever asks for it (docs/restarts.md).
 
 The agents' runs API, the admin API, the CLI and the supervisor all call this, so a
 rule about runs lives in one place. It is plain Python: refusals are
@@ -42,7 +42,7 @@ class Launcher(Protocol):
 
 
 class RunsService:
-    """Runs in a store, changed by the rules of SPEC §8: fenced by epoch, ended for good."""
+    """Runs in a store, changed by the rules of docs/restarts.md: fenced by epoch, ended for good."""
 
     def __init__(self, store: Store, settings: Settings, launcher: Launcher):
         self.store = store

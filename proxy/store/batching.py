@@ -11,8 +11,8 @@ Nothing waits for company: an idle store sends a lone call at once (within two t
 of the event loop), so one agent's latency does not change.
 
 A caller waits a bounded time. One :class:`Watchdog` per queue keeps that bound for all of
-them, not a timer handle each: arming and cancelling one cost every store call ~2.5 µs,
-two calls per record (issue 13).
+them, not a timer handle each, which every store call would arm and cancel (two calls
+per record).
 
 A caller that gives up (its timeout) leaves a claim behind that may still be written:
 :class:`GiveBack` releases such claims once the store answers again.

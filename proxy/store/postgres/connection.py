@@ -125,8 +125,8 @@ class PostgresConnection:
         # uses the index wherever one fits (tests/test_store_postgres.py checks ours).
         # plan_cache_mode: a prepared statement keeps one generic plan (index plans, as above)
         # instead of being planned anew for its arguments on every call: PostgreSQL's "auto"
-        # kept re-planning the claim, so a replay's one statement cost 1.5-2.2 ms against
-        # 0.8-0.9 ms with its plan kept (issue 13).
+        # kept re-planning the claim, so a replay's one statement cost twice what it does with
+        # its plan kept.
         settings = {"search_path": f'"{self.schema}"', "application_name": f"{role}:{self.schema}"[:63],
                     "enable_seqscan": "off", "plan_cache_mode": "force_generic_plan"}
         if role == "idemproxy":  # the pool; not the connection that migrates
@@ -149,7 +149,7 @@ class PostgresConnection:
                     if sync == "off":
                         self._session = {"synchronous_commit": "on"}
                     self.durability = _describe(sync, fsync)
-                    if fsync != "on":  # SPEC §7 promises fsynced records; say loudly that they are not
+                    if fsync != "on":  # records are promised fsynced: say loudly they are not
                         log.error("postgres durability: %s", self.durability)
                     self._pool = await asyncpg.create_pool(
                         self._dsn, min_size=1, max_size=self._pool_size, init=_init_connection,
@@ -186,8 +186,8 @@ class PostgresConnection:
         """Run ``work`` on a pooled connection, bounded by the timeout, errors translated.
 
         With ``keep``, the connection stays out of the pool for the next call of the same
-        ``what``: taking a connection from the pool and giving it back costs ~37 µs of CPU,
-        as much as the statement. One is kept per ``what``, and never more than half the pool
+        ``what``: taking a connection from the pool and giving it back costs as much CPU as
+        the statement. One is kept per ``what``, and never more than half the pool
         in all; calls made meanwhile take theirs from the pool and give it back.
         """
         pool = self._pool

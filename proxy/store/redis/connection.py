@@ -75,8 +75,8 @@ def text(value: bytes | str | None) -> str | None:
 def field(value: Any) -> str:
     """A value as the text Redis keeps (every float the store writes goes through here). A
     float's is its shortest round-trip digits, as from repr() (only tiny numbers read
-    differently: 0.00002 for 2e-05), written by orjson at a seventh of repr()'s cost: 80 ns
-    against 590, five per record (issue 13)."""
+    differently: 0.00002 for 2e-05), written by orjson at a fraction of repr()'s cost
+    (five per record)."""
     return orjson.dumps(value).decode() if type(value) is float else str(value)
 
 
@@ -91,7 +91,7 @@ def _unavailable(what: str, exc: RedisError | OSError) -> StoreUnavailable:
 
 class translated:
     """``with translated(what, timeout):`` Redis's errors, and no answer within ``timeout``,
-    become StoreUnavailable. A class, not @contextmanager, which costs 1 µs a call more."""
+    become StoreUnavailable. A class, not @contextmanager, whose generator costs every call more."""
     __slots__ = ("what", "timeout")
 
     def __init__(self, what: str, timeout: float):
@@ -211,14 +211,14 @@ class RedisConnection:
     async def _send(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Write the commands at once on one pooled connection, then read every reply.
 
-        Packed by hiredis in C: redis-py packs in Python, ~1 µs per argument, which was a
+        Packed by hiredis in C: redis-py packs in Python, argument by argument, which was a
         third of a record's store cost (a claim has twenty arguments). Not retried: a
         command whose reply was lost may have run (the pool checks a link before lending it).
         """
         pool = self.client.connection_pool
         # The link of the last pipeline, kept out of the pool (batches go one at a time):
-        # the pool's lock and its accounting cost each pipeline ~100 µs of CPU, as much as
-        # the rest of a replay's store call.
+        # the pool's lock and its accounting cost each pipeline as much CPU as the rest of a
+        # replay's store call.
         conn, self._kept = self._kept, None
         lent = conn is None  # by the pool, which checked it
         if lent:
@@ -232,7 +232,7 @@ class RedisConnection:
             for _ in commands:
                 try:
                     # math.inf: no timer per reply; do() bounds the whole pipeline (redis-py's
-                    # own per-read timeout cost every request ~5 us: issue 13)
+                    # own per-read timeout would arm and cancel one per reply)
                     results.append(await conn.read_response(timeout=math.inf))
                 except ResponseError as exc:  # the server's error reply to this one command
                     results.append(exc)

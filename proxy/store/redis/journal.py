@@ -94,10 +94,9 @@ class RedisJournal:
     async def claim(self, claim: Claim) -> ClaimResult:
         # The claim script answers a taken key with its entry, so the proxy asks it first and
         # a record is two pipelined calls (claim, complete), not three. A replay that reaches
-        # the store costs ~12 us more through it than through the read script, but few do: a
+        # the store costs a little more through it than through the read script, but few do: a
         # restarted attempt's journal is loaded into memory once (ReplayCache), and an entry
-        # read or recorded here is answered from memory after (AnswerCache). Alternating A/B,
-        # record @32: 3,815 -> 4,771 requests/s, 251 -> 210 us of CPU per record (issue 13).
+        # read or recorded here is answered from memory after (AnswerCache).
         scope, now, key = claim.scope, time.time(), self._db.key
         kid, rk = scope.kid, run_ref(claim.namespace, scope.run) if scope.run else ""
         entry = claim.entry(now)

@@ -29,9 +29,9 @@ log = logging.getLogger("idemproxy.store")
 
 # sqlite3 binds an exact int, float, str or bytearray as it is. For any other parameter it
 # looks for an adapter, and where none is registered the look-up raises and swallows an
-# AttributeError or two: ~3,400 instructions for each bytes, None and state bound, eight
-# per record (3% of a record's instructions under callgrind; issue 13). Registered as what
-# they already are, each is found in the adapters' table (~1,700), and is stored as before.
+# AttributeError or two for each bytes, None and state bound, eight per record. Registered
+# as what they already are, each is found in the adapters' table at half the cost, and is
+# stored as before.
 for _kind, _as_itself in ((bytes, bytes), (type(None), lambda _: None), (EntryState, str), (RunState, str)):
     sqlite3.register_adapter(_kind, _as_itself)
 
@@ -43,7 +43,7 @@ class translated:
     """``with translated(what):`` sqlite3's errors become StoreUnavailable, saying ``what`` failed.
 
     A class, not @contextmanager: every read goes through it, and a generator costs
-    ~1 µs per use, as much as a read from the page cache (this costs 0.3 µs; measured).
+    as much per use as a read from the page cache (this costs a third of that).
     """
     __slots__ = ("what",)
 
@@ -198,8 +198,8 @@ class SQLiteConnection:
 
         The writes themselves run here, on the loop's thread: a write's statements take
         tens of microseconds, where handing each to another thread cost a GIL handover per
-        statement and a wake-up per write (measured: 226 µs of the writer thread's CPU per
-        record, 80 µs for the same statements run alone). Only the waits go to the
+        statement and a wake-up per write (nearly three times the statements' own CPU).
+        Only the waits go to the
         writer's thread: the commit's fsync, a lock another process holds, a long write.
         """
         while self._queued:

@@ -21,7 +21,7 @@ RUN_HEADER = "Idem-Run"
 EPOCH_HEADER = "Idem-Epoch"
 TENANT_HEADER = "Idem-Tenant"
 KEY_HEADER = "Idempotency-Key"
-MCP_KEY_META = "dev.idemproxy/idempotencyKey"  # an explicit key in a tools/call's _meta (SPEC §12)
+MCP_KEY_META = "dev.idemproxy/idempotencyKey"  # an explicit key in a tools/call's _meta (docs/mcp.md)
 POLICY_HEADER = "Idem-Policy"
 PROCESS_HEADER = "Idem-Process"  # this process, so a proxy on its host sees it exit (attach)
 
