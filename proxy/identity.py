@@ -167,7 +167,7 @@ class TenantResolver:
             raise Problem("invalid-header", f"{self._header} must be 1-128 of [A-Za-z0-9._:@/-]")
         if named in (ANONYMOUS, DEFAULT_NAMESPACE) or named.startswith(CREDENTIAL_PREFIX):
             # "default" is the namespace every caller shares under runs = "shared": a trusted
-            # tenant of that name would share its runs with every untrusted caller (issue 26)
+            # tenant of that name would share its runs with every untrusted caller
             raise Problem("invalid-header", f"{self._header}: {ANONYMOUS!r}, {DEFAULT_NAMESPACE!r} and names "
                           f"that start with {CREDENTIAL_PREFIX!r} are reserved namespaces, not tenant names")
         return named

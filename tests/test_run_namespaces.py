@@ -106,3 +106,16 @@ async def test_a_trusted_tenant_may_not_take_a_credentials_namespace(make_proxy,
             await problem(resp, "invalid-header", 400)
     status, acme = await _call(http, "POST", f"{proxy.url}/runs/job", headers={**A, "Idem-Tenant": "acme"})
     assert status == 201 and acme["namespace"] == "acme"  # the trusted name decides, not the credential
+
+
+async def test_default_is_no_trusted_tenants_name_under_shared_runs(make_proxy, store_url, http):
+    """Under runs = "shared" every untrusted caller lives in "default": a trusted tenant of
+    that name would share its runs with all of them."""
+    proxy = await make_proxy(store_url, tenants={"runs": "shared", "trusted_sources": ["127.0.0.1/32"]})
+    for method, path, body in (("POST", "/runs/payroll", {}), ("GET", "/runs/payroll", None),
+                               ("POST", f"/runs/payroll/epochs/0{CHAT}", chat("x"))):
+        async with http.request(method, proxy.url + path, headers={**A, "Idem-Tenant": "default"},
+                                json=body) as resp:
+            await problem(resp, "invalid-header", 400)
+    async with http.get(f"{proxy.url}/runs/payroll", headers=B) as resp:
+        await problem(resp, "not-found", 404)  # nothing was made in the shared namespace
