@@ -13,7 +13,7 @@ every later one with the same environment. Two kinds of run, by the run id's fir
   in place with the same key, as a client with retries does.
 - ``d-…`` sends no key: the proxy derives one from the run, the request and its occurrence
   in the attempt. A retry in place of a call that reached a proxy would be the call's next
-  occurrence, a new key (README, "Derived keys count calls per attempt"), so this agent
+  occurrence, a new key (docs/guarantees.md, "Derived keys count calls per attempt"), so this agent
   retries the way an unmodified, crash-only agent is retried: it starts a new attempt
   (``POST /runs/{id}/attempts``) and begins again at step 1. A refused connection reached
   no proxy, and is retried in place on the other replica.

@@ -56,7 +56,8 @@ def sections(plan: Plan, ledger: str, store: str, proxies: list[str], agent: lis
                             "idempotency_header": "Idempotency-Key", "read_timeout": "10s"},
         "runs": {"timeout_s": plan.timeout_s, "grace_s": 2.0, "max_restarts": plan.max_restarts,
                  "restart_window_s": 600, "backoff_base_s": 0.2, "backoff_max_s": 1.0},
-        # one namespace of runs for the whole campaign, whose hook its runs may arm (README, "Who may do what")
+        # one namespace of runs for the whole campaign, whose hook its runs may arm
+        # (docs/security.md, "Who may do what")
         "tenants": {"runs": "shared"},
         "hooks.agent": {"command": agent, "log_dir": str(folder / "hook-logs"), "allow_tenants": ["default"],
                         "env": agent_env(plan, proxies, deadline)},
