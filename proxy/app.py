@@ -28,6 +28,7 @@ from .identity import TenantResolver
 from .metrics import Metrics
 from .problems import Problem
 from .replay import server_timing
+from .routing import NOT_OURS, origin_form
 from .runs import Launcher, RunsService, admin, api, attach
 from .store import Store, StoreUnavailable, open_store, retried
 
@@ -202,12 +203,14 @@ def _admit(request: web.Request) -> None:
     # handler; refuse them as problems too, not with aiohttp's plain-text 404.
     match_info = request.match_info
     if match_info.http_exception is not None:
-        raise Problem("invalid-request", "only origin-form request targets are accepted; this is "
-                      "not an open proxy", headers={"Server-Timing": server_timing(0.0)})
-    # A body announced over the limit is refused before a byte of it is read, on the runs
-    # and admin APIs too, as problem+json. The proxy route refuses (and counts) its own.
+        raise Problem("invalid-request", NOT_OURS, headers={"Server-Timing": server_timing(0.0)})
+    # An absolute-form target is taken when it names this proxy (routing.origin_form), and
+    # a body announced over the limit is refused before a byte of it is read, on the runs
+    # and admin APIs too, as problem+json. The proxy route checks (and counts) its own.
     if match_info.handler is _proxy:
         return
+    if not request.raw_path.startswith("/"):
+        origin_form(request.raw_path, request.headers.getall(hdrs.HOST, ()))
     limit = request.config_dict[SETTINGS].server.max_request_bytes
     if request.content_length is not None and request.content_length > limit:
         raise Problem("too-large", f"request body over {limit} bytes", max_request_bytes=limit)

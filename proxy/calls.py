@@ -110,6 +110,7 @@ class Call:
     _cut_off: bool = False  # unrecordable and unheard: we stopped reading before the end
     _line_start: bytes = b""  # the unfinished last line passed so far, while it is short
     _sharing: asyncio.Event | None = None  # streams: set when copying to the store must stop
+    _length: tuple[str, str] | None = None  # a HEAD answer's Content-Length (_storable)
 
     @property
     def gave_back(self) -> bool:
@@ -180,7 +181,7 @@ class Call:
         try:
             resp = await pool.request(method, target, headers, body, tenant=tenant)  # never resent
             try:
-                self._begin(resp, time.perf_counter() - sent)
+                self._begin(resp, time.perf_counter() - sent, method)
                 flusher = self._start_sharing(store)
                 try:
                     while chunk := await resp.readany():
@@ -200,15 +201,20 @@ class Call:
             return await self._broken(store, exc)
         return await self._settle(store)
 
-    def _begin(self, resp: UpstreamResponse, upstream_s: float) -> None:
+    def _begin(self, resp: UpstreamResponse, upstream_s: float, method: str) -> None:
         """The upstream's head: listeners may answer now (a stream from its first bytes)."""
         self.upstream_s = upstream_s
         self.head_at = time.perf_counter()
         self.status = resp.status
         self.headers = response_headers(resp.headers)
-        self.streamed = is_stream(resp.headers)
-        if (resp.content_length or 0) > self.max_record_bytes:
-            self.streamed = True  # unrecordable anyway: pass it on without buffering it whole
+        if method == "HEAD":  # no body follows: its Content-Length is part of the answer (_storable)
+            if resp.content_length is not None:
+                self._length = ("Content-Length", str(resp.content_length))
+                self.headers.append(self._length)
+        else:
+            self.streamed = is_stream(resp.headers)
+            if (resp.content_length or 0) > self.max_record_bytes:
+                self.streamed = True  # unrecordable anyway: pass it on without buffering it whole
         if self.streamed:  # a whole answer's listeners wait for its end (replay._listen): no wake-up for them
             self._publish()
 
@@ -296,7 +302,7 @@ class Call:
 
     async def _commit(self, store: Store) -> CallResult:
         """Record the answer durably; only then do listeners get its last bytes (rule 1)."""
-        record = Recorded(self.status, storable_headers(self.headers, self.upstream), bytes(self._recorded),
+        record = Recorded(self.status, self._storable(), bytes(self._recorded),
                           self.streamed, self._timing if self.streamed else [])
         self.answer = record
         try:
@@ -313,6 +319,12 @@ class Call:
             return CallResult(Fate.UNSAVED, ("in-flight", "this proxy lost its claim on the key before "
                                              "it could record the answer; retry to get the journal's outcome"))
         return self._release_held(Fate.RECORDED)
+
+    def _storable(self) -> list[tuple[str, str]]:
+        """The answer's headers as the journal keeps them. A HEAD answer's Content-Length
+        is kept: it is the length a GET would get (RFC 9110 §9.3.2), no body's framing."""
+        kept = storable_headers(self.headers, self.upstream)
+        return kept if self._length is None else [*kept, self._length]
 
     def _release_held(self, fate: Fate) -> CallResult:
         self.chunks.extend(self._held)
@@ -340,7 +352,7 @@ class Call:
         seq, sent = 0, 0
         try:
             await store.journal.append_partial(self.kid, self.owner, 0, orjson.dumps(
-                {"status": self.status, "headers": storable_headers(self.headers, self.upstream)}))
+                {"status": self.status, "headers": self._storable()}))
             while not done.is_set():
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(done.wait(), PARTIAL_FLUSH_S)

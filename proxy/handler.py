@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from . import policy
 from .answercache import AnswerCache
@@ -35,7 +35,7 @@ from .problems import Problem
 from .replay import (STREAM, in_flight, join_remote, key_reused, listen, outcome_unknown, send_record,
                      server_timing, start_stream, whole_record)
 from .replaycache import CachedAttempt, ReplayCache
-from .routing import Route, parse_route
+from .routing import Route, origin_form, parse_route
 from .store import Store, StoreUnavailable
 from .store.base import Claim, ClaimResult, Entry, EntryState, Scope
 from .upstream_client import UpstreamError, UpstreamPool
@@ -86,7 +86,10 @@ class Proxy:
         started = request[STARTED] = time.perf_counter()
         request[OUTCOME] = Outcome.REJECTED
         try:
-            route = parse_route(request.raw_path, self.settings.upstreams)
+            target = request.raw_path
+            if not target.startswith("/"):  # absolute-form: taken when it names us (routing.py)
+                target = origin_form(target, request.headers.getall(hdrs.HOST, ()))
+            route = parse_route(target, self.settings.upstreams)
             if route.upstream.kind == "mcp":
                 return await self._mcp(request, route, started)
             ident, chosen = self._identify_and_decide(request, route)
@@ -206,7 +209,10 @@ class Proxy:
             out = response_headers(resp.headers)
             out.append(("Server-Timing", server_timing(time.perf_counter() - started - upstream_s, upstream_s)))
             length = resp.content_length
-            if not is_stream(resp.headers) and length <= PASSED_WHOLE_BYTES:
+            bodiless = request.method == "HEAD"
+            if bodiless and length is not None:  # the length a GET would get (RFC 9110 §9.3.2):
+                out.append(("Content-Length", str(length)))  # aiohttp writes none for a HEAD
+            if bodiless or not is_stream(resp.headers) and length <= PASSED_WHOLE_BYTES:
                 answer = await resp.read()
                 if tap is not None:
                     tap(answer)

@@ -4,13 +4,18 @@ Only configured upstreams are reachable. The raw request target is parsed withou
 decoding, then checked for escapes in every decoded form, so neither
 ``/openai/../admin`` nor ``/openai/%2e%2e/x`` nor ``%252e%252e`` leave the upstream's
 base path on an upstream that decodes more than we do.
+
+An absolute-form target (``POST http://proxyhost:8787/openai/v1/chat``), which a server
+must accept (RFC 9112 §3.2.2), is taken when it names the proxy itself (``origin_form``),
+and is then routed by its path and query alone: the proxy never connects to the
+authority a target names, so it is never an open proxy.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 from urllib.parse import unquote
 
 from .config import UpstreamSettings
@@ -18,6 +23,9 @@ from .identity import parse_epoch, parse_run
 from .problems import Problem
 
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # in a decoded path: refused (_refuse_escapes)
+# absolute-URI (RFC 3986 §4.3) of an http or https target: scheme, authority, the rest
+ABSOLUTE = re.compile(r"(https?)://([^/?#]*)(.*)", re.IGNORECASE | re.DOTALL)
+NOT_OURS = "only targets naming this proxy are accepted; this is not an open proxy"
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,9 +41,28 @@ class Route:
         return f"{self.path}?{self.query}" if self.query else self.path
 
 
+def origin_form(raw_target: str, hosts: Sequence[str]) -> str:
+    """The target in origin form. An absolute-form one names the proxy itself when it is
+    http or https without userinfo (RFC 9110 §4.2.4) and its authority is the request's one
+    ``Host``, case aside: the authority a client must send as Host (RFC 9110 §7.2), and the
+    one that stands for it (RFC 9112 §3.2.2). Such a request is exactly the origin-form one
+    with that Host. Any other authority, or none, is refused: nothing is ever forwarded to
+    the authority a target names."""
+    if raw_target.startswith("/"):
+        return raw_target
+    absolute = ABSOLUTE.fullmatch(raw_target)
+    if absolute is None:
+        raise Problem("invalid-request", NOT_OURS)
+    authority, rest = absolute.group(2), absolute.group(3)
+    if (not authority or "@" in authority or len(hosts) != 1
+            or authority.lower() != hosts[0].strip().lower()):
+        raise Problem("invalid-request", NOT_OURS)
+    return rest if rest.startswith("/") else "/" + rest  # "http://host" and "http://host?q" too
+
+
 def parse_route(raw_target: str, upstreams: Mapping[str, UpstreamSettings]) -> Route:
     if not raw_target.startswith("/") or raw_target.startswith("//"):
-        raise Problem("invalid-request", "only origin-form request targets are accepted; this is not an open proxy")
+        raise Problem("invalid-request", NOT_OURS)
     path, _, query = raw_target.partition("?")
     path = path.partition("#")[0]
     _refuse_escapes(path)

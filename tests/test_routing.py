@@ -2,7 +2,9 @@
 
 Refusals are sent over a raw socket, because no well-behaved client library sends
 absolute-form targets, CONNECT or backslashes; each must be refused by the proxy
-itself (problem+json) with nothing reaching the fake provider.
+itself (problem+json) with nothing reaching the fake provider. An absolute-form target
+that names the proxy itself is the one exception (RFC 9112 §3.2.2): it is served as the
+origin-form request it stands for.
 """
 
 from __future__ import annotations
@@ -32,17 +34,71 @@ async def echo_proxy(make_proxy, sqlite_url, provider):
 
 # -- never an open proxy -------------------------------------------------------------------
 
+# How the agent names the proxy: an absolute-form target is taken when its authority is
+# the request's Host (routing.origin_form), and routed by its path alone.
+PROXY_NAME = "proxy.example:8787"
+
+
 @pytest.mark.parametrize("request_line", [
     "GET http://example.com/ HTTP/1.1",
     "GET https://example.com:443/v1/chat/completions HTTP/1.1",
     "GET http://{provider}/echo/x HTTP/1.1",  # even a configured upstream's own host
     "POST http://{provider}/v1/chat/completions HTTP/1.1",
     "GET //{provider}/echo/x HTTP/1.1",
+    "POST http://example.com/echo/x HTTP/1.1",  # a path the proxy has, at another authority
+    "GET http://proxy.example/echo/x HTTP/1.1",  # the proxy's host on another port than Host's
+    "GET http://user:pw@proxy.example:8787/echo/x HTTP/1.1",  # userinfo (RFC 9110 §4.2.4)
+    "GET http://proxy.example:8787@example.com/echo/x HTTP/1.1",
+    "GET ftp://proxy.example:8787/echo/x HTTP/1.1",
+    "GET ws://proxy.example:8787/echo/x HTTP/1.1",
+    "GET http://example.com/healthz HTTP/1.1",  # not the proxy route: refused all the same
+    "GET http://example.com/admin/runs HTTP/1.1",
+    "GET http://example.com/runs/r1 HTTP/1.1",
 ])
-async def test_absolute_form_targets_are_refused(echo_proxy, provider, request_line):
+async def test_absolute_form_targets_naming_another_authority_are_refused(echo_proxy, provider, request_line):
     line = request_line.format(provider=urlsplit(provider.url).netloc)
-    resp = await raw_request(echo_proxy.url, f"{line}\nHost: example.com\nContent-Length: 2", b"{}")
+    resp = await raw_request(echo_proxy.url, f"{line}\nHost: {PROXY_NAME}\nContent-Length: 2\n"
+                             "Idempotency-Key: abs\nAuthorization: Bearer test-admin-token", b"{}")
     raw_problem(resp, "invalid-request", 400)
+    nothing_forwarded(provider)
+
+
+@pytest.mark.parametrize("target, host", [
+    ("http://proxy.example:8787/echo/a?q=1", PROXY_NAME),
+    ("HTTP://Proxy.Example:8787/echo/a?q=1", PROXY_NAME),  # scheme and host are case-insensitive
+    ("https://proxy.example/echo/a?q=1", "proxy.example"),  # behind a TLS-terminating balancer
+    ("http://127.0.0.1:8787/echo/a?q=1", "127.0.0.1:8787"),
+    ("http://[::1]:8787/echo/a?q=1", "[::1]:8787"),
+    ("http://proxy.example:8787/runs/r1/epochs/0/echo/a?q=1", PROXY_NAME),
+])
+async def test_absolute_form_naming_the_proxy_itself_is_routed_by_its_path(echo_proxy, provider, target, host):
+    """RFC 9112 §3.2.2: a server must accept absolute-form; its authority stands for Host."""
+    resp = await raw_request(echo_proxy.url, f"GET {target} HTTP/1.1\nHost: {host}")
+    assert resp.status == 200, (resp.status, resp.body[:300])
+    seen = resp.json()
+    assert seen["raw_path"] == "/echo/base/a?q=1"
+    assert seen["headers"]["Host"] == urlsplit(provider.url).netloc  # the upstream's, as always
+    assert provider.calls["echo"] == 1
+
+
+async def test_absolute_form_is_recorded_and_replayed_as_its_origin_form(echo_proxy, provider):
+    answers = []
+    for target in (f"http://{PROXY_NAME}/tools/send", "/tools/send", f"http://{PROXY_NAME}/tools/send"):
+        resp = await raw_request(echo_proxy.url, f"POST {target} HTTP/1.1\nHost: {PROXY_NAME}\n"
+                                 "Content-Type: application/json\nContent-Length: 2\nIdempotency-Key: abs-1", b"{}")
+        assert resp.status == 200, (resp.status, resp.body[:300])
+        answers.append((resp.headers["Idempotent-Replayed"], resp.body))
+    assert [replayed for replayed, _ in answers] == ["false", "true", "true"]
+    assert len({body for _, body in answers}) == 1
+    assert provider.calls["tool:send"] == 1
+
+
+async def test_absolute_form_reaches_the_proxys_own_routes_by_their_path(echo_proxy, provider):
+    resp = await raw_request(echo_proxy.url, f"GET http://{PROXY_NAME}/healthz HTTP/1.1\nHost: {PROXY_NAME}")
+    assert resp.status == 200 and resp.json() == {"status": "ok"}
+    # what a client using us as its forward proxy sends: served as ours, never fetched from there
+    resp = await raw_request(echo_proxy.url, "GET http://example.com/ HTTP/1.1\nHost: example.com")
+    raw_problem(resp, "unknown-upstream", 404)
     nothing_forwarded(provider)
 
 
