@@ -39,6 +39,7 @@ from .routing import Route, origin_form, parse_route
 from .store import Store, StoreUnavailable
 from .store.base import Claim, ClaimResult, Entry, EntryState, Scope
 from .upstream_client import UpstreamError, UpstreamPool
+from .wire import Answer
 
 log = logging.getLogger("idemproxy.proxy")
 
@@ -216,7 +217,7 @@ class Proxy:
                 answer = await resp.read()
                 if tap is not None:
                     tap(answer)
-                return web.Response(status=resp.status, body=answer, headers=out)
+                return Answer(status=resp.status, body=answer, headers=out)
             if length is not None:  # streamed as it comes, still with its length
                 out.append(("Content-Length", str(length)))
             request[RELAYING] = resp  # from here on, the client's going away closes it (connections.py)

@@ -13,6 +13,7 @@ from .calls import Call
 from .problems import Problem
 from .store import Store
 from .store.base import Entry, EntryState, Recorded
+from .wire import Answer, StreamedAnswer
 
 REPLAYED = "Idempotent-Replayed"
 STREAM = web.RequestKey("stream", web.StreamResponse)  # the answer, once its head is sent
@@ -30,7 +31,7 @@ class Readdress(Protocol):
 READDRESS = web.RequestKey("readdress", Readdress)
 
 
-class ReaddressedStream(web.StreamResponse):
+class ReaddressedStream(StreamedAnswer):
     """A streamed replay or join whose bytes are rewritten on their way to the caller."""
 
     def __init__(self, readdress: Readdress, **kwargs) -> None:
@@ -52,7 +53,7 @@ async def start_stream(request: web.Request, status: int, headers,
     """Send the head of a streamed answer; from here on, a failure can only cut it short."""
     readdress = request.get(READDRESS) if replayed else None
     if readdress is None:
-        resp = web.StreamResponse(status=status, headers=headers)
+        resp = StreamedAnswer(status=status, headers=headers)
     else:
         resp = ReaddressedStream(readdress, status=status, headers=headers)
     await resp.prepare(request)
@@ -87,7 +88,7 @@ def _headers(headers, replayed: bool, timing: str) -> list[tuple[str, str]]:
 def whole_record(request: web.Request, recorded: Recorded, started: float) -> web.Response:
     """A replay of an answer that was not streamed: no coroutine needed (issue 13)."""
     headers = _headers(recorded.headers, True, server_timing(time.perf_counter() - started))
-    return web.Response(status=recorded.status, body=replayed_body(request, recorded.body), headers=headers)
+    return Answer(status=recorded.status, body=replayed_body(request, recorded.body), headers=headers)
 
 
 async def send_record(request: web.Request, recorded: Recorded, started: float,
@@ -134,8 +135,8 @@ async def _listen(request: web.Request, call: Call, started: float, replayed: bo
         if result.problem:
             raise Problem(*result.problem)
         body = b"".join(call.chunks)
-        return web.Response(status=call.status, body=replayed_body(request, body) if replayed else body,
-                            headers=headers)
+        return Answer(status=call.status, body=replayed_body(request, body) if replayed else body,
+                      headers=headers)
     resp = await start_stream(request, call.status, headers, replayed)
     index, done = 0, False
     while not done:

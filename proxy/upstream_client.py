@@ -571,7 +571,7 @@ class _Connection(asyncio.Protocol):
             raise HeadTooLarge(f"the upstream's answer head has over {self.pool.max_head_fields} fields")
         if self.head_size > self.pool.max_head_bytes:
             raise HeadTooLarge(f"the upstream's answer head is over {self.pool.max_head_bytes} bytes")
-        self.response._raw.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
+        self.response._raw.append((name.decode("latin-1"), value.decode("latin-1")))  # byte for byte: proxy/wire.py
 
     def on_headers_complete(self) -> None:
         self.response._head_done(self.parser.get_status_code(), self.parser.should_keep_alive())
