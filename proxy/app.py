@@ -18,6 +18,7 @@ from aiohttp.typedefs import Handler
 
 from . import console, pricing, tracing
 from .appkeys import METRICS, PROXY, RUNS, SETTINGS, STORE, STRAIGHT, TENANTS
+from .codings import REQUEST_HANDLING
 from .config import Settings
 from .connections import request_started
 from .errors import problem_middleware
@@ -50,8 +51,9 @@ def create_app(settings: Settings, launcher: LauncherFactory) -> web.Application
         middlewares.insert(0, traces.middleware(lambda request: request.match_info.handler is _proxy))
         straight.insert(0, traces.middleware(lambda request: True))
     # We read bodies ourselves to answer 413 as problem+json; aiohttp's own cap sits above ours.
+    # Bodies come as received, never decoded by aiohttp: they are forwarded so (codings.py).
     app = web.Application(client_max_size=settings.server.max_request_bytes + 1024,
-                          middlewares=middlewares)
+                          middlewares=middlewares, handler_args=REQUEST_HANDLING)
     app[SETTINGS] = settings
     app[METRICS] = counters
     app[STRAIGHT] = straight

@@ -16,6 +16,7 @@ from aiohttp import hdrs, web
 from . import policy
 from .answercache import AnswerCache
 from .calls import Call, Fate
+from .codings import decoded
 from .config import Settings, UpstreamSettings
 from .connections import RELAYING
 from .errors import OUTCOME, STARTED, UPSTREAM_S, client_gone
@@ -94,8 +95,8 @@ class Proxy:
             if route.upstream.kind == "mcp":
                 return await self._mcp(request, route, started)
             ident, chosen = self._identify_and_decide(request, route)
-            body = await self._read_body(request)
-            facts = self._note(request, route, ident, body)
+            body, content = await self._read_body(request)
+            facts = self._note(request, route, ident, content)
             upstream = route.upstream
             if chosen is Policy.RECORD:  # before the fence: a refused call changes nothing
                 self.tenants.check_recordable(request.headers, ident.namespace, upstream.name)
@@ -107,7 +108,8 @@ class Proxy:
             if chosen is Policy.PASSTHROUGH:
                 request[OUTCOME] = Outcome.PASSTHROUGH
                 return await self._passthrough(request, route, ident, body, started)
-            return await self._record(request, route, ident, body, started, attempt=attempt)
+            fp = self._fingerprint(request, route, content)
+            return await self._record(request, route, ident, body, started, fp, attempt=attempt)
         except ConnectionResetError:  # the agent went away; a recorded call goes on without it
             request[OUTCOME] = Outcome.DISCONNECTED
             return request.get(STREAM) or web.Response(status=499)
@@ -143,13 +145,24 @@ class Proxy:
         facts = request[FACTS] = Facts(route.upstream.name, ident.run, ident.epoch, body=body)
         return facts
 
-    async def _read_body(self, request: web.Request) -> bytes:
+    def _fingerprint(self, request: web.Request, route: Route, content: bytes) -> str:
+        """What makes two calls the same (docs/concepts.md): read from the body's decoded content, so a
+        body sent compressed is the same call as the same content sent plain."""
+        upstream = route.upstream
+        return fingerprint(request.method, upstream.name, route.path_qs, content,
+                           request.headers.get("Content-Type", ""),
+                           policy.ignored_fields(upstream, request.method, route.path))
+
+    async def _read_body(self, request: web.Request) -> tuple[bytes, bytes]:
+        """The body as received, which is forwarded, and its content decoded per its
+        Content-Encoding, which the proxy reads (codings.py). Both are held to
+        ``max_request_bytes``."""
         limit = self.settings.server.max_request_bytes
         length = request.content_length  # parsed anew at every look: look once
         if length is not None and length > limit:
             raise Problem("too-large", f"request body over {limit} bytes", max_request_bytes=limit)
         if not request.body_exists:
-            return b""
+            return b"", b""
         content = request.content
         if content.is_eof():  # all of it came with the head: taken as it lies, no read loop (3-5 µs)
             body = content.read_nowait()
@@ -162,9 +175,9 @@ class Proxy:
                 if len(body) > limit:
                     break
             body = bytes(body)
-        if len(body) > limit:  # chunked, or grown by its Content-Encoding: no length said so beforehand
+        if len(body) > limit:  # chunked: no length said so beforehand
             raise Problem("too-large", f"request body over {limit} bytes", max_request_bytes=limit)
-        return body
+        return body, decoded(body, request.headers, limit)
 
     async def _fence_or_preloaded(self, ident: Identity, chosen: Policy) -> CachedAttempt | None:
         """Fence the request; for a recorded call, also find its attempt's journal in memory,
@@ -248,20 +261,17 @@ class Proxy:
     # -- record and replay ----------------------------------------------------------------
 
     async def _record(self, request: web.Request, route: Route, ident: Identity, body: bytes,
-                      started: float, fp: str | None = None, occurrence: Occurrence | None = None,
+                      started: float, fp: str, occurrence: Occurrence | None = None,
                       attempt: CachedAttempt | None = None) -> web.StreamResponse:
         """Claim the key and make the call, or answer from whoever holds it: the attempt's
         journal in memory, the entries answered here before (answercache.py), a call in
         flight here, the journal, or a stream another proxy is recording. While the key is in flight elsewhere and its stream has not begun, wait
         for it and look again.
 
-        An upstream kind that knows better what makes two calls the same (MCP) gives the
-        fingerprint, and how a derived key's occurrence is counted."""
+        ``fp``: the request's fingerprint (_fingerprint), or the one an upstream kind that knows
+        better what makes two calls the same gives (MCP), with how a derived key's occurrence
+        is counted."""
         upstream = route.upstream
-        if fp is None:
-            fp = fingerprint(request.method, upstream.name, route.path_qs, body,
-                             request.headers.get("Content-Type", ""),
-                             policy.ignored_fields(upstream, request.method, route.path))
         facts: Facts = request[FACTS]
         since = time.perf_counter()
         scope = await self._scope(request, route, ident, fp, occurrence, attempt)
@@ -444,10 +454,10 @@ class Proxy:
         """A ``kind = "mcp"`` upstream (SPEC §12): a tools/call is recorded under what it means
         and replayed under the caller's JSON-RPC id; everything else passes through."""
         ident = self._identify(request, route)
-        body = await self._read_body(request)
-        facts = self._note(request, route, ident, body)
+        body, content = await self._read_body(request)
+        facts = self._note(request, route, ident, content)
         plan = self.mcp.plan(request, route.upstream, route.path_qs, ident,
-                             lambda: self.tenants.tenant(request.headers, ident.namespace), body)
+                             lambda: self.tenants.tenant(request.headers, ident.namespace), content)
         if plan.call is not None:  # a tools/call is recorded: as for any call, not without a credential
             self.tenants.check_recordable(request.headers, ident.namespace, route.upstream.name)
         attempt = None

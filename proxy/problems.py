@@ -29,6 +29,7 @@ PROBLEMS: dict[str, ProblemType] = {
     "invalid-header": ProblemType(400, "Malformed idemproxy header", _REJECTED),
     "invalid-request": ProblemType(400, "Request refused", _REJECTED),
     "invalid-body": ProblemType(400, "Malformed request body", _REJECTED),
+    "undecodable-body": ProblemType(400, "Request body not decodable by its Content-Encoding", _REJECTED),
     "unauthorized": ProblemType(401, "Admin token required", _REJECTED),
     "credential-required": ProblemType(401, "A credential is required to record", _REJECTED),
     "invalid-csrf": ProblemType(403, "Missing or wrong CSRF token", _REJECTED),

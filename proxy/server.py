@@ -14,6 +14,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
 from .app import open_front_door
+from .codings import REQUEST_HANDLING
 from .config import Settings
 from .connections import REFUSAL, Gate, ProxySite
 from .eventloop import run, until_signalled
@@ -81,7 +82,8 @@ async def start_serving(app: web.Application, settings: Settings, *,
     try:
         open_front_door(runner)
         gate = Gate(runner.server, s, access_log_class=access_logger(settings),
-                    access_log=access_log if s.access_log else None, keepalive_timeout=s.idle_timeout)
+                    access_log=access_log if s.access_log else None, keepalive_timeout=s.idle_timeout,
+                    **REQUEST_HANDLING)  # the Gate makes its connections itself, not from handler_args
         site = ProxySite(runner, s.host, s.port, gate, reuse_port=reuse_port)
         await site.start()
     except BaseException:

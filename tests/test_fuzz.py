@@ -16,12 +16,14 @@ IDEMPROXY_FUZZ_EXAMPLES=5000.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import itertools
 import json
 import logging
 import os
 import random
 import string
+import zlib
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -35,6 +37,7 @@ from hypothesis import strategies as st
 from idemproxy.proxy.identity import parse_key
 from idemproxy.proxy.problems import Problem
 from idemproxy.proxy.routing import parse_route
+from raw_upstream import RawUpstream
 
 EXAMPLES = int(os.environ.get("IDEMPROXY_FUZZ_EXAMPLES", "150"))
 LIMIT = 32 * 1024  # max_request_bytes of the fuzzed proxy: "huge" bodies stay quick
@@ -361,3 +364,93 @@ async def test_two_bodies_at_one_position_never_share_a_record(journal, tree, se
         assert second.headers.get("idempotent-replayed") == "true", (a, types)
     if explicit_key and second.status != 200:  # not replayed: the key was used with another request
         assert second.status == 422, second
+
+
+# -- compressed bodies (issue 25, item 5) ---------------------------------------------------------
+
+def _deflate_bare(data: bytes) -> bytes:
+    packer = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    return packer.compress(data) + packer.flush()
+
+
+PACKERS = {"gzip": gzip.compress, "x-gzip": gzip.compress, "deflate": zlib.compress, "deflate-bare": _deflate_bare}
+damages = st.none() | st.tuples(st.sampled_from(["cut", "flip", "append"]), st.integers(0, 1 << 20),
+                                st.binary(min_size=1, max_size=8))
+
+
+def damaged(packed: bytes, damage: tuple[str, int, bytes] | None) -> bytes:
+    if damage is None or not packed:
+        return packed
+    how, at, junk = damage
+    at %= len(packed)
+    if how == "cut":
+        return packed[:at]
+    if how == "flip":
+        return packed[:at] + bytes([packed[at] ^ (junk[0] or 0xFF)]) + packed[at + 1:]
+    return packed + junk
+
+
+def unpacked(body: bytes, codings: list[str]) -> bytes | None:
+    """The content, decoded by the standard library (gzip members, a zlib or bare deflate
+    stream with nothing after it); None when it cannot be decoded. An empty body is empty
+    content whatever its coding says (a client may name one on every request)."""
+    if not body:
+        return body
+    try:
+        for coding in reversed(codings):
+            if coding.endswith("gzip"):
+                body = gzip.decompress(body)
+                continue
+            inflater = zlib.decompressobj(zlib.MAX_WBITS if body[:1] and body[0] & 0x0F == 8 else -zlib.MAX_WBITS)
+            body = inflater.decompress(body)
+            if not inflater.eof or inflater.unused_data:
+                return None
+    except (OSError, EOFError, zlib.error, IndexError):  # gzip.BadGzipFile is an OSError
+        return None
+    return body
+
+
+@pytest.fixture
+async def packed_upstream(make_proxy, sqlite_url, logged):
+    """A proxy whose upstream ``packed`` keeps every request's bytes as it received them."""
+    upstream = await RawUpstream(lambda _target: b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok").start()
+    proxy = await make_proxy(sqlite_url, server={"max_request_bytes": LIMIT},
+                             upstreams__packed={"url": upstream.url, "kind": "tool"})
+    yield proxy, upstream
+    await upstream.close()
+
+
+@pytest.mark.slow
+@given(content=bodies, packers=st.lists(st.sampled_from(sorted(PACKERS)), min_size=1, max_size=2),
+       damage=damages, recorded=st.booleans())
+@FUZZ
+async def test_compressed_bodies_go_upstream_as_received_or_are_refused(packed_upstream, logged, content,
+                                                                          packers, damage, recorded):
+    """A body decodable to at most the limit goes upstream byte for byte with its coding; one
+    that cannot be decoded (as the standard library judges it) is a 400 or 413, never forwarded;
+    a damaged one that still decodes may go either way. Never a 500, never a logged error."""
+    proxy, upstream = packed_upstream
+    codings = [p.removesuffix("-bare") for p in packers]
+    body = content
+    for packer in packers:
+        body = PACKERS[packer](body)
+    body = damaged(body, damage)
+    policy = ("Idempotency-Key", f"fuzz-{next(SEQ)}") if recorded else ("Idem-Policy", "passthrough")
+    headers = [("Content-Type", "application/json"), ("Content-Encoding", ", ".join(codings)), policy]
+    before = len(upstream.requests)
+    answer = await send(proxy.url, Request(next(SEQ), "POST", "/packed/send", headers, body))
+    forwarded = upstream.requests[before:]
+    troubles = [r for r in logged if r.levelno >= logging.ERROR or r.exc_info]
+    assert not troubles, [(r.name, r.getMessage()) for r in troubles]
+    decodes = unpacked(body, codings)
+    if answer.status == 200:
+        assert decodes is not None and len(decodes) <= LIMIT and len(body) <= LIMIT, (answer, codings, damage)
+        assert len(forwarded) == 1 and forwarded[0][1] == body
+        assert f"\r\ncontent-encoding: {', '.join(codings)}\r\n".encode() in forwarded[0][0].lower()
+        return
+    assert forwarded == [], answer
+    slug = orjson.loads(answer.body)["type"].rsplit("/", 1)[-1]
+    too_large = len(body) > LIMIT or (decodes is not None and len(decodes) > LIMIT)
+    assert (answer.status, slug) in ((400, "undecodable-body"), (413, "too-large")), answer
+    if decodes is not None and damage is None:  # a valid body is refused only for its size
+        assert too_large and slug == "too-large", (answer, codings)

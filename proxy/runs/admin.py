@@ -38,7 +38,7 @@ from ..appkeys import METRICS, RUNS, SETTINGS
 from ..identity import TENANT_NAME
 from ..problems import Problem
 from ..store.base import RUN_STATES, RunState
-from .api import answer, json_response, proxy_url, run_id
+from .api import answer, json_response, proxy_url, read_json, run_id
 from .options import journal_state, json_object, resolution, run_options
 from .views import entry_json, listing_json, run_json, step_json
 
@@ -103,7 +103,7 @@ async def show_run(request: web.Request) -> web.Response:
 async def register(request: web.Request) -> web.Response:
     """An operator's registration: the only way to arm a hook its namespace may not arm."""
     service = request.config_dict[RUNS]
-    options = run_options(json_object(await request.read()), request.config_dict[SETTINGS])
+    options = run_options(json_object(await read_json(request)), request.config_dict[SETTINGS])
     namespace = request.query.get("namespace")
     if namespace is None:
         namespace = (await service.find(run_id(request))).namespace  # 404 unless it exists
@@ -163,7 +163,7 @@ async def show_entry(request: web.Request) -> web.Response:
 
 async def resolve(request: web.Request) -> web.Response:
     kid = request.match_info["kid"]
-    recorded = resolution(json_object(await request.read()))
+    recorded = resolution(json_object(await read_json(request)))
     await request.config_dict[RUNS].resolve(kid, recorded)
     return json_response({"resolved": True, "kid": kid, "action": "retry" if recorded is None else "respond"})
 

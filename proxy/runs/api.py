@@ -40,6 +40,7 @@ import orjson
 from aiohttp import web
 
 from ..appkeys import RUNS, SETTINGS, TENANTS
+from ..codings import decoded
 from ..identity import parse_run
 from ..problems import Problem
 from ..store.base import Run, RunState
@@ -60,7 +61,7 @@ def add_routes(router: web.UrlDispatcher) -> None:
 
 
 async def register(request: web.Request) -> web.Response:
-    options = run_options(json_object(await request.read()), request.config_dict[SETTINGS])
+    options = run_options(json_object(await read_json(request)), request.config_dict[SETTINGS])
     run, created = await request.config_dict[RUNS].register(*_which(request), options)
     return answer(request, run, 201 if created else 200)
 
@@ -130,4 +131,9 @@ def _which(request: web.Request) -> tuple[str, str]:
 
 
 async def _epoch(request: web.Request) -> int | None:
-    return attempt_epoch(request.headers.get("Idem-Epoch"), json_object(await request.read()))
+    return attempt_epoch(request.headers.get("Idem-Epoch"), json_object(await read_json(request)))
+
+
+async def read_json(request: web.Request) -> bytes:
+    """The body's content: aiohttp hands bodies over as received (codings.py)."""
+    return decoded(await request.read(), request.headers, request.config_dict[SETTINGS].server.max_request_bytes)
