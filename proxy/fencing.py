@@ -48,7 +48,7 @@ class Fence:
             raise Problem("epoch-ahead", f"run {ident.run} is at epoch {current}; a request may start "
                           f"epoch {current + 1} at most, not {ident.epoch} (POST /runs/{ident.run}/attempts "
                           "starts the next attempt)", epoch=current)
-        self._heartbeats.beat(ident.namespace, ident.run)  # a fenced zombie is no sign of life
+        self._heartbeats.beat(ident.namespace, ident.run, ident.epoch)  # a fenced zombie is no sign of life
 
     async def _observe_epoch(self, ident: Identity) -> int:
         """The run's current epoch. Requests of one attempt that arrive together share one

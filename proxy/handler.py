@@ -105,6 +105,7 @@ class Proxy:
                 since = time.perf_counter()
                 attempt = await self._fence_or_preloaded(ident, chosen)
                 facts.timed(since)
+                self.heartbeats.hold(request, ident)  # open, its run is alive (SPEC §16)
             if chosen is Policy.PASSTHROUGH:
                 request[OUTCOME] = Outcome.PASSTHROUGH
                 return await self._passthrough(request, route, ident, body, started)
@@ -336,7 +337,7 @@ class Proxy:
             n = await journal.replay_occurrence(ident.namespace, ident.run, ident.epoch, fp, retention,
                                                 tenant=tenant)
             if n is not None:
-                self.heartbeats.beat(ident.namespace, ident.run)
+                self.heartbeats.beat(ident.namespace, ident.run, ident.epoch)
                 return n
             # the run is no longer at this epoch: the fence says how (412 for a superseded attempt)
             self.replay_cache.drop(attempt)
@@ -429,7 +430,7 @@ class Proxy:
         headers = request_headers(request.headers, upstream, self.settings.tenants.header,
                                   forwarded_key(entry.kid) if upstream.idempotency_header else None,
                                   self.forwarding.headers(request.headers, request.remote))
-        beat = (lambda: self.heartbeats.beat(namespace, entry.run)) if entry.run else (lambda: None)
+        beat = (lambda: self.heartbeats.beat(namespace, entry.run, entry.epoch)) if entry.run else (lambda: None)
         tenant = self._connection_tenant(request, namespace)
         task = asyncio.create_task(call.run(self.pools[upstream.name], tenant, self.store, request.method,
                                             route.path_qs, headers, body, beat))
@@ -466,6 +467,7 @@ class Proxy:
             # fenced first, always: a re-issued call takes its occurrence without the store
             # (mcp/occurrences.py), so the occurrence's round trip cannot be the fence
             await self.fence.check(ident, fail_open=plan.call is None)
+            self.heartbeats.hold(request, ident)
             if plan.call is not None:  # a restarted attempt's replays come from its journal in memory
                 attempt = await self._preloaded(plan.ident)
             facts.timed(since)

@@ -703,7 +703,7 @@ async def test_runs_neither_seen_nor_ended_for_a_retention_are_purged(store):
     await store.runs.upsert(new_run("idle", tenant="ns-b", last_seen=now - 100))
     await store.runs.end(NS, "ended-long-ago", RunState.COMPLETED, now - 90)
     await store.runs.end(NS, "ended-lately", RunState.FAILED, now - 5)
-    await store.runs.touch({(NS, "busy"): now - 1})
+    await store.runs.touch({(NS, "busy", None): now - 1})
     assert await store.runs.purge(now - 10, batch=2) == 3  # in batches, to the end
     assert {(r.namespace, r.run_id) for r in await store.runs.list()} == {(NS, "ended-lately"), (NS, "busy")}
     assert await store.runs.find(None, "idle") == [] and await store.runs.find(NS, "ended-long-ago") == []
@@ -717,12 +717,27 @@ async def test_runs_neither_seen_nor_ended_for_a_retention_are_purged(store):
 async def test_touch_moves_last_seen_forward_only(store):
     await store.runs.upsert(new_run("run-1", last_seen=100.0))
     await store.runs.new_attempt(NS, "run-1", 0, 150.0, "restart", True)
-    await store.runs.touch({(NS, "run-1"): 200.0, (NS, "no-such-run"): 200.0})
+    await store.runs.touch({(NS, "run-1", None): 200.0, (NS, "no-such-run", None): 200.0})
     [run] = await store.runs.find(NS, "run-1")
     assert (run.last_seen, run.state) == (200.0, RunState.RUNNING)  # traffic means the restart took
-    await store.runs.touch({(NS, "run-1"): 120.0})
+    await store.runs.touch({(NS, "run-1", None): 120.0})
     assert (await store.runs.find(NS, "run-1"))[0].last_seen == 200.0
     await store.runs.touch({})
+
+
+async def test_touch_ignores_the_beats_of_a_superseded_attempt(store):
+    """A call of epoch 0 still open after a restart keeps no one alive (SPEC §16: the
+    current attempt's open requests)."""
+    await store.runs.upsert(new_run("run-1", last_seen=100.0))
+    await store.runs.upsert(new_run("run-2", last_seen=100.0))
+    await store.runs.new_attempt(NS, "run-1", 0, 150.0, "restart", True)
+    await store.runs.touch({(NS, "run-1", 0): 300.0, (NS, "run-2", 0): 300.0})
+    [run] = await store.runs.find(NS, "run-1")
+    assert (run.last_seen, run.state) == (150.0, RunState.RESTARTING)
+    assert (await store.runs.find(NS, "run-2"))[0].last_seen == 300.0
+    await store.runs.touch({(NS, "run-1", 1): 200.0, (NS, "run-1", 0): 400.0, (NS, "run-1", 2): 250.0})
+    [run] = await store.runs.find(NS, "run-1")
+    assert (run.last_seen, run.state) == (250.0, RunState.RUNNING)  # its own epoch, or one about to start
 
 
 async def test_end_run_once(store):

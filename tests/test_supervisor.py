@@ -212,7 +212,7 @@ async def test_completed_and_failed_runs_are_never_restarted(supervised, store_u
 
 
 @pytest.mark.slow  # a stream several run timeouts long
-async def test_a_stream_keeps_its_run_alive_until_its_bytes_stop(supervised, store_url, http, tmp_path):
+async def test_a_stream_keeps_its_run_alive_until_its_client_leaves(supervised, store_url, http, tmp_path):
     fired = tmp_path / "fired.txt"
     proxy = await supervised(store_url, runs={"timeout_s": 1.5, "grace_s": 0.2, "hook": "agent"},
                              hooks__agent={"command": [sys.executable, _script(tmp_path, "t", TALLY),
@@ -231,19 +231,20 @@ async def test_a_stream_keeps_its_run_alive_until_its_bytes_stop(supervised, sto
     run = await _run(proxy, "streamer")
     assert (run.epoch, run.restarts) == (0, 0) and not fired.exists()
 
-    # a stream that stalls: one chunk, then 3s of nothing; the run is restarted in the gap
+    # a stream that stalls: one chunk, then 5 s of nothing. While its client waits, the run is
+    # alive (SPEC §16: a request open through the proxy is life); once the client leaves in the
+    # stall, silence counts, and the run is restarted before the next chunk could come.
     body["messages"] = [{"role": "user", "content": "stall"}]
-    # The proxy stamps the run's last sign of life as the chunk passes, a moment before it reaches us:
-    # silence is measured from a time taken before the request (never later than that stamp), and
-    # the restart's lateness from the chunk's arrival here (never earlier than it).
-    asked_at = time.time()
-    async with http.post(url, json=body, headers={"X-Fake-Chunks": "3", "X-Fake-Chunk-Delay": "3"}) as resp:
+    async with http.post(url, json=body, headers={"X-Fake-Chunks": "3", "X-Fake-Chunk-Delay": "5"}) as resp:
         await resp.content.readany()
         arrived_at = time.time()
-        run = await _until(lambda: _restarted(proxy, "streamer"), 4, "restart during the stall")
+        await asyncio.sleep(2.6)  # timeout_s, a heartbeat flush and a tick
+        assert (await _run(proxy, "streamer")).restarts == 0
         resp.close()
+    left_at = time.time()
+    run = await _until(lambda: _restarted(proxy, "streamer"), 4, "restart once the client left")
     restart_at = next(e["at"] for e in run.history if e["event"] == "restart")
-    assert restart_at - asked_at >= 1.5 and restart_at - arrived_at < 3.0
+    assert restart_at - left_at < 2.7 and restart_at - arrived_at < 5.0, (restart_at - left_at)
     assert run.epoch == 1
 
 

@@ -392,7 +392,9 @@ class RunRegistry(Protocol):
         ``epoch`` when that is the next one (current + 1); return the epoch afterwards. An
         ``epoch`` further ahead changes nothing, and creates no run unless it is 0 or 1 (an
         unknown run counts as one at epoch 0): only new attempts move a run further."""
-    async def touch(self, beats: dict[tuple[str, str], float]) -> None: """Coalesced heartbeats."""
+    async def touch(self, beats: dict[tuple[str, str, int | None], float]) -> None:
+        """Coalesced heartbeats, {(namespace, run_id, epoch): at}: each as ``heartbeat`` does,
+        unless the run is past its epoch (None: unfenced)."""
     async def heartbeat(self, namespace: str, run_id: str, now: float,
                         epoch: int | None = None) -> Run | None:
         """One beat from outside the proxy, as ``touch`` does, unless the run is past ``epoch``

@@ -57,10 +57,11 @@ class PostgresRuns:
             return await c.fetchval(sql.RUN_EPOCH, namespace, run_id) or 0  # none: counts as epoch 0
         return await self._db.use("observe_epoch", raise_epoch)
 
-    async def touch(self, beats: dict[tuple[str, str], float]) -> None:
-        if beats:  # sorted, so two proxies beating for the same runs lock them in one order
-            await self._db.use("touch", lambda c: c.executemany(
-                sql.TOUCH, [(at, namespace, run) for (namespace, run), at in sorted(beats.items())]))
+    async def touch(self, beats: dict[tuple[str, str, int | None], float]) -> None:
+        if beats:  # sorted by run, so two proxies beating for the same runs lock them in one order
+            await self._db.use("touch", lambda c: c.executemany(sql.TOUCH, [
+                (at, namespace, run, epoch)
+                for (namespace, run, epoch), at in sorted(beats.items(), key=lambda beat: beat[0][:2])]))
 
     async def _locked_run(self, c: asyncpg.Connection, namespace: str, run_id: str) -> Run | None:
         row = await c.fetchrow(sql.LOCK_RUN, namespace, run_id)

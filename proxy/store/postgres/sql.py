@@ -180,7 +180,7 @@ RETURNING epoch"""
 TOUCH = f"""
 UPDATE runs SET last_seen = greatest(last_seen, $1),
     state = CASE WHEN state = '{RunState.RESTARTING}' THEN '{RunState.RUNNING}' ELSE state END
-WHERE tenant = $2 AND run_id = $3"""
+WHERE tenant = $2 AND run_id = $3 AND ($4::bigint IS NULL OR epoch <= $4)"""
 # $1 at, $2 namespace, $3 run_id, $4 epoch (NULL: unfenced). A superseded attempt's beat
 # changes nothing (no row comes back).
 HEARTBEAT = f"""

@@ -101,10 +101,11 @@ class RedisRuns:
         return int(await self._script("observe_epoch", rk, "" if epoch is None else epoch, field(now),
                                       orjson.dumps(_new_run_fields(new))))
 
-    async def touch(self, beats: dict[tuple[str, str], float]) -> None:
-        if beats:  # ARGV: the prefix, then rk, at, rk, at, ...
-            pairs = (x for (namespace, run), at in beats.items() for x in (run_ref(namespace, run), field(at)))
-            await self._db.script("touch", [], [self._db.prefix, *pairs])
+    async def touch(self, beats: dict[tuple[str, str, int | None], float]) -> None:
+        if beats:  # ARGV: the prefix, then rk, at, epoch ('' = unfenced), rk, at, epoch, ...
+            triples = (x for (namespace, run, epoch), at in beats.items()
+                       for x in (run_ref(namespace, run), field(at), "" if epoch is None else epoch))
+            await self._db.script("touch", [], [self._db.prefix, *triples])
 
     async def heartbeat(self, namespace: str, run_id: str, now: float,
                         epoch: int | None = None) -> Run | None:

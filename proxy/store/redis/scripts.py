@@ -319,11 +319,11 @@ return redis.call('HGET', run, 'epoch')
 """
 
 TOUCH = RUN_HELPERS + """
--- ARGV[2..]: rk, at, rk, at, ...
-for i = 2, #ARGV, 2 do
+-- ARGV[2..]: rk, at, epoch ('' = unfenced; a superseded attempt's beat changes nothing), ...
+for i = 2, #ARGV, 3 do
   local key = p .. 'run:' .. ARGV[i]
-  local r = redis.call('HMGET', key, 'last_seen', 'state')
-  if r[1] then
+  local r = redis.call('HMGET', key, 'last_seen', 'state', 'epoch')
+  if r[1] and (ARGV[i + 2] == '' or tonumber(r[3]) <= tonumber(ARGV[i + 2])) then
     if tonumber(ARGV[i + 1]) > tonumber(r[1]) then redis.call('HSET', key, 'last_seen', ARGV[i + 1]) end
     if r[2] == 'restarting' then redis.call('HSET', key, 'state', 'running') end
     reindex(p, ARGV[i])

@@ -96,12 +96,12 @@ class SQLiteRuns:
             return epoch
         return await self._db.write(op)
 
-    async def touch(self, beats: dict[tuple[str, str], float]) -> None:
+    async def touch(self, beats: dict[tuple[str, str, int | None], float]) -> None:
         await self._db.write(lambda c: c.executemany(
             "UPDATE runs SET last_seen = max(last_seen, ?), "
             f"state = CASE WHEN state = '{RunState.RESTARTING}' THEN '{RunState.RUNNING}' ELSE state END "
-            "WHERE tenant = ? AND run_id = ?",
-            [(at, namespace, run) for (namespace, run), at in beats.items()]))
+            "WHERE tenant = ? AND run_id = ? AND (? IS NULL OR epoch <= ?)",
+            [(at, namespace, run, epoch, epoch) for (namespace, run, epoch), at in beats.items()]))
 
     async def heartbeat(self, namespace: str, run_id: str, now: float,
                         epoch: int | None = None) -> Run | None:
