@@ -5,14 +5,32 @@ An upstream's header values are kept as latin-1 text from the moment they are pa
 for the byte of that value, so a value is any bytes, obs-text (RFC 9110 §5.5) included, and
 JSON in every store carries it unchanged. aiohttp's server writes every header as UTF-8 (and
 its C writer drops lone surrogates), which would turn a 0xE9 into C3 A9: these responses
-write a head holding such a value themselves. A value with a character past U+00FF cannot
-have come from an upstream (an operator's recorded answer, say): it is written as UTF-8,
-as aiohttp would.
+write a head holding such a value themselves.
+
+People read and write values as text: an operator's value is kept as its UTF-8 bytes
+(``from_text``), and a kept value is shown as its bytes read as UTF-8 (``as_text``). A value
+with a character past U+00FF was kept as text before values were kept as bytes: it is
+written as UTF-8, as aiohttp wrote it then.
 """
 
 from __future__ import annotations
 
 from aiohttp import web
+
+
+def from_text(value: str) -> str:
+    """An operator's header value (text), as the bytes it is sent as: its UTF-8 (a form's
+    bytes that were not UTF-8, as aiohttp escaped them, are those bytes)."""
+    return value.encode("utf-8", "surrogateescape").decode("latin-1")
+
+
+def as_text(value: str) -> str:
+    """A kept header value for people to read: its bytes as UTF-8, U+FFFD for bytes that are
+    not (JSON and HTML hold text, not bytes)."""
+    try:
+        return value.encode("latin-1").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # kept as text before values were kept as bytes
+        return value
 
 
 def _value(value: str) -> bytes:

@@ -6,6 +6,7 @@ Both ends are raw sockets: the test compares bytes, never decoded strings."""
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from raw_upstream import RawUpstream, exchange
@@ -19,8 +20,10 @@ EVENTS = b"data: {\"n\": 1}\n\ndata: {\"n\": 2}\n\ndata: [DONE]\n\n"
 
 
 def answer(target: bytes) -> bytes:
-    """``/stream``: an event stream in chunks; anything else: a JSON body with its length.
-    Both carry the two header values above."""
+    """``/stream``: an event stream in chunks; ``/fail``: a 503; anything else: a JSON body
+    with its length. All carry the two header values above."""
+    if target.endswith(b"/fail"):
+        return b"HTTP/1.1 503 Busy\r\nContent-Length: 0\r\n\r\n"
     fields = b"X-Obs: " + OBS + b"\r\nX-Utf8: " + UTF8 + b"\r\n"
     if target.endswith(b"/stream"):
         events = [event + b"\n\n" for event in EVENTS.split(b"\n\n")[:-1]]
@@ -89,4 +92,36 @@ async def test_a_restarted_attempt_replays_header_bytes_from_memory(make_proxy, 
         assert_exact(head, "true")
         assert body == expected
     assert proxy.proxy.metrics.replayed_from_memory == 2
+    assert len(raw_upstream.requests) == 2
+
+
+ADMIN = {"Authorization": "Bearer test-admin-token"}
+
+
+async def test_operators_read_and_write_header_values_as_text(make_proxy, store_url, raw_upstream):
+    """The admin API shows a kept value as its bytes read as UTF-8 (U+FFFD for obs-text), and an
+    operator's answer for a quarantined key replays its values as their UTF-8 bytes."""
+    proxy = await proxy_to(make_proxy, store_url, raw_upstream)
+    json = {"Content-Type": "application/json"}
+    head, _ = await exchange(proxy.url, "POST", "/runs/op/obs/send", {**json, "Idempotency-Key": "seen"}, b"{}")
+    assert_exact(head, "false")
+    _, shown = await exchange(proxy.url, "GET", "/admin/runs/op?bodies=1", ADMIN)
+    (step,) = [s for s in orjson.loads(shown)["steps"] if s["key"] == "seen"]
+    assert ["X-Obs", "caf\ufffd \ufffd\ufffd na\ufffdve"] in step["headers"]
+    assert ["X-Utf8", "caf\u00e9 \u2603"] in step["headers"]
+
+    keyed = {**json, "Idempotency-Key": "unknown"}
+    head, _ = await exchange(proxy.url, "POST", "/runs/op/obs/fail", keyed, b"{}")
+    assert head.startswith(b"HTTP/1.1 503 ")
+    _, problem = await exchange(proxy.url, "POST", "/runs/op/obs/fail", keyed, b"{}")
+    kid = orjson.loads(problem)["kid"]
+    typed = [["Content-Type", "text/plain"], ["X-Latin", "caf\u00e9"], ["X-Snow", "caf\u00e9 \u2603"]]
+    resolution = orjson.dumps({"action": "respond", "status": 200, "body": "done", "headers": typed})
+    head, _ = await exchange(proxy.url, "POST", f"/admin/journal/{kid}/resolve", {**ADMIN, **json}, resolution)
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    head, body = await exchange(proxy.url, "POST", "/runs/op/obs/fail", keyed, b"{}")
+    assert head.startswith(b"HTTP/1.1 200 ") and body == b"done", head
+    assert b"\r\nX-Latin: caf\xc3\xa9\r\n" in head and b"\r\nX-Snow: caf\xc3\xa9 \xe2\x98\x83\r\n" in head, head
+    _, entry = await exchange(proxy.url, "GET", f"/admin/journal/{kid}", ADMIN)
+    assert orjson.loads(entry)["headers"] == typed
     assert len(raw_upstream.requests) == 2

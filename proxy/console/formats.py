@@ -1,9 +1,11 @@
-"""How the console writes times, durations, money and counts (Jinja filters)."""
+"""How the console writes times, durations, money, counts and header values (Jinja filters)."""
 
 from __future__ import annotations
 
 import math
 import time
+
+from ..wire import as_text
 
 FILTERS = {}
 
@@ -65,6 +67,12 @@ def seconds(value: float) -> str:
 @_filter
 def num(n: int | float | None) -> str:
     return "–" if n is None else f"{n:,.0f}"
+
+
+@_filter
+def header_text(value: str) -> str:
+    """A kept header value as text (its bytes read as UTF-8: wire.as_text)."""
+    return as_text(value)
 
 
 @_filter

@@ -38,6 +38,7 @@ from ..appkeys import METRICS, RUNS, SETTINGS
 from ..identity import TENANT_NAME
 from ..problems import Problem
 from ..store.base import RUN_STATES, RunState
+from ..wire import as_text
 from .api import answer, json_response, proxy_url, read_json, run_id
 from .options import journal_state, json_object, resolution, run_options
 from .views import entry_json, listing_json, run_json, step_json
@@ -94,7 +95,7 @@ async def show_run(request: web.Request) -> web.Response:
     for entry in await service.journal(run, bodies=bodies):
         step = step_json(entry)
         if bodies and entry.response is not None:
-            step["headers"] = entry.response.headers
+            step["headers"] = [(k, as_text(v)) for k, v in entry.response.headers]
             step["body_base64"] = base64.b64encode(entry.response.body).decode()
         body["steps"].append(step)
     return json_response(body)
@@ -156,7 +157,7 @@ async def show_entry(request: web.Request) -> web.Response:
     entry = await request.config_dict[RUNS].entry(request.match_info["kid"])
     body = entry_json(entry)
     if entry.response is not None:
-        body["headers"] = entry.response.headers
+        body["headers"] = [(k, as_text(v)) for k, v in entry.response.headers]
         body["body_base64"] = base64.b64encode(entry.response.body).decode()
     return json_response(body)
 

@@ -17,6 +17,7 @@ from ..config import Settings, parse_duration
 from ..identity import EPOCH, parse_epoch
 from ..problems import Problem
 from ..store.base import EntryState, Recorded
+from ..wire import from_text
 
 RUN_OPTIONS = ("timeout_s", "grace_s", "hook", "max_restarts", "metadata")
 HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an RFC 9110 token
@@ -136,7 +137,7 @@ def resolution(body: dict[str, Any]) -> Recorded | None:
         if not HEADER_NAME.fullmatch(name) or CONTROL.search(value):
             raise Problem("invalid-body", f"header {name!r}: a name is a token (letters, digits, "
                           "!#$%&'*+.^_`|~-) and a value holds no control characters (CR, LF, NUL...)")
-    return Recorded(status, [(k, v) for k, v in headers], _content(body))
+    return Recorded(status, [(k, from_text(v)) for k, v in headers], _content(body))
 
 
 def _content(body: dict[str, Any]) -> bytes:
