@@ -37,6 +37,10 @@ from .upstream_client import UpstreamPool, UpstreamResponse
 log = logging.getLogger("idemproxy.proxy")
 
 PARTIAL_FLUSH_S = 0.1  # how often stream bytes are shared with other proxies
+# A stream with nothing new to share shares nothing this often: a joiner on another proxy
+# takes it as a sign that its proxy lives, and the bytes so far as those of a live stream
+# (replay.join_remote), however long the upstream is silent.
+ALIVE_S = 1.0
 # SSE events after which an SDK stops reading and the agent moves on (OpenAI chat,
 # OpenAI Responses, Anthropic). The upstream may pause before it ends the body, so
 # waiting for EOF alone would let the agent act on an answer not yet durable (rule 1).
@@ -348,18 +352,22 @@ class Call:
         return asyncio.create_task(self._share(store, self._sharing))
 
     async def _share(self, store: Store, done: asyncio.Event) -> None:
-        """Copy the stream to the store as it passes, so another proxy can join it."""
+        """Copy the stream to the store as it passes, so another proxy can join it; while
+        it is quiet, an empty piece every ``ALIVE_S``."""
         seq, sent = 0, 0
         try:
             await store.journal.append_partial(self.kid, self.owner, 0, orjson.dumps(
                 {"status": self.status, "headers": self._storable()}))
+            shared_at = time.monotonic()
             while not done.is_set():
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(done.wait(), PARTIAL_FLUSH_S)
-                if len(self.chunks) > sent and not done.is_set():
+                quiet = time.monotonic() - shared_at >= ALIVE_S
+                if (len(self.chunks) > sent or quiet) and not done.is_set():
                     seq += 1
                     data = b"".join(self.chunks[sent:])
                     sent = len(self.chunks)
                     await store.journal.append_partial(self.kid, self.owner, seq, data)
+                    shared_at = time.monotonic()
         except StoreUnavailable as exc:
             log.warning("stream %s not shared with other proxies: %s", self.kid[:12], exc)

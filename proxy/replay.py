@@ -160,11 +160,12 @@ async def join_remote(request: web.Request, store: Store, claim: Entry, started:
 
     Bytes in the store are not an answer: a proxy killed mid-stream leaves them there until
     its lease ends, and a replay is the whole recorded answer or nothing (SPEC §15). So the
-    head is sent only once the recording proxy shows it is alive, by sharing bytes after
-    this request first looked, or by completing the record; until then the request waits as
-    for any key in flight, until ``deadline`` (then 409 in-flight). None: ``claim`` is no
-    longer in flight (it ended, its lease ran out, or its stream has not begun): the caller
-    looks at the key afresh, and an expired claim is then ambiguous (SPEC §4).
+    head is sent only once the recording proxy shows it is alive, by sharing bytes (or the
+    empty piece a quiet stream shares, calls.ALIVE_S) after this request first looked, or
+    by completing the record; until then the request waits as for any key in flight, until
+    ``deadline`` (then 409 in-flight). None: ``claim`` is no longer in flight (it ended,
+    its lease ran out, or its stream has not begun): the caller looks at the key afresh,
+    and an expired claim is then ambiguous (SPEC §4).
 
     Once bytes are sent, the answer follows that one claim to its recorded end, or is cut
     short: its proxy died, the stream broke, or another claim took the key over (whose bytes
@@ -196,7 +197,8 @@ async def join_remote(request: web.Request, store: Store, claim: Entry, started:
     sent, pending = 0, shared[1:] + fresh
     while True:
         for s, data in pending:
-            await resp.write(data)
+            if data:  # an empty piece: its proxy lives (calls.ALIVE_S)
+                await resp.write(data)
             seq, sent = s, sent + len(data)
         await journal.wait(claim.kid, 1.0)
         pending = await journal.read_partial(claim.kid, seq)

@@ -163,3 +163,24 @@ async def test_under_quarantine_a_retry_after_the_kill_gets_outcome_unknown(stor
     never_a_cut_replay(joined)
     assert joined.broken and b"[DONE]" not in joined.body
     assert provider.calls["chat"] == 1
+
+
+async def test_a_live_stream_silent_past_in_flight_wait_is_still_joined(store, provider, proxy_process, client):
+    """The other side of the rule: a stream whose proxy lives is joined from another
+    replica even while its upstream is silent for longer than ``in_flight_wait`` (a model
+    thinking): the recording proxy shares a sign of life while the stream is quiet."""
+    sections = proxy_sections(provider.url, store, server={"in_flight_wait": "1.5s"})
+    a, b = await start(proxy_process, sections, 2)
+    key = {"Idempotency-Key": "quiet-stream"}
+    # the finish event, 3 s of silence, then [DONE]
+    async with client.post(a.url + CHAT, json=BODY, headers={**key, "X-Fake-Chunks": "0",
+                                                             "X-Fake-Chunk-Delay": "3"}) as first:
+        head = await read_events(first, 1)
+        await asyncio.sleep(0.5)  # shared with the store by now: the silence has begun
+        async with client.post(b.url + CHAT, json=BODY, headers=key) as joiner:
+            joined = await answer_of(joiner)
+        rest = await answer_of(first)
+    assert (joined.status, joined.replayed) == (200, "true"), (joined.status, joined.body[:200])
+    assert not joined.broken and joined.body == head + rest.body
+    assert joined.body.endswith(b"data: [DONE]\n\n")
+    assert provider.calls["chat"] == 1
