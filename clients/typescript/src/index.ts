@@ -1,0 +1,2 @@
+export { stepKey } from "./keys.js";
+export type { KeyPart } from "./keys.js";
