@@ -25,7 +25,7 @@ from .errors import problem_middleware
 from .forward import make_pool
 from .handler import Proxy
 from .heartbeats import Heartbeats
-from .identity import TenantResolver
+from .identity import TenantResolver, tenant_secret
 from .metrics import Metrics
 from .problems import Problem
 from .replay import server_timing
@@ -119,14 +119,6 @@ def goes_straight(target: str, upstreams: Mapping[str, object]) -> bool:
 
 def _plain(segment: str) -> bool:
     return bool(segment) and "%" not in segment and "?" not in segment and "#" not in segment
-
-
-async def tenant_secret(settings: Settings, store: Store) -> bytes:
-    if settings.tenants.secret:
-        return str(settings.tenants.secret).encode()
-    # Generated once and kept in the store, so tenant ids survive restarts and are the
-    # same on every replica.
-    return await store.secret("tenant-hmac", os.urandom(32))
 
 
 async def _lifecycle(app: web.Application, make_launcher: LauncherFactory,

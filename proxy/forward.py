@@ -24,7 +24,7 @@ HOP_BY_HOP = frozenset({"connection", "proxy-connection", "keep-alive", "te", "t
                         "transfer-encoding", "upgrade", "proxy-authenticate", "proxy-authorization"})
 # Recomputed for the next hop, or ours.
 NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "expect"}
-OUR_HEADERS = ("idem-run", "idem-epoch", "idem-policy", "idem-replay", "idem-process")
+OUR_HEADERS = ("idem-run", "idem-run-token", "idem-epoch", "idem-policy", "idem-replay", "idem-process")
 NEVER_STORED = frozenset({"set-cookie", "set-cookie2", "content-length", "date"})
 
 

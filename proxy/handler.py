@@ -137,7 +137,8 @@ class Proxy:
                                    has_key=key is not None, has_run=run is not None)
         derive = chosen is not Policy.PASSTHROUGH or run is not None
         return Identity(key=key, run=run, epoch=epoch, policy=override,
-                        namespace=self.tenants.namespace(headers, request.remote, derive=derive)), chosen
+                        namespace=self.tenants.namespace(headers, request.remote, derive=derive, run=run,
+                                                         token=route.token)), chosen
 
     @staticmethod
     def _note(request: web.Request, route: Route, ident: Identity, body: bytes) -> Facts:

@@ -7,16 +7,24 @@ clients send one.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 import ipaddress
+import os
 import re
+import secrets
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from multidict import CIMultiDictProxy
 
 from .config import RUNS_SHARED, Settings, shares_anonymous
 from .policy import Policy
 from .problems import Problem
+
+if TYPE_CHECKING:
+    from .store import Store
 
 MAX_KEY_LENGTH = 255
 RUN_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -108,6 +116,24 @@ def parse_policy(value: str | None) -> Policy | None:
 DEFAULT_NAMESPACE = "default"  # the one namespace of [tenants] runs = "shared"
 ANONYMOUS = "anonymous"  # the tenant, and the namespace, of callers that carry no credential
 CREDENTIAL_PREFIX = "k:"  # tenants (and namespaces) that are the HMAC of a credential
+# The namespace of a run registered by a caller with no credential: its own, reachable only
+# with the run's token, so that callers without a credential never share runs.
+PRIVATE_PREFIX = "r:"
+RUN_TOKEN_HEADER = "Idem-Run-Token"
+RUN_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,400}\.[0-9a-f]{32}")
+
+
+async def tenant_secret(settings: Settings, store: "Store") -> bytes:
+    """The key of tenants' HMACs and of run tokens: configured, else generated once and kept in
+    the store, so tenant ids and tokens survive restarts and are the same on every replica."""
+    if settings.tenants.secret:
+        return str(settings.tenants.secret).encode()
+    return await store.secret("tenant-hmac", os.urandom(32))
+
+
+def private_namespace() -> str:
+    """A new namespace for one run registered without a credential."""
+    return PRIVATE_PREFIX + secrets.token_hex(12)
 
 
 class TenantResolver:
@@ -145,17 +171,26 @@ class TenantResolver:
                                               if shares_anonymous(up, t)))
 
     def tenant(self, headers: CIMultiDictProxy[str], namespace: str) -> str:
-        """Whose journal entries a request's are: its trusted tenant, else its credential's.
-        ``namespace`` is what :meth:`namespace` answered for the same headers."""
-        if self._header in headers:  # named by a trusted source: namespace() checked it
-            return "t:" + namespace
-        return self.of_credential(headers) if self._shared_runs else namespace
+        """Whose journal entries a request's are, from its namespace (what :meth:`namespace`
+        answered for the same request): a credential's (``k:``) or a private run's (``r:``)
+        namespace is its own tenant, as is ``anonymous``; with shared runs, the credential's
+        tenant; a trusted tenant's name, ``t:`` and that name."""
+        if namespace.startswith((CREDENTIAL_PREFIX, PRIVATE_PREFIX)) or namespace == ANONYMOUS:
+            return namespace
+        if not namespace or (self._shared_runs and namespace == DEFAULT_NAMESPACE):
+            return self.of_credential(headers)
+        return "t:" + namespace
 
-    def namespace(self, headers: CIMultiDictProxy[str], peer: str | None, *, derive: bool = True) -> str:
-        """The run namespace: the trusted tenant header, else the credential's tenant (or
-        ``default`` with shared runs). ``derive=False`` checks a tenant header all the same
-        but answers "" where the namespace would be the credential's HMAC: a passthrough
+    def namespace(self, headers: CIMultiDictProxy[str], peer: str | None, *, derive: bool = True,
+                  run: str | None = None, token: str | None = None) -> str:
+        """The run namespace: a run token's, for its run (``token``, else the
+        ``Idem-Run-Token`` header); the trusted tenant header; else the credential's tenant
+        (or ``default`` with shared runs). ``derive=False`` checks a tenant header all the
+        same but answers "" where the namespace would be the credential's HMAC: a passthrough
         outside a run never uses it, and its HMAC would be most of a passthrough's own work."""
+        token = token or headers.get(RUN_TOKEN_HEADER)
+        if token is not None:
+            return self.token_namespace(token, run)
         named = headers.get(self._header)
         if named is None:
             if self._shared_runs:
@@ -171,6 +206,32 @@ class TenantResolver:
             raise Problem("invalid-header", f"{self._header}: {ANONYMOUS!r}, {DEFAULT_NAMESPACE!r} and names "
                           f"that start with {CREDENTIAL_PREFIX!r} are reserved namespaces, not tenant names")
         return named
+
+    def run_token(self, namespace: str, run: str) -> str:
+        """The capability of run ``run`` of ``namespace``: whoever holds it is that run's, whatever
+        credential its calls carry (the supervisor hands it to hooks). An HMAC under the tenant
+        secret, so every replica and supervisor mints and checks the same one, with nothing stored."""
+        name = base64.urlsafe_b64encode(namespace.encode()).rstrip(b"=").decode()
+        return f"{name}.{self._token_mac(namespace, run)}"
+
+    def token_namespace(self, token: str, run: str | None) -> str:
+        """The namespace a run token stands for, when it is ``run``'s; else 403 ``invalid-run-token``."""
+        if run is None:
+            raise Problem("invalid-header", f"{RUN_TOKEN_HEADER} needs a run (Idem-Run or /runs/{{run_id}}/...)")
+        if RUN_TOKEN.fullmatch(token):
+            name, _, mac = token.partition(".")
+            try:
+                namespace = base64.urlsafe_b64decode(name + "=" * (-len(name) % 4)).decode()
+            except (binascii.Error, UnicodeDecodeError):
+                namespace = None
+            if namespace is not None and hmac.compare_digest(mac, self._token_mac(namespace, run)):
+                return namespace
+        raise Problem("invalid-run-token", f"this {RUN_TOKEN_HEADER} is not run {run!r}'s")
+
+    def _token_mac(self, namespace: str, run: str) -> str:
+        keyed = self._keyed.copy()
+        keyed.update(b"run-token\0" + namespace.encode() + b"\0" + run.encode())
+        return keyed.hexdigest()[:32]
 
     def check_recordable(self, headers: CIMultiDictProxy[str], namespace: str, upstream: str) -> None:
         """Refuse to record a call whose tenant would be ``anonymous`` (see :meth:`tenant`)

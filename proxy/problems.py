@@ -34,6 +34,7 @@ PROBLEMS: dict[str, ProblemType] = {
     "credential-required": ProblemType(401, "A credential is required to record", _REJECTED),
     "invalid-csrf": ProblemType(403, "Missing or wrong CSRF token", _REJECTED),
     "untrusted-tenant": ProblemType(403, "Tenant header from an untrusted source", _REJECTED),
+    "invalid-run-token": ProblemType(403, "The run token is not this run's", _REJECTED),
     "hook-not-allowed": ProblemType(403, "This caller may not arm the hook", _REJECTED),
     "unknown-upstream": ProblemType(404, "Unknown upstream", _REJECTED),
     "not-found": ProblemType(404, "Not found", _REJECTED),

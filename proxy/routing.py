@@ -26,6 +26,12 @@ CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # in a decoded path: refused (_refuse_
 # absolute-URI (RFC 3986 §4.3) of an http or https target: scheme, authority, the rest
 ABSOLUTE = re.compile(r"(https?)://([^/?#]*)(.*)", re.IGNORECASE | re.DOTALL)
 NOT_OURS = "only targets naming this proxy are accepted; this is not an open proxy"
+RUN_TOKEN_SEGMENT = re.compile(r"(/cap/)[^/]+")  # /runs/{run}[/epochs/{e}]/cap/{token}/...
+
+
+def shown_path(path: str) -> str:
+    """A path as logs show it: a run's token is a credential, never written down."""
+    return RUN_TOKEN_SEGMENT.sub(r"\1***", path, count=1) if "/cap/" in path else path
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +41,7 @@ class Route:
     epoch: int | None
     path: str      # path below the upstream, starting with "/", still percent-encoded
     query: str     # raw query string, without "?"
+    token: str | None = None  # the run's token from a /cap/{token} segment (identity.py)
 
     @property
     def path_qs(self) -> str:
@@ -66,18 +73,22 @@ def parse_route(raw_target: str, upstreams: Mapping[str, UpstreamSettings]) -> R
     path, _, query = raw_target.partition("?")
     path = path.partition("#")[0]
     _refuse_escapes(path)
-    parts = path[1:].split("/", 5)
-    run = epoch = None
+    parts = path[1:].split("/", 7)
+    run = epoch = token = None
     if parts[0] == "runs":
         if len(parts) < 3:
             raise Problem("not-found", "expected /runs/{run_id}/{upstream}/...")
         run = parse_run(parts[1])
-        if parts[2] == "epochs":
-            if len(parts) < 5:
+        parts = parts[2:]
+        if parts[0] == "epochs":
+            if len(parts) < 3:
                 raise Problem("not-found", "expected /runs/{run_id}/epochs/{epoch}/{upstream}/...")
-            epoch = parse_epoch(parts[3])
-            parts = parts[4:]
-        else:
+            epoch = parse_epoch(parts[1])
+            parts = parts[2:]
+        if parts[0] == "cap":  # the run's token: the attempt's traffic is the run's, whatever its credential
+            if len(parts) < 3 or not parts[1]:
+                raise Problem("not-found", "expected /runs/{run_id}[/epochs/{epoch}]/cap/{token}/{upstream}/...")
+            token = parts[1]
             parts = parts[2:]
         parts = "/".join(parts).split("/", 1)
     else:
@@ -87,7 +98,7 @@ def parse_route(raw_target: str, upstreams: Mapping[str, UpstreamSettings]) -> R
     if upstream is None:
         raise Problem("unknown-upstream", f"no upstream named {name!r} is configured", upstream=name)
     rest = "/" + parts[1] if len(parts) > 1 else "/"
-    return Route(upstream, run, epoch, rest, query)
+    return Route(upstream, run, epoch, rest, query, token)
 
 
 def _refuse_escapes(path: str) -> None:

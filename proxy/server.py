@@ -20,6 +20,7 @@ from .connections import REFUSAL, Gate, ProxySite
 from .eventloop import run, until_signalled
 from .errors import OUTCOME, UPSTREAM_S
 from .facts import FACTS, Facts
+from .routing import shown_path
 
 log = logging.getLogger("idemproxy")
 access_log = logging.getLogger("idemproxy.access")
@@ -38,7 +39,7 @@ class AccessLogger(AbstractAccessLogger):
             self.logger.info("%s - - %d rejected %.3fms malformed HTTP: %s", request.remote,
                              response.status, duration * 1000, refused)
             return
-        self.logger.info("%s %s %s %d %s %.3fms", request.remote, request.method, request.path,
+        self.logger.info("%s %s %s %d %s %.3fms", request.remote, request.method, shown_path(request.path),
                          response.status, request.get(OUTCOME, "-"), duration * 1000)
 
 
@@ -55,7 +56,7 @@ def access_logger(settings: Settings) -> type[AccessLogger]:
 
 def access_record(request: web.BaseRequest, response: web.StreamResponse, duration: float) -> str:
     """The request as one JSON object: what it was, what the proxy did, and where time went."""
-    line = {"remote": request.remote, "method": request.method, "path": request.path,
+    line = {"remote": request.remote, "method": request.method, "path": shown_path(request.path),
             "status": response.status, "outcome": request.get(OUTCOME), "ms": round(duration * 1000, 3)}
     facts: Facts | None = request.get(FACTS)
     if facts is not None:

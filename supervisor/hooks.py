@@ -36,6 +36,7 @@ import orjson
 
 from ..proxy.config import ENV_PREFIX, HookSettings, Settings
 from ..proxy.store import Store, StoreUnavailable
+from ..proxy.identity import TenantResolver, tenant_secret
 from ..proxy.store.base import Run
 from .reaper import describe, exit_facts, exited
 from .spawn import SpawnError, spawn_detached
@@ -67,20 +68,21 @@ class HookCall:
     attempt: int  # the run's restart count after this restart
     proxy_url: str
 
+    token: str  # the run's capability: the attempt's traffic is the run's, whatever its credential
     @property
     def run_base(self) -> str:
-        return f"{self.proxy_url}/runs/{self.run_id}/epochs/{self.epoch}"
+        return f"{self.proxy_url}/runs/{self.run_id}/epochs/{self.epoch}/cap/{self.token}"
 
     def environment(self) -> dict[str, str]:
         return {"IDEM_RUN_ID": self.run_id, "IDEM_EPOCH": str(self.epoch),
                 "IDEM_ATTEMPT": str(self.attempt), "IDEM_PROXY_URL": self.proxy_url,
                 "IDEM_RUN_BASE": self.run_base, "IDEM_NAMESPACE": self.namespace,
-                "IDEM_EVENT": self.event}
+                "IDEM_RUN_TOKEN": self.token, "IDEM_EVENT": self.event}
 
     def payload(self) -> dict:
         return {"run_id": self.run_id, "epoch": self.epoch, "attempt": self.attempt,
                 "proxy_url": self.proxy_url, "run_base": self.run_base,
-                "namespace": self.namespace, "event": self.event}
+                "namespace": self.namespace, "token": self.token, "event": self.event}
 
 
 def hook_environment(hook: HookSettings, call: HookCall,
@@ -122,6 +124,8 @@ class Hooks:
 
     def __init__(self, settings: Settings, store: Store):
         self._hooks = settings.hooks
+        self._settings = settings
+        self._tenants: TenantResolver | None = None  # mints run tokens, once the secret is read
         # What hooks are told, from configuration only: never from a request's Host header.
         self._proxy_url = settings.proxy_url
         self._store = store
@@ -138,7 +142,11 @@ class Hooks:
         A command hook has started when its process exists; an http hook is delivered in
         the background (with retries) and its failure is recorded when it gives up.
         """
-        call = HookCall(event, run.namespace, run.run_id, run.epoch, run.restarts, self._proxy_url)
+        if self._tenants is None:
+            self._tenants = TenantResolver.from_settings(await tenant_secret(self._settings, self._store),
+                                                         self._settings)
+        call = HookCall(event, run.namespace, run.run_id, run.epoch, run.restarts, self._proxy_url,
+                        self._tenants.run_token(run.namespace, run.run_id))
         hook = self._hooks.get(name) if name else None
         if hook is None:
             error = f"no hook named {name!r} is configured" if name else "the run has no hook"

@@ -80,3 +80,15 @@ async def test_text_lines_show_sub_millisecond_durations(logged_proxy, http, cap
 def test_an_unknown_log_format_is_a_configuration_error(tmp_path):
     with pytest.raises(ConfigError, match="log_format"):
         load_settings(env={"IDEMPROXY_SERVER_LOG_FORMAT": "xml"})
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+async def test_a_run_token_in_a_path_is_never_logged(logged_proxy, http, caplog, log_format):
+    url = await logged_proxy(log_format)
+    async with http.post(f"{url}/runs/quiet", json={"timeout_s": 30}) as r:
+        run = await r.json()
+    async with http.post(f"{run['base_url']}/openai/v1/chat/completions", json=CHAT) as r:
+        assert r.status == 200
+    lines = access_lines(caplog)
+    assert not any(run["token"] in line for line in lines)
+    assert any("/runs/quiet/epochs/0/cap/***/openai/v1/chat/completions" in line for line in lines)

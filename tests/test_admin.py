@@ -143,7 +143,7 @@ async def test_a_restart_tells_the_hook_the_configured_url_whatever_the_host_hea
         await asyncio.sleep(0.05)
     env = json.loads(seen.read_text())
     assert env["IDEM_PROXY_URL"] == "http://127.0.0.1:8787"
-    assert env["IDEM_RUN_BASE"] == "http://127.0.0.1:8787/runs/spoof/epochs/1"
+    assert env["IDEM_RUN_BASE"] == f"http://127.0.0.1:8787/runs/spoof/epochs/1/cap/{env['IDEM_RUN_TOKEN']}"
     assert not any("attacker" in value for value in env.values())
 
 

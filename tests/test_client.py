@@ -92,8 +92,8 @@ async def test_sync_run_registers_calls_through_the_proxy_and_completes(proxy, p
     def agent():
         with Run("trip-1", proxy_url=proxy.url, timeout_s=30, metadata={"user": "ann"}, env={}) as run:
             assert run.epoch == 0 and run.info.state is RunState.RUNNING
-            assert run.base_url == f"{proxy.url}/runs/trip-1/epochs/0"
-            assert run.url("openai", "/v1") == f"{proxy.url}/runs/trip-1/epochs/0/openai/v1"
+            assert run.token and run.base_url == f"{proxy.url}/runs/trip-1/epochs/0/cap/{run.token}"
+            assert run.url("openai", "/v1") == f"{proxy.url}/runs/trip-1/epochs/0/cap/{run.token}/openai/v1"
             with run.openai(api_key="sk-test") as llm:
                 reply = llm.chat.completions.create(**CHAT)
             return reply.choices[0].message.content

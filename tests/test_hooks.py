@@ -16,6 +16,7 @@ from aiohttp.test_utils import TestServer
 from conftest import proxy_sections, write_config
 from idemproxy.proxy.store import open_store
 from idemproxy.proxy.config import load_settings
+from idemproxy.proxy.identity import TenantResolver, tenant_secret
 from idemproxy.proxy.store.base import Run
 from idemproxy.supervisor.hooks import Hooks
 
@@ -73,10 +74,13 @@ async def test_command_hook_runs_detached_with_env_and_a_log_per_attempt(hooks_o
     await hooks.wait_idle()
 
     seen = json.loads(out.read_text())
+    token = seen["env"]["IDEM_RUN_TOKEN"]  # the run's capability: the proxy takes it for run r1 of default
+    assert TenantResolver.from_settings(await tenant_secret(hooks._settings, store), hooks._settings) \
+        .token_namespace(token, "r1") == "default"
     assert seen["env"] == {"IDEM_RUN_ID": "r1", "IDEM_EPOCH": "3", "IDEM_ATTEMPT": "2",
                            "IDEM_PROXY_URL": "http://proxy.test:8787",
-                           "IDEM_RUN_BASE": "http://proxy.test:8787/runs/r1/epochs/3",
-                           "IDEM_NAMESPACE": "default", "IDEM_EVENT": "restart"}
+                           "IDEM_RUN_BASE": f"http://proxy.test:8787/runs/r1/epochs/3/cap/{token}",
+                           "IDEM_NAMESPACE": "default", "IDEM_RUN_TOKEN": token, "IDEM_EVENT": "restart"}
     assert seen["sid"] == seen["pid"]  # its own session: our signals and our exit are not its
     assert seen["stdin"] == ""
     log = logs / "default.r1.3.log"
@@ -140,9 +144,10 @@ async def test_http_hook_is_signed_and_retried(hooks_on, receiver):
     assert hmac.compare_digest(headers["Idem-Signature"], expected)
     body = json.loads(raw)
     assert {k: body[k] for k in ("run_id", "epoch", "attempt", "proxy_url", "run_base", "namespace",
-                                 "event")} == {
+                                 "token", "event")} == {
         "run_id": "r1", "epoch": 3, "attempt": 2, "proxy_url": "http://proxy.test:8787",
-        "run_base": "http://proxy.test:8787/runs/r1/epochs/3", "namespace": "default", "event": "restart"}
+        "run_base": f"http://proxy.test:8787/runs/r1/epochs/3/cap/{body['token']}", "namespace": "default",
+        "token": body["token"], "event": "restart"}
     assert headers["Idem-Timestamp"] == str(body["timestamp"])
     assert abs(body["timestamp"] - time.time()) < 60
     delivered = next(e for e in await _history(store) if e["event"] == "hook-delivered")
@@ -217,7 +222,7 @@ async def test_a_command_hook_inherits_what_agents_need_and_no_infrastructure_se
     python_own = {"LC_CTYPE"}  # Python may set it in a C locale (PEP 538)
     assert set(env) - facts - python_own == {"PATH", "OPENAI_API_KEY", "PGPASSWORD", "EXTRA"}
     assert facts == {"IDEM_RUN_ID", "IDEM_EPOCH", "IDEM_ATTEMPT", "IDEM_PROXY_URL", "IDEM_RUN_BASE",
-                     "IDEM_NAMESPACE", "IDEM_EVENT"}
+                     "IDEM_NAMESPACE", "IDEM_RUN_TOKEN", "IDEM_EVENT"}
 
 
 def test_hook_env_options_load_from_toml_and_never_show_their_values(tmp_path):

@@ -35,11 +35,17 @@ async def test_another_credential_finds_no_run_through_the_runs_api(make_proxy, 
                                      ("POST", "/complete", {"json": {"epoch": 0}}), ("POST", "/fail", {})):
             async with http.request(method, url + path, headers=other, **kwargs) as resp:
                 await problem(resp, "not-found", 404)
-        # registering or starting an attempt makes the caller's own run, as if none existed
+        # registering makes the caller's own run, as if none existed; a caller with no credential
+        # gets a namespace of its own, which its run's token reaches, and nothing else does
         status, theirs = await _call(http, "POST", url, headers=other, json={"timeout_s": 5, "metadata": {}})
         assert status == 201 and theirs["namespace"] != mine["namespace"]
-        status, attempt = await _call(http, "POST", url + "/attempts", headers=other)
+        assert theirs["namespace"].startswith("k:" if other else "r:")
+        own = {**other, "Idem-Run-Token": theirs["token"]}
+        status, attempt = await _call(http, "POST", url + "/attempts", headers=own)
         assert status == 201 and attempt["namespace"] == theirs["namespace"] and attempt["epoch"] == 1
+        if not other:
+            async with http.get(url) as resp:  # another caller without a credential: not its run
+                await problem(resp, "not-found", 404)
 
     status, still = await _call(http, "GET", url, headers=A)
     assert status == 200

@@ -25,7 +25,7 @@ async def test_register_creates_then_updates(make_proxy, store_url, http):
     assert (run["run_id"], run["namespace"], run["state"], run["epoch"], run["restarts"]) == \
         ("job-1", "default", "running", 0, 0)
     assert (run["timeout_s"], run["grace_s"], run["max_restarts"], run["hook"]) == (45, 9, 2, None)
-    assert run["base_url"] == f"{proxy.url}/runs/job-1/epochs/0"
+    assert run["base_url"] == f"{proxy.url}/runs/job-1/epochs/0/cap/{run['token']}"
     assert abs(run["last_seen"] - time.time()) < 5
 
     status, run = await _call(http, "POST", f"{proxy.url}/runs/job-1",
@@ -88,7 +88,7 @@ async def test_attempts_raise_the_epoch_and_fence_the_old_attempt(make_proxy, st
         assert resp.status == 200
     status, run = await _call(http, "POST", f"{proxy.url}/runs/job-2/attempts")
     assert status == 201 and run["epoch"] == 1 and run["restarts"] == 0
-    assert run["base_url"].endswith("/runs/job-2/epochs/1")
+    assert run["base_url"].endswith(f"/runs/job-2/epochs/1/cap/{run['token']}")
     _, shown = await _call(http, "GET", f"{proxy.url}/admin/runs/job-2", headers=ADMIN)
     assert any(e["event"] == "attempt" and e["epoch"] == 1 for e in shown["history"])
 

@@ -40,7 +40,7 @@ say("up", standby=os.environ.get("IDEM_STANDBY"), run=os.environ.get("IDEM_RUN_I
 plan = dict(item.split("=", 1) for item in sys.argv[2].split(","))
 with Run(heartbeat=False) as run:
     say("assigned", epoch=run.epoch, run=run.run_id, attempt=os.environ["IDEM_ATTEMPT"],
-        base=os.environ["IDEM_RUN_BASE"], standby=os.environ.get("IDEM_STANDBY"),
+        base=os.environ["IDEM_RUN_BASE"], token=run.token, standby=os.environ.get("IDEM_STANDBY"),
         stdin=os.path.samestat(os.fstat(0), os.stat(os.devnull)))
     with run.client("openai") as llm:
         reply = llm.post("/v1/chat/completions", json={"model": "m", "messages": [
@@ -154,7 +154,7 @@ async def test_a_restart_is_served_by_a_standby_started_before_it(standby_proxy,
     assert (run.state, run.epoch) == ("completed", 1)
     # the facts a spawned hook has; stdin is /dev/null again, the marker is gone
     assert assigned == {**assigned, "run": "r", "attempt": "1", "standby": None, "stdin": True,
-                        "base": f"{proxy.url}/runs/r/epochs/1"}
+                        "base": f"{proxy.url}/runs/r/epochs/1/cap/{assigned['token']}"}
     assert provider.calls["chat"] == 1
     # its log has the attempt's name, as a spawned hook's
     log = Path(started(run, 1)["log"])

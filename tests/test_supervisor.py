@@ -94,7 +94,7 @@ async def test_silent_run_is_restarted_once_and_its_zombie_fenced(supervised, st
     assert (run.state, run.epoch, run.restarts) == ("completed", 1, 1)
     (env,) = [json.loads(line) for line in _lines(seen)]
     assert env["IDEM_EPOCH"] == "1" and env["IDEM_ATTEMPT"] == "1"
-    assert env["IDEM_RUN_BASE"] == f"{proxy.url}/runs/quiet/epochs/1"
+    assert env["IDEM_RUN_BASE"] == f"{proxy.url}/runs/quiet/epochs/1/cap/{env['IDEM_RUN_TOKEN']}"
     assert [e["event"] for e in run.history if e["event"] == "restart"] == ["restart"]
 
     # the old attempt wakes up: refused before anything reaches the upstream

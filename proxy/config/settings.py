@@ -32,7 +32,7 @@ ANONYMOUS_CHOICES = ("refuse", "shared")  # [tenants] and [upstreams.*] anonymou
 MAX_STANDBY = 64  # [hooks.*] standby: idle processes per hook and supervisor
 
 # Path words with a meaning of their own in the proxy's routes; no upstream may take these names.
-RESERVED_NAMES = frozenset({"runs", "admin", "healthz", "readyz", "metrics", "epochs",
+RESERVED_NAMES = frozenset({"runs", "admin", "healthz", "readyz", "metrics", "epochs", "cap",
                             "heartbeat", "complete", "fail", "attempts", "ui"})
 
 
@@ -252,7 +252,12 @@ class Settings:
 
     def may_arm(self, hook: str | None, namespace: str) -> bool:
         """Whether a run of ``namespace`` may arm ``hook`` by itself (without the admin token)."""
-        return hook is not None and hook in self.hooks and namespace in self.hooks[hook].allow_tenants
+        if hook is None or hook not in self.hooks:
+            return False
+        allowed = self.hooks[hook].allow_tenants
+        # a run registered without a credential has a namespace of its own ("r:...", see
+        # identity.py); "anonymous" in allow_tenants lets such runs arm the hook
+        return namespace in allowed or (namespace.startswith("r:") and "anonymous" in allowed)
 
     def default_hook(self, namespace: str) -> str | None:
         """The ``[runs] hook`` a new run of ``namespace`` gets: none unless it may arm it."""

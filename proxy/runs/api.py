@@ -9,7 +9,12 @@ any), and asks for no less time and no more restarts or metadata than ``[runs]``
 ``outside-limits``). Refusals are raised as :class:`~..problems.Problem`; the app's one error
 middleware answers them as problem+json. Times are UNIX seconds.
 
-No token; the run JSON agents get has no ``history``, which is for operators::
+No admin token. Every answer about a run carries its ``token``, the run's capability: sent as
+``Idem-Run-Token`` (or as ``/cap/{token}`` in a proxied call's path, which ``base_url``
+holds), it puts a request in the run's namespace whatever credential it carries, so that an
+attempt's traffic and its runs-API calls are one run. A caller with no credential that makes
+a run gets a namespace of its own (``r:…``), reached with the token only. The run JSON agents
+get has no ``history``, which is for operators::
 
     POST /runs/{id}            register: {timeout_s, grace_s, hook, max_restarts, metadata},
                                all optional -> 201 new, 200 updated          403, 422
@@ -29,7 +34,7 @@ as the body): from a superseded attempt they change nothing and answer **412**
 
 The run JSON: ``run_id, namespace, state, epoch, restarts, last_seen, started_at,
 timeout_s, grace_s, max_restarts, hook, metadata, created_at, ended_at, next_restart_at,
-base_url`` (= ``{proxy}/runs/{id}/epochs/{epoch}``).
+token, base_url`` (= ``{proxy}/runs/{id}/epochs/{epoch}/cap/{token}``).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from aiohttp import web
 
 from ..appkeys import RUNS, SETTINGS, TENANTS
 from ..codings import decoded
-from ..identity import parse_run
+from ..identity import ANONYMOUS, parse_run, private_namespace
 from ..problems import Problem
 from ..store.base import Run, RunState
 from .attach import hold
@@ -62,31 +67,32 @@ def add_routes(router: web.UrlDispatcher) -> None:
 
 async def register(request: web.Request) -> web.Response:
     options = run_options(json_object(await read_json(request)), request.config_dict[SETTINGS])
-    run, created = await request.config_dict[RUNS].register(*_which(request), options)
-    return answer(request, run, 201 if created else 200)
+    run, created = await request.config_dict[RUNS].register(*_which(request, new=True), options)
+    return own_answer(request, run, 201 if created else 200)
 
 
 async def show(request: web.Request) -> web.Response:
-    return answer(request, await request.config_dict[RUNS].get(*_which(request)))
+    return own_answer(request, await request.config_dict[RUNS].get(*_which(request)))
 
 
 async def heartbeat(request: web.Request) -> web.Response:
     epoch = await _epoch(request)
-    return answer(request, await request.config_dict[RUNS].heartbeat(*_which(request), epoch))
+    return own_answer(request, await request.config_dict[RUNS].heartbeat(*_which(request), epoch))
 
 
 async def complete(request: web.Request) -> web.Response:
     epoch = await _epoch(request)
-    return answer(request, await request.config_dict[RUNS].end(*_which(request), RunState.COMPLETED, epoch))
+    return own_answer(request, await request.config_dict[RUNS].end(*_which(request), RunState.COMPLETED, epoch))
 
 
 async def fail(request: web.Request) -> web.Response:
     epoch = await _epoch(request)
-    return answer(request, await request.config_dict[RUNS].end(*_which(request), RunState.FAILED, epoch))
+    return own_answer(request, await request.config_dict[RUNS].end(*_which(request), RunState.FAILED, epoch))
 
 
 async def new_attempt(request: web.Request) -> web.Response:
-    return answer(request, await request.config_dict[RUNS].new_attempt(*_which(request)), 201)
+    run = await request.config_dict[RUNS].new_attempt(*_which(request, new=True))
+    return own_answer(request, run, 201)
 
 
 async def attach(request: web.Request) -> web.StreamResponse:
@@ -97,7 +103,7 @@ async def detach(request: web.Request) -> web.Response:
     epoch = await _epoch(request)
     if epoch is None:
         raise Problem("invalid-request", "detach lets one attempt's connections go: send its epoch as Idem-Epoch")
-    return answer(request, await request.config_dict[RUNS].attach(*_which(request), epoch))
+    return own_answer(request, await request.config_dict[RUNS].attach(*_which(request), epoch))
 
 
 # -- shared with the admin API -------------------------------------------------------------------
@@ -120,14 +126,26 @@ def answer(request: web.Request, run: Run, status: int = 200, *, history: bool =
     return json_response(run_json(run, proxy_url(request), history=history), status)
 
 
+def own_answer(request: web.Request, run: Run, status: int = 200) -> web.Response:
+    """The run as its own agents see it: with its token, which only they are given."""
+    token = request.config_dict[TENANTS].run_token(run.namespace, run.run_id)
+    return json_response(run_json(run, proxy_url(request), token=token), status)
+
+
 def json_response(body: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
 
 
-def _which(request: web.Request) -> tuple[str, str]:
-    """(namespace, run id) of the caller's run."""
-    namespace = request.config_dict[TENANTS].namespace(request.headers, request.remote)
-    return namespace, run_id(request)
+def _which(request: web.Request, *, new: bool = False) -> tuple[str, str]:
+    """(namespace, run id) of the caller's run: its run token's, else its own namespace's. A
+    caller with no credential (``anonymous``) that makes a run (``new``) gets a namespace of
+    its own, so that such callers never share runs: its run is reached with its token only."""
+    run = run_id(request)
+    namespace = request.config_dict[TENANTS].namespace(request.headers, request.remote, run=run)
+    if new and namespace == ANONYMOUS:
+        namespace = private_namespace()
+    return namespace, run
+
 
 
 async def _epoch(request: web.Request) -> int | None:

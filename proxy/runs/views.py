@@ -8,14 +8,20 @@ from typing import Any
 from ..store.base import Entry, Run, Scope
 
 
-def run_json(run: Run, proxy_url: str, *, history: bool = False) -> dict[str, Any]:
-    """A run. ``history`` (hook errors, pids, log paths) is for operators only."""
+def run_json(run: Run, proxy_url: str, *, history: bool = False,
+             token: str | None = None) -> dict[str, Any]:
+    """A run. ``history`` (hook errors, pids, log paths) is for operators only.
+    ``token``, the run's capability, is for the run's own agents only: its ``base_url`` binds
+    the attempt's traffic to the run whatever credential each call carries."""
     body = {"run_id": run.run_id, "namespace": run.namespace, "state": run.state, "epoch": run.epoch,
             "restarts": run.restarts, "last_seen": run.last_seen, "started_at": run.started_at,
             "timeout_s": run.timeout_s, "grace_s": run.grace_s, "max_restarts": run.max_restarts,
             "hook": run.hook, "metadata": run.metadata, "created_at": run.created_at,
             "ended_at": run.ended_at, "next_restart_at": run.next_restart_at,
             "base_url": f"{proxy_url}/runs/{run.run_id}/epochs/{run.epoch}"}
+    if token is not None:
+        body["token"] = token
+        body["base_url"] += f"/cap/{token}"
     if history:
         body["history"] = run.history
     return body

@@ -20,6 +20,7 @@ from .tls import shared_context
 RUN_HEADER = "Idem-Run"
 EPOCH_HEADER = "Idem-Epoch"
 TENANT_HEADER = "Idem-Tenant"
+RUN_TOKEN_HEADER = "Idem-Run-Token"  # the run's capability: its calls are the run's, whatever their credential
 KEY_HEADER = "Idempotency-Key"
 MCP_KEY_META = "dev.idemproxy/idempotencyKey"  # an explicit key in a tools/call's _meta (docs/mcp.md)
 POLICY_HEADER = "Idem-Policy"
@@ -103,9 +104,15 @@ class Answer:
 class RunsAPI:
     """Blocking client of the runs API (one ``httpx.Client``; not shared across threads)."""
 
-    def __init__(self, proxy_url: str, *, tenant: str | None = None, timeout: float = 10.0):
-        self._client = httpx.Client(base_url=proxy_url, headers=_headers(tenant), timeout=timeout,
+    def __init__(self, proxy_url: str, *, tenant: str | None = None, token: str | None = None,
+                 timeout: float = 10.0):
+        self._client = httpx.Client(base_url=proxy_url, headers=_headers(tenant, token), timeout=timeout,
                                     verify=shared_context())
+
+    def bind(self, token: str | None) -> None:
+        """Send the run's token from now on (learned from its registration)."""
+        if token:
+            self._client.headers[RUN_TOKEN_HEADER] = token
 
     def send(self, call: Call) -> Answer:
         """Send one call; raise :class:`ProblemError` or :class:`ProxyUnreachable`."""
@@ -123,9 +130,15 @@ class RunsAPI:
 class AsyncRunsAPI:
     """Asynchronous client of the runs API (one ``httpx.AsyncClient``)."""
 
-    def __init__(self, proxy_url: str, *, tenant: str | None = None, timeout: float = 10.0):
-        self._client = httpx.AsyncClient(base_url=proxy_url, headers=_headers(tenant),
+    def __init__(self, proxy_url: str, *, tenant: str | None = None, token: str | None = None,
+                 timeout: float = 10.0):
+        self._client = httpx.AsyncClient(base_url=proxy_url, headers=_headers(tenant, token),
                                          timeout=timeout, verify=shared_context())
+
+    def bind(self, token: str | None) -> None:
+        """Send the run's token from now on (learned from its registration)."""
+        if token:
+            self._client.headers[RUN_TOKEN_HEADER] = token
 
     async def send(self, call: Call) -> Answer:
         """Send one call; raise :class:`ProblemError` or :class:`ProxyUnreachable`."""
@@ -140,10 +153,12 @@ class AsyncRunsAPI:
         await self._client.aclose()
 
 
-def _headers(tenant: str | None) -> dict[str, str]:
+def _headers(tenant: str | None, token: str | None = None) -> dict[str, str]:
     headers = {"Accept": "application/json"}
     if tenant:
         headers[TENANT_HEADER] = tenant
+    if token:
+        headers[RUN_TOKEN_HEADER] = token
     return headers
 
 

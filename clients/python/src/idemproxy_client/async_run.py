@@ -61,19 +61,22 @@ class AsyncRun(BaseRun):
     async def start(self) -> AsyncRun:
         """Find or create the run and start heartbeats; ``async with`` calls this for you."""
         self._claim_start()
-        self._api = AsyncRunsAPI(self.proxy_url, tenant=self.tenant, timeout=self._http_timeout)
+        self._api = AsyncRunsAPI(self.proxy_url, tenant=self.tenant, token=self._token,
+                                 timeout=self._http_timeout)
         try:
             await plan.adrive(self._start_plan(), self._api.send)
         except BaseException:
             await self.aclose()
             raise
+        self._api.bind(self._token)
         interval = self._beat_interval()
         if interval:
             self._beats = HeartbeatTask(self.heartbeat, interval, self._attempt_over)
             self._beats.start()
         if self._attach:
             self._attachment = AsyncAttachment(self.run_id, self.epoch, proxy_url=self.proxy_url,
-                                               tenant=self.tenant, on_over=self._attempt_over).start()
+                                               tenant=self.tenant, token=self._token,
+                                               on_over=self._attempt_over).start()
         return self
 
     @property

@@ -32,7 +32,7 @@ import httpx
 from . import api
 from .errors import IdemProxyError, ProblemError, RunEnded, Superseded, problem_from_response
 from .heartbeat import cancelled, ends_beating
-from .launch import DEFAULT_NAMESPACE, DEFAULT_PROXY_URL, Launch
+from .launch import DEFAULT_PROXY_URL, Launch, tenant_of
 from .process import process_token
 from .tls import shared_context
 
@@ -47,12 +47,13 @@ class _Holding:
     """What both kinds share: the attempt, the coroutine that holds it, what it has seen."""
 
     def __init__(self, run_id: str, epoch: int, *, proxy_url: str | None = None,
-                 tenant: str | None = None,
+                 tenant: str | None = None, token: str | None = None,
                  on_over: Callable[[IdemProxyError], None] | None = None) -> None:
         self.run_id = run_id
         self.epoch = epoch
         self.proxy_url = (proxy_url or DEFAULT_PROXY_URL).rstrip("/")
         self.tenant = tenant
+        self.token = token  # the run's capability, when the attempt has one
         self.connections = 0  # connections the proxy accepted so far
         self.attached = threading.Event()  # set once the first is accepted
         self.over: IdemProxyError | None = None  # why the hold ended by itself
@@ -61,12 +62,13 @@ class _Holding:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any):
         """The attempt a hook started this process for (``IDEM_RUN_ID``, ``IDEM_EPOCH``,
-        ``IDEM_PROXY_URL``, ``IDEM_NAMESPACE``)."""
+        ``IDEM_PROXY_URL``, ``IDEM_NAMESPACE``, ``IDEM_RUN_TOKEN``)."""
         launch = Launch.from_env(env)
         if launch.run_id is None or launch.epoch is None:
             raise ValueError("IDEM_RUN_ID and IDEM_EPOCH name the attempt to hold")
-        tenant = launch.namespace if launch.namespace != DEFAULT_NAMESPACE else None
-        return cls(launch.run_id, launch.epoch, proxy_url=launch.proxy_url, tenant=tenant, **kwargs)
+        tenant = tenant_of(launch.namespace)  # a trusted tenant's name only
+        return cls(launch.run_id, launch.epoch, proxy_url=launch.proxy_url, tenant=tenant, token=launch.token,
+                   **kwargs)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.run_id!r}, epoch={self.epoch}, connections={self.connections})"
@@ -77,6 +79,8 @@ class _Holding:
             headers[api.PROCESS_HEADER] = process
         if self.tenant:
             headers[api.TENANT_HEADER] = self.tenant
+        if self.token:
+            headers[api.RUN_TOKEN_HEADER] = self.token
         timeout = httpx.Timeout(CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S)
         delay = 0.0
         async with httpx.AsyncClient(base_url=self.proxy_url, headers=headers, timeout=timeout,

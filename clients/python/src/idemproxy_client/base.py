@@ -77,6 +77,7 @@ class BaseRun:
         self.proxy_url: str = (proxy_url or launch.proxy_url or DEFAULT_PROXY_URL).rstrip("/")
         self.tenant: str | None = tenant or tenant_of(launch.namespace)
         self._handed_epoch = epoch if epoch is not None else (launch.epoch if handed else None)
+        self._token: str | None = launch.token if handed else None  # learned at start otherwise
         self._epoch = self._handed_epoch
         self._options = RunOptions(timeout_s, grace_s, max_restarts, hook, metadata)
         self._resume = resume
@@ -122,9 +123,18 @@ class BaseRun:
     # -- where to send requests ----------------------------------------------------------
 
     @property
+    def token(self) -> str | None:
+        """The run's token, its capability, once known (from its registration, or
+        ``IDEM_RUN_TOKEN``): calls that carry it are the run's, whatever their credential.
+        Keep it as secret as a credential."""
+        return self._token
+
+    @property
     def base_url(self) -> str:
-        """``{proxy}/runs/{run_id}/epochs/{epoch}``: prefix of every run-scoped upstream URL."""
-        return f"{self.proxy_url}/runs/{self.run_id}/epochs/{self.epoch}"
+        """``{proxy}/runs/{run_id}/epochs/{epoch}/cap/{token}``: prefix of every run-scoped
+        upstream URL (without ``/cap/…`` on a proxy that gives no token)."""
+        base = f"{self.proxy_url}/runs/{self.run_id}/epochs/{self.epoch}"
+        return f"{base}/cap/{self._token}" if self._token else base
 
     def url(self, upstream: str, path: str = "") -> str:
         """The run-scoped URL of ``path`` on a configured upstream.
@@ -160,6 +170,8 @@ class BaseRun:
         headers = {api.RUN_HEADER: self.run_id, api.EPOCH_HEADER: str(self.epoch)}
         if self.tenant:
             headers[api.TENANT_HEADER] = self.tenant
+        if self._token:
+            headers[api.RUN_TOKEN_HEADER] = self._token
         if key is not None:
             headers[api.KEY_HEADER] = key
         if policy is not None:
@@ -182,6 +194,7 @@ class BaseRun:
     def _start_plan(self) -> plan.Plan[RunInfo]:
         run = yield from plan.begin(self.run_id, self._handed_epoch, self._options, self._resume)
         self._info = run
+        self._token = run.token or self._token
         if self._epoch is None:
             self._epoch = run.epoch
         log.info("run %s: attempt at epoch %d (%s)", self.run_id, self._epoch, self.base_url)

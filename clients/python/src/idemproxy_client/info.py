@@ -49,6 +49,7 @@ class RunInfo:
     created_at: float = 0.0
     ended_at: float | None = None
     base_url: str | None = None
+    token: str | None = field(default=None, repr=False)  # the run's capability (a credential)
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -76,5 +77,6 @@ class RunInfo:
             created_at=float(body.get("created_at") or 0.0),
             ended_at=float(ended_at) if ended_at is not None else None,
             base_url=body.get("base_url"),
+            token=body.get("token"),
             raw=dict(body),
         )

@@ -20,7 +20,7 @@ def tenant_of(namespace: str | None) -> str | None:
     """The ``Idem-Tenant`` to send for a run's namespace: only a trusted tenant's name. The
     shared ``default`` namespace and a credential's (``anonymous``, ``k:…``) come from the
     request itself (its credential), so naming them is neither needed nor accepted."""
-    if not namespace or namespace in (DEFAULT_NAMESPACE, "anonymous") or namespace.startswith("k:"):
+    if not namespace or namespace in (DEFAULT_NAMESPACE, "anonymous") or namespace.startswith(("k:", "r:")):
         return None
     return namespace
 
@@ -34,6 +34,7 @@ class Launch:
     attempt: int | None = None
     proxy_url: str | None = None
     namespace: str | None = None
+    token: str | None = None  # IDEM_RUN_TOKEN: the run's capability, from the supervisor
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Launch:
@@ -45,6 +46,7 @@ class Launch:
             attempt=_integer(env, "IDEM_ATTEMPT"),
             proxy_url=(env.get("IDEM_PROXY_URL") or "").rstrip("/") or None,
             namespace=env.get("IDEM_NAMESPACE") or None,
+            token=env.get("IDEM_RUN_TOKEN") or None,
         )
 
 

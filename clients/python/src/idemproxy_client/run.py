@@ -77,6 +77,7 @@ class Run(BaseRun):
         except BaseException:
             self.close()
             raise
+        self._api.bind(self._token)
         interval = self._beat_interval()
         if interval:
             self._beats_api = beats_api = self._new_api()
@@ -84,8 +85,8 @@ class Run(BaseRun):
                                           interval, self._attempt_over)
             self._beats.start()
         if self._attach:
-            self._attachment = Attachment(self.run_id, self.epoch, proxy_url=self.proxy_url,
-                                          tenant=self.tenant, on_over=self._attempt_over).start()
+            self._attachment = Attachment(self.run_id, self.epoch, proxy_url=self.proxy_url, tenant=self.tenant,
+                                          token=self._token, on_over=self._attempt_over).start()
         return self
 
     @property
@@ -145,7 +146,7 @@ class Run(BaseRun):
         attachment.stop()
 
     def _new_api(self) -> RunsAPI:
-        return RunsAPI(self.proxy_url, tenant=self.tenant, timeout=self._http_timeout)
+        return RunsAPI(self.proxy_url, tenant=self.tenant, token=self._token, timeout=self._http_timeout)
 
     def _connection(self) -> RunsAPI:
         if self._api is None:
