@@ -249,3 +249,35 @@ test("a process that forgets to end its run still exits; the run stays running, 
   assert.ok(exited.seconds < 10);
   assert.equal((await proxy.adminRun(runId)).state, "running");
 });
+
+test("a killed process's held connection marks its attempt lost, its exit seen on this host", async () => {
+  const runId = newId("killed");
+  const proc = spawn(process.execPath, ["--input-type=module", "-e", `
+    import { Run } from ${JSON.stringify(DIST)};
+    const run = await Run.start({ runId: ${JSON.stringify(runId)}, proxyUrl: ${JSON.stringify(proxy.url)},
+      timeoutS: 30, heartbeat: false, attach: true, env: {} });
+    await run.attachment.waitAttached(5);
+    console.log("attached");
+    setInterval(() => {}, 1000); // at work
+  `], { stdio: ["ignore", "pipe", "inherit"] });
+  await new Promise((resolve) => proc.stdout.once("data", resolve));
+  proc.kill("SIGKILL");
+  const lost = await until(async () => (await proxy.adminRun(runId)).history
+    .find((event) => event.event === "attachment-lost"), 10, "the attempt marked lost");
+  assert.equal(lost.epoch, 0);
+  assert.equal(lost.process, "exited"); // Idem-Process named this process as the proxy sees it
+});
+
+test("Run.run completes the run when the work returns and fails it when it throws", async () => {
+  const done = newId("block-ok");
+  assert.equal(await Run.run({ ...quiet, runId: done, proxyUrl: proxy.url }, async (run) => run.epoch + 41), 41);
+  assert.equal((await proxy.adminRun(done)).state, "completed");
+  const failed = newId("block-fail");
+  let inside;
+  await assert.rejects(Run.run({ ...quiet, runId: failed, proxyUrl: proxy.url }, async (run) => {
+    inside = run;
+    throw new Error("the tool is down");
+  }), /the tool is down/);
+  assert.equal(inside.failReason, "the tool is down");
+  assert.equal((await proxy.adminRun(failed)).state, "failed");
+});
