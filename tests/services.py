@@ -29,6 +29,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class Blackhole:
+    """A listening socket whose accept backlog is full: Linux then drops the SYNs that reach
+    it, so a connection attempt hangs as against a drowning or unreachable server. ``listener``
+    can still be served later (``close_fillers`` first)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+        self.listener = socket.socket()
+        self.listener.bind((host, port))
+        self.listener.listen(0)
+        self.port = self.listener.getsockname()[1]
+        self._fillers = []
+        for _ in range(3):  # backlog 0 takes one; the handshakes after it are dropped
+            filler = socket.socket()
+            filler.setblocking(False)
+            try:
+                filler.connect((host, self.port))
+            except BlockingIOError:
+                pass
+            self._fillers.append(filler)
+
+    def close_fillers(self) -> None:
+        for filler in self._fillers:
+            filler.close()
+
+    def close(self) -> None:
+        self.close_fillers()
+        self.listener.close()
+
+
 def reachable(url: str, timeout: float = 0.5) -> bool:
     parts = urlsplit(url)
     try:

@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 import fake_provider
+import services
 from conftest import write_config
 from private_ca import PrivateCA
 from rawhttp import problem
@@ -112,18 +113,7 @@ async def two_addresses(monkeypatch):
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     port = runner.addresses[0][1]
-    blackhole = socket.socket()
-    blackhole.bind(("127.0.0.2", port))
-    blackhole.listen(0)
-    fillers = []
-    for _ in range(3):  # backlog 0 takes one; the handshakes after it are dropped
-        filler = socket.socket()
-        filler.setblocking(False)
-        try:
-            filler.connect(("127.0.0.2", port))
-        except BlockingIOError:
-            pass
-        fillers.append(filler)
+    blackhole = services.Blackhole("127.0.0.2", port)
     loop = asyncio.get_running_loop()
     resolve = loop.getaddrinfo
 
@@ -134,8 +124,6 @@ async def two_addresses(monkeypatch):
                 for address in ("127.0.0.2", "127.0.0.1")]
     monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
     yield f"http://twoaddr.test:{port}", app
-    for filler in fillers:
-        filler.close()
     blackhole.close()
     await runner.cleanup()
 

@@ -4,7 +4,6 @@ and large passthrough bodies. Each test failed before its fix."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 import urllib.request
 
@@ -12,6 +11,7 @@ import pytest
 from aiohttp import web
 
 import fake_provider
+import services
 from conftest import proxy_sections
 from rawhttp import problem
 
@@ -23,37 +23,22 @@ async def refusing_upstream():
     """A listening socket whose backlog is full and that accepts nothing: a connection
     attempt hangs, as against a server drowning in connections. ``serve()`` then starts
     the fake provider on that very socket."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(0)
-    port = listener.getsockname()[1]
-    fillers = []
-    for _ in range(3):  # backlog 0 takes one; the rest of the handshakes are dropped
-        filler = socket.socket()
-        filler.setblocking(False)
-        try:
-            filler.connect(("127.0.0.1", port))
-        except BlockingIOError:
-            pass
-        fillers.append(filler)
+    blackhole = services.Blackhole()
     runners = []
 
     async def serve() -> web.Application:
-        for filler in fillers:
-            filler.close()
+        blackhole.close_fillers()
         app = fake_provider.create_app()
         runner = web.AppRunner(app)
         await runner.setup()
-        await web.SockSite(runner, listener).start()
+        await web.SockSite(runner, blackhole.listener).start()
         runners.append(runner)
         return app
 
-    yield f"http://127.0.0.1:{port}", serve
+    yield f"http://127.0.0.1:{blackhole.port}", serve
     for runner in runners:
         await runner.cleanup()
-    for filler in fillers:
-        filler.close()
-    listener.close()
+    blackhole.close()
 
 
 async def test_a_call_that_could_not_connect_releases_its_key(make_proxy, store_url, refusing_upstream, http):
