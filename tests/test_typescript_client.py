@@ -108,8 +108,9 @@ async def test_js_agent_killed_at_step_3_is_restarted_by_a_node_hook_and_replays
             break
         await asyncio.sleep(0.2)
     second_log = logs / f"default.{RUN}.1.log"
-    why = f"{run}\n--- first\n{first_log.read_text()[-2000:]}\n--- second\n" + (
-        second_log.read_text()[-3000:] if second_log.exists() else "(none)") + f"\n--- proxy\n{proxy.log.read_text()[-3000:]}"
+    second_tail = second_log.read_text()[-3000:] if second_log.exists() else "(none)"
+    why = (f"{run}\n--- first\n{first_log.read_text()[-2000:]}\n--- second\n{second_tail}"
+           f"\n--- proxy\n{proxy.log.read_text()[-3000:]}")
     assert run is not None and run["state"] == "completed", why
     assert run["epoch"] == 1 and run["restarts"] == 1, why
     assert next(e["code"] for e in run["history"] if e["event"] == "hook-exit") == 0, why
