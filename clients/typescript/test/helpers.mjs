@@ -50,7 +50,8 @@ export async function startUpstream() {
     }
     if (fault !== undefined) {
       count(`failed:${path}`);
-      response.writeHead(fault, { "Content-Type": "application/json", ...(fault === 429 ? { "Retry-After": "0" } : {}) });
+      // retry-after-ms: both SDKs then retry at once instead of backing off for seconds
+      response.writeHead(fault, { "Content-Type": "application/json", "Retry-After-Ms": "10" });
       response.end(JSON.stringify({ error: { message: `fake ${fault}`, type: "fake" } }));
       return;
     }
