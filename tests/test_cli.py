@@ -71,7 +71,7 @@ def test_version_and_the_effective_configuration(tmp_path):
     version = idemproxy("--version", cwd=tmp_path)
     assert version.returncode == 0 and version.stdout == f"idemproxy {released['project']['version']}\n"
     assert idemproxy_package.__version__ == released["project"]["version"]
-    shown = idemproxy("config", "--store", "postgresql://u:hunter2@db/x", "--set", "admin.token=sesame",
+    shown = idemproxy("config", "--store", "postgresql://u:hunter2@db/x", "--set", "admin.token=sesame-open-sesame",
                       cwd=tmp_path, env={"IDEMPROXY_SERVER_PORT": "9999", "IDEMPROXY_SERVR_HOST": "typo"})
     assert shown.returncode == 0, shown.stderr
     assert "port = 9999" in shown.stdout and 'url = "postgresql://u:***@db/x"' in shown.stdout

@@ -60,7 +60,9 @@ def toml(tmp_path: Path, text: str) -> Path:
 
 
 def test_spec_example_loads_with_its_key_names(tmp_path):
-    s = load_settings(toml(tmp_path, SPEC_EXAMPLE), env={})
+    with pytest.raises(ConfigError, match="admin.token is the placeholder 'change-me'"):
+        load_settings(toml(tmp_path, SPEC_EXAMPLE), env={})  # its token is a placeholder, refused
+    s = load_settings(toml(tmp_path, SPEC_EXAMPLE), env={"IDEMPROXY_ADMIN_TOKEN": "a-real-random-admin-token"})
     assert (s.server.host, s.server.port, s.server.max_request_bytes) == ("127.0.0.1", 8787, 10485760)
     assert (s.store.url, s.store.retention) == ("sqlite:///idemproxy.db", 7 * 86400)
     openai, tools = s.upstreams["openai"], s.upstreams["tools"]
@@ -72,7 +74,7 @@ def test_spec_example_loads_with_its_key_names(tmp_path):
     assert (r.timeout_s, r.grace_s, r.max_restarts, r.restart_window_s, r.hook) == (60, 30, 5, 600, "agent")
     assert s.hooks["agent"].command == ("python", "agent.py")
     assert (s.supervisor.enabled, s.supervisor.interval_s) == (True, 1.0)
-    assert str(s.admin.token) == "change-me"
+    assert str(s.admin.token) == "a-real-random-admin-token"
 
 
 def test_http_hook_and_other_options_load(tmp_path):
@@ -123,7 +125,7 @@ def test_environment_overrides(tmp_path):
         "IDEMPROXY_UPSTREAMS_MY_TOOL_URL": "http://tool:9000",  # a new upstream, its name with "_"
         "IDEMPROXY_UPSTREAMS_MY_TOOL_ON_AMBIGUOUS": "retry",
         "IDEMPROXY_SUPERVISOR_ENABLED": "false",
-        "IDEMPROXY_ADMIN_TOKEN": "env-token",
+        "IDEMPROXY_ADMIN_TOKEN": "env-admin-token-0123",
         "IDEMPROXY_TENANTS_TRUSTED_SOURCES": '["10.1.0.0/16", "127.0.0.1/32"]',
         "IDEMPROXY_TEST_BACKENDS": "sqlite",  # not an option: other IDEMPROXY_* variables are left alone
         "OTHER": "x",
@@ -135,7 +137,7 @@ def test_environment_overrides(tmp_path):
     assert s.upstreams["openai"].on_ambiguous == "retry"  # the rest of the table stays
     assert (s.upstreams["my_tool"].url, s.upstreams["my_tool"].on_ambiguous) == ("http://tool:9000", "retry")
     assert s.supervisor.enabled is False
-    assert str(s.admin.token) == "env-token"
+    assert str(s.admin.token) == "env-admin-token-0123"
     assert s.tenants.trusted_sources == ("10.1.0.0/16", "127.0.0.1/32")
     # CLI overrides come last
     s = load_settings(toml(tmp_path, SPEC_EXAMPLE), env=env, overrides={"server.port": 7000})
@@ -144,6 +146,7 @@ def test_environment_overrides(tmp_path):
 
 def test_process_environment_is_the_default(tmp_path, monkeypatch):
     monkeypatch.setenv("IDEMPROXY_UPSTREAMS_ANTHROPIC_URL", "http://127.0.0.1:4001")
+    monkeypatch.setenv("IDEMPROXY_ADMIN_TOKEN", "a-real-random-admin-token")  # the example's is a placeholder
     assert load_settings(toml(tmp_path, SPEC_EXAMPLE)).upstreams["anthropic"].url == "http://127.0.0.1:4001"
 
 
@@ -188,11 +191,11 @@ def test_secrets_are_masked_in_repr(tmp_path):
         url = "https://hooks.example/x"
         secret = "hook-secret-42"
         [admin]
-        token = "admin-token-42"
+        token = "admin-token-42-0123"
     """), env={})
     shown = repr(s) + str(s) + repr(s.store) + repr(s.tenants) + repr(s.upstreams) + repr(s.hooks) + repr(s.admin)
     for secret in ("db-password-42", "tenant-hmac-secret-42", "injected-secret-42", "hook-secret-42",
-                   "admin-token-42"):
+                   "admin-token-42-0123"):
         assert secret not in shown, secret
     assert "***" in shown and "db:5432" in shown  # masked, not dropped
 

@@ -80,7 +80,7 @@ async def test_a_session_of_another_admin_token_is_refused(make_proxy, sqlite_ur
     async with await login(browser, first) as resp:
         assert resp.status == 303
         session = resp.cookies["idemproxy_console"].value
-    second = await make_proxy(sqlite_url, admin={"token": "a-rotated-token"})  # same store, new token
+    second = await make_proxy(sqlite_url, admin={"token": "a-rotated-admin-token"})  # same store, new token
     async with aiohttp.ClientSession(cookies={"idemproxy_console": session}) as other:
         async with other.get(f"{second.url}/ui/runs", allow_redirects=False) as resp:
             assert resp.status == 303

@@ -30,7 +30,7 @@ import yaml
 from check_jsonschema.builtin_schemas import get_builtin_schema
 from dockerfile_parse import DockerfileParser
 
-from idemproxy.proxy.config import load_settings
+from idemproxy.proxy.config import ConfigError, load_settings
 
 pytestmark = pytest.mark.slow  # deployment checks: schemas, wheel build, the image command as a subprocess
 
@@ -231,11 +231,28 @@ def compose() -> dict:
     return yaml.safe_load((CONFIG / "compose.yaml").read_text())
 
 
+# The secrets compose.yaml requires (``${VAR:?message}``), as an operator sets them
+SECRETS = {"IDEMPROXY_ADMIN_TOKEN": "k7Qm2vXw9pLr4tYz8nBc3dFg",
+           "IDEMPROXY_TENANTS_SECRET": "tenant-hmac-0123456789",
+           "IDEMPROXY_HOOKS_AGENT_SECRET": "hook-signing-0123456789"}
+
+
+class Unset(Exception):
+    """A variable compose.yaml requires (``${VAR:?message}``) is not set: compose stops."""
+
+
 def interpolate(value: str, variables: dict[str, str] | None = None) -> str:
-    """Compose's ``${VAR}`` / ``${VAR:-default}`` with the defaults (nothing is set)."""
+    """Compose's ``${VAR}``, ``${VAR:-default}`` and ``${VAR:?message}`` with ``variables``."""
     variables = variables or {}
-    return re.sub(r"\$\{(\w+)(?::?-([^}]*))?\}",
-                  lambda m: variables.get(m.group(1)) or m.group(2) or "", value)
+
+    def one(m: re.Match) -> str:
+        name, kind, rest = m.group(1), m.group(2) or "", m.group(3) or ""
+        if variables.get(name):
+            return variables[name]
+        if kind.endswith("?"):
+            raise Unset(f"{name}: {rest}")
+        return rest
+    return re.sub(r"\$\{(\w+)(?:(:?[-?])([^}]*))?\}", one, value)
 
 
 def services_in(compose: dict, profile: str) -> set[str]:
@@ -278,7 +295,7 @@ def test_compose_config_files_load_with_the_service_environment(compose, service
     svc = compose["services"][service]
     mounts = [v.split(":") for v in svc["volumes"] if v.split(":")[1] == "/etc/idemproxy/config.toml"]
     assert len(mounts) == 1
-    env = {k: interpolate(str(v)) for k, v in svc["environment"].items()}
+    env = {k: interpolate(str(v), SECRETS) for k, v in svc["environment"].items()}
     settings = load_settings(CONFIG / mounts[0][0], env=env)
     store = settings.store.url
     assert store.startswith("postgresql://idemproxy:") and "@postgres:5432/" in store
@@ -293,6 +310,23 @@ def test_compose_config_files_load_with_the_service_environment(compose, service
         assert settings.proxy_url == "http://idemproxy:8787" and "idemproxy" in compose["services"]
 
 
+def test_compose_ships_no_secret_and_publishes_on_loopback(compose):
+    """No admin token, tenant secret or hook secret has a default: compose stops until each
+    is set, and a short one stops the proxy (`check` exits 2)."""
+    for name in ("proxy", "idemproxy", "supervisor"):
+        for variable, value in compose["services"][name]["environment"].items():
+            if variable in SECRETS:
+                with pytest.raises(Unset, match=variable):
+                    interpolate(str(value))
+    assert "change-me" not in (CONFIG / "compose.yaml").read_text()
+    assert [interpolate(p) for p in compose["services"]["idemproxy"]["ports"]] == ["127.0.0.1:8787-8788:8787"]
+    svc = compose["services"]["idemproxy"]
+    short = {**SECRETS, "IDEMPROXY_ADMIN_TOKEN": "short"}
+    env = {k: interpolate(str(v), short) for k, v in svc["environment"].items()}
+    with pytest.raises(ConfigError, match="admin.token is 5 characters"):
+        load_settings(CONFIG / "gateway.toml", env=env)
+
+
 # -- Kubernetes -----------------------------------------------------------------------------
 
 def manifests() -> dict[str, list[dict]]:
@@ -302,6 +336,29 @@ def manifests() -> dict[str, list[dict]]:
 
 def resources(kind: str) -> dict[str, dict]:
     return {d["metadata"]["name"]: d for docs in manifests().values() for d in docs if d["kind"] == kind}
+
+
+def kustomization() -> dict:
+    return yaml.safe_load((KUBE / "kustomization.yaml").read_text())
+
+
+def generated_secret() -> dict[str, str]:
+    """The Secret kustomize makes from secrets.env, with the keys kustomization.yaml's
+    comment tells an operator to write, each given a value as an operator would."""
+    keys = re.findall(r"^#\s+([a-z][a-z-]*)=", (KUBE / "kustomization.yaml").read_text(), re.M)
+    return {key: ("postgresql://idemproxy:db-pw-0123@postgres:5432/idemproxy" if key == "store-url"
+                  else f"{key}-0123456789abcdef") for key in keys}
+
+
+def test_the_secret_is_generated_from_a_file_never_in_the_repository():
+    (generator,) = kustomization()["secretGenerator"]
+    assert generator["name"] == "idemproxy-secrets" and generator["envs"] == ["secrets.env"]
+    assert generator["options"]["disableNameSuffixHash"] is True  # the deployments name it so
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(KUBE / "secrets.env")], cwd=REPO)
+    assert ignored.returncode == 0, "config/kubernetes/secrets.env must be git-ignored"
+    assert set(generated_secret()) == {"store-url", "admin-token", "tenant-secret", "hook-secret"}
+    for path in KUBE.glob("*.yaml"):
+        assert "change-me" not in path.read_text(), path
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
@@ -314,7 +371,7 @@ def test_every_manifest_is_valid_against_the_kubernetes_schema(version):
             except kubernetes_validate.ValidationError as exc:
                 pytest.fail(f"{name}: {doc['kind']} {doc['metadata']['name']}: {exc.message}")
             checked += 1
-    assert checked >= 6
+    assert checked >= 5
 
 
 def test_the_schema_check_catches_a_misspelt_probe():
@@ -369,7 +426,7 @@ def test_supervisor_deployment_runs_idemproxy_supervise():
 def test_deployments_load_their_configmap_and_secret(deployment, tmp_path):
     pod = resources("Deployment")[deployment]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    secret = resources("Secret")["idemproxy-secrets"]["stringData"]
+    secret = generated_secret()
     env = {}
     for var in container["env"]:
         if "value" in var:

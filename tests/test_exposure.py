@@ -77,7 +77,7 @@ def test_settings_repr_masks_every_url_and_secret(tmp_path):
         "upstreams.tools": {"url": "https://t.internal/?token=s3cret-4", "set_headers": {"Authorization": "s3cret-5"}},
         "hooks.agent": {"url": "https://hooks.internal/restart?sig=s3cret-6", "secret": "s3cret-7"},
         "supervisor": {"proxy_url": "http://user:s3cret-8@proxy:8787"},
-        "admin": {"token": "s3cret-9"},
+        "admin": {"token": "s3cret-9-admin-token"},
     })
     shown = repr(load_settings(path, env={}))
     assert "s3cret" not in shown, shown

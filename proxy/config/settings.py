@@ -197,6 +197,12 @@ class RunSettings:
     # lost: long enough for a client to reconnect after a blip, short next to timeout_s.
     attach_grace_s: float = 1.0
     attach_keepalive_s: float = 5.0  # a line down each held connection this often
+    # What registrations that need no token may take (POST /runs/{id} of a new run, and
+    # /attempts of an unknown one; the admin API is not held to these): runs not ended per
+    # namespace (0: no cap; 429 too-many-runs past it), and new runs per minute from one
+    # namespace and from one client (counted by each process; 429 too-many-requests).
+    max_live_runs: int = 1000
+    registrations_per_minute: int = 600
 
 
 @dataclass(frozen=True)
@@ -236,7 +242,15 @@ class SupervisorSettings:
 
 @dataclass(frozen=True)
 class AdminSettings:
+    # The bearer token of /admin/ and the console's login: 16 characters or more, never a
+    # placeholder (validation.py); unset, both are off.
     token: Secret | None = None
+    # Wrong tokens one client may send within failure_window before it gets 429 (with
+    # Retry-After) until the window has passed; past max_failures_total from every client
+    # together, each client that sent a wrong one waits too. A client with none never does.
+    max_failures: int = 10
+    max_failures_total: int = 100
+    failure_window: float = 60.0
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 from urllib.parse import urlsplit
 
@@ -11,9 +12,16 @@ from .settings import (ANONYMOUS_CHOICES, MAX_STANDBY, RESERVED_NAMES, RUNS_PER_
                        ConfigError, Policy, Settings, UpstreamSettings)
 
 TLS_OPTIONS = ("ca_file", "client_cert", "client_key")
+MIN_TOKEN_LENGTH = 16
+# Admin tokens that shipped in examples and manifests, or that anyone would try first
+PLACEHOLDER_TOKENS = frozenset({"change-me", "changeme", "change_me", "change-this", "replace-me", "replaceme",
+                                "secret", "password", "admin", "token", "admin-token", "test", "example",
+                                "default", "xxx", "todo", "<token>", "${token}"})
 
 
 def validate(s: Settings) -> None:
+    _check_ranges(s)
+    _check_admin(s)
     for up in s.upstreams.values():
         parts = urlsplit(up.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -48,6 +56,10 @@ def validate(s: Settings) -> None:
     for hook in s.hooks.values():
         if bool(hook.command) == bool(hook.url):
             raise ConfigError(f"hooks.{hook.name}: set exactly one of command or url")
+        if len(hook.command) == 1 and len(hook.command[0].split()) > 1 and not os.path.exists(hook.command[0]):
+            # run as it is, no shell: "python agent.py" would be one program of that name
+            raise ConfigError(f"hooks.{hook.name}.command is one string, {hook.command[0]!r}, and no shell "
+                              f"splits it: write the argv as a list, command = {list(hook.command[0].split())!r}")
         if not 0 <= hook.standby <= MAX_STANDBY or (hook.standby and not hook.command):
             raise ConfigError(f"hooks.{hook.name}: standby is for command hooks, from 0 to {MAX_STANDBY}")
     for name in (s.runs.hook, s.runs.on_dead):
@@ -77,6 +89,43 @@ def validate(s: Settings) -> None:
             ipaddress.ip_network(cidr, strict=False)
         except ValueError:
             raise ConfigError(f"server.trusted_proxies: {cidr!r} is not an address or CIDR") from None
+
+
+def _check_ranges(s: Settings) -> None:
+    """Numbers that cannot mean anything outside a range."""
+    if not 0 <= s.server.port <= 65535:
+        raise ConfigError(f"server.port must be from 0 (any free port) to 65535, got {s.server.port}")
+    for name in ("max_request_bytes", "max_record_bytes"):
+        if getattr(s.server, name) < 1:
+            raise ConfigError(f"server.{name} must be at least 1")
+    for section, names in (("store", ("timeout", "lease", "retention", "purge_interval")),
+                           ("runs", ("timeout_s", "min_timeout_s")), ("supervisor", ("interval_s",)),
+                           ("admin", ("failure_window",))):
+        for name in names:
+            if getattr(getattr(s, section), name) <= 0:
+                raise ConfigError(f"{section}.{name} must be more than 0")
+    for section, names in (("runs", ("grace_s", "max_restarts", "max_live_runs")),):
+        for name in names:
+            if getattr(getattr(s, section), name) < 0:
+                raise ConfigError(f"{section}.{name} must be 0 or more")
+    for section, name in (("runs", "registrations_per_minute"), ("admin", "max_failures"),
+                          ("admin", "max_failures_total")):
+        if getattr(getattr(s, section), name) < 1:
+            raise ConfigError(f"{section}.{name} must be at least 1")
+
+
+def _check_admin(s: Settings) -> None:
+    """An admin token opens every run's journal and resolves its calls: no placeholder, no
+    short one (it is never echoed here: it is a secret)."""
+    token = s.admin.token
+    if token is None:
+        return
+    if str(token).strip().lower() in PLACEHOLDER_TOKENS:
+        raise ConfigError(f"admin.token is the placeholder {str(token)!r}: set a random one, e.g. "
+                          "IDEMPROXY_ADMIN_TOKEN=$(python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+    if len(str(token)) < MIN_TOKEN_LENGTH:
+        raise ConfigError(f"admin.token is {len(str(token))} characters: use {MIN_TOKEN_LENGTH} or more, e.g. "
+                          "IDEMPROXY_ADMIN_TOKEN=$(python -c 'import secrets; print(secrets.token_urlsafe(32))')")
 
 
 def _check_egress(up: UpstreamSettings) -> None:
