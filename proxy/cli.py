@@ -24,7 +24,7 @@ from . import commands, server
 from .app import create_app
 from .appkeys import METRICS, RUNS, SETTINGS
 from .config import ConfigError, Settings, load_settings, mask_url, unknown_variables
-from .store import StoreError
+from .store import SchemaNotCurrent, StoreError
 
 log = logging.getLogger("idemproxy")
 
@@ -95,38 +95,62 @@ def _version() -> str:
         return "unknown"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="idemproxy", description=__doc__.split("\n")[0])
-    parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("--version", action="version", version=f"idemproxy {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
+DESCRIPTION = """An idempotency proxy for AI agents: it journals their side-effecting HTTP calls,
+replays them when a restarted agent repeats them, and supervises their runs."""
+EPILOG = """exit codes (every command):
+  0  done; for check: the store answers and its schema is current
+  1  failed: the store is unreachable, refuses the configuration or lacks its schema,
+     the port is taken, or the command was refused (no such run, not quarantined)
+  2  the command line or the configuration is invalid
+
+Run `idemproxy COMMAND --help` for a command's options."""
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# Commands that run for long, and say what they are doing; the others print only their output.
+TALKATIVE = ("serve", "supervise", "migrate")
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="idemproxy", description=DESCRIPTION, epilog=EPILOG,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    top.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
+                     help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default: INFO for serve, supervise "
+                     "and migrate; WARNING for the others, which print only their output)")
+    top.add_argument("--version", action="version", version=f"idemproxy {_version()}")
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = common_options()
     commands.add_commands(sub, common, serve)
     supervisor_commands.add_commands(sub, common)
+    return top
 
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    level = args.log_level or ("INFO" if args.command in TALKATIVE else "WARNING")
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     for name in unknown_variables(os.environ):
         log.warning("%s is not an idemproxy option and is ignored (idemproxy config shows what is set)", name)
     try:
         settings = settings_from(args)
     except ConfigError as exc:
         print(f"idemproxy: configuration error: {exc}", file=sys.stderr)
-        return 1 if args.command == "check" else 2  # 2 means something else to a HEALTHCHECK
+        return commands.CONFIG_ERROR
     try:
         return args.handler(settings, args)
     except ConfigError as exc:  # found only when starting (the store URL, OTEL_* variables)
         print(f"idemproxy: configuration error: {exc}", file=sys.stderr)
-        return 2
+        return commands.CONFIG_ERROR
+    except SchemaNotCurrent as exc:
+        print(f"idemproxy: store {mask_url(settings.store.url)}: schema missing or out of date ({exc}): "
+              f"{commands.MIGRATE_HINT}", file=sys.stderr)
+        return commands.FAILED
     except StoreError as exc:
         print(f"idemproxy: store {mask_url(settings.store.url)}: {exc}", file=sys.stderr)
-        return 1
+        return commands.FAILED
     except OSError as exc:  # the port is taken, or the address is not ours
         where = f"{settings.server.host}:{settings.server.port}"
         reason = "the port is in use" if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc)
         print(f"idemproxy: cannot listen on {where}: {reason}", file=sys.stderr)
-        return 1
+        return commands.FAILED
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 
 They talk to the store named by the same configuration as ``serve`` (``--config``,
 ``--store``, ``IDEMPROXY_*``), print aligned tables for people and JSON with ``--json``.
-Exit codes: 0 done, 1 refused (not found, already ended, not quarantined).
+Tables show a kid's first KID_SHOWN digits; ``journal show`` and ``resolve`` take any unique
+start of one. Only ``supervise`` migrates the store's schema. Exit codes: 0 done, 1 refused
+(not found, already ended, not quarantined) or the store failed, 2 a bad command line.
 """
 
 from __future__ import annotations
@@ -33,13 +35,17 @@ from .loop import Supervisor
 
 def add_commands(sub, common: argparse.ArgumentParser) -> None:
     """Add our commands to the ``idemproxy`` parser (called by the composition root)."""
-    supervise = sub.add_parser("supervise", parents=[common],
-                               help="run the supervisor alone against the store (no proxy)")
+    supervise = sub.add_parser(
+        "supervise", parents=[common], help="run the supervisor alone against the store (no proxy)",
+        description="Run the supervisor alone against the store, for deployments that run it apart from "
+        "the proxies: it brings the store's schema up to date, then restarts silent runs by their hooks.")
     supervise.set_defaults(handler=cmd_supervise)
 
-    runs = sub.add_parser("runs", parents=[common], help="list, show, restart, revive and complete runs"
-                          ).add_subparsers(dest="runs_command", required=True,
-                                           metavar="{list,show,restart,revive,complete}")
+    runs = sub.add_parser(
+        "runs", parents=[common], help="list, show, restart, revive and complete runs",
+        description="Runs as the store holds them (every namespace). Exit 1 when the run is not found or "
+        "the action is refused.").add_subparsers(dest="runs_command", required=True,
+                                                 metavar="{list,show,restart,revive,complete}")
     listing = _leaf(runs, common, "list", "runs, newest first")
     listing.add_argument("--state", choices=RUN_STATES)
     listing.add_argument("--limit", type=int, default=100)
@@ -55,15 +61,17 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
         leaf.add_argument("--namespace", help="where the run id exists in several namespaces")
         leaf.set_defaults(handler=handler)
 
-    journal = sub.add_parser("journal", parents=[common], help="find, show and resolve journal entries"
-                             ).add_subparsers(dest="journal_command", required=True,
-                                              metavar="{list,show,find,resolve}")
+    journal = sub.add_parser(
+        "journal", parents=[common], help="find, show and resolve journal entries",
+        description=f"Journal entries of every run. Tables show the first {KID_SHOWN} digits of a kid; "
+        "show and resolve take any unique start of one (6 digits or more).").add_subparsers(
+        dest="journal_command", required=True, metavar="{list,show,find,resolve}")
     listing = _leaf(journal, common, "list", "journal entries of every run, newest first")
     listing.add_argument("--state", choices=JOURNAL_STATES, help="quarantined = outcome unknown")
     listing.add_argument("--limit", type=int, default=100)
     listing.set_defaults(handler=cmd_journal_list)
     show = _leaf(journal, common, "show", "one entry: its key, fingerprint and recorded response")
-    show.add_argument("kid")
+    show.add_argument("kid", help="the entry's kid, or a unique start of it")
     show.set_defaults(handler=cmd_journal_show)
     find = _leaf(journal, common, "find", "entries recorded under the agent's own Idempotency-Key")
     find.add_argument("key", help="the Idempotency-Key as the agent sent it")
@@ -71,9 +79,13 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     find.add_argument("--run", help="the run id the entry belongs to")
     find.add_argument("--limit", type=int, default=100)
     find.set_defaults(handler=cmd_journal_find)
-    resolve = journal.add_parser("resolve", parents=[common],
-                                 help="decide a quarantined key: retry it, or give its answer")
-    resolve.add_argument("kid", help="the entry's kid (idemproxy runs show RUN)")
+    resolve = journal.add_parser(
+        "resolve", parents=[common], help="decide a quarantined key: retry it, or give its answer",
+        description="Decide a quarantined entry (its outcome upstream is unknown): --retry lets the next "
+        "call go upstream again; --status (with --body and --header) records the answer every call "
+        "replays from now on.")
+    resolve.add_argument("kid", help="the entry's kid, or a unique start of it (idemproxy journal list "
+                         "--state quarantined)")
     decision = resolve.add_mutually_exclusive_group(required=True)
     decision.add_argument("--retry", action="store_true", help="the next call goes upstream again")
     decision.add_argument("--status", type=int, help="replay this status from now on")
@@ -83,18 +95,21 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     resolve.set_defaults(handler=cmd_journal_resolve)
 
 
+KID_SHOWN = 12  # digits of a kid in tables: unique among millions of entries, and short
+
+
 def _leaf(sub, common: argparse.ArgumentParser, name: str, help: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, parents=[common], help=help, description=help)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
 
-def _with_runs(settings: Settings, work: Callable[[RunsService], Awaitable[int]], create: bool = False) -> int:
+def _with_runs(settings: Settings, work: Callable[[RunsService], Awaitable[int]], migrate: bool = False) -> int:
     """Run ``work`` over the runs service of the configured store; a refusal is one line
-    on stderr and exit code 1. Only ``create`` makes a journal that is not there yet: a
-    command about runs finds none in it."""
+    on stderr and exit code 1. Only ``migrate`` creates or upgrades the schema: a command
+    about runs finds nothing in a store without one."""
     async def main() -> int:
-        store = await open_store(settings, create=create)
+        store = await open_store(settings, migrate=migrate)
         hooks = Hooks(settings, store)
         try:
             return await work(RunsService(store, settings, hooks))
@@ -117,7 +132,7 @@ def cmd_supervise(settings: Settings, args=None) -> int:
             loop.add_signal_handler(sig, stop.set)  # only enqueue; the loop decides when
         await Supervisor(runs, settings).run(stop)
         return 0
-    return _with_runs(settings, work, create=True)
+    return _with_runs(settings, work, migrate=True)
 
 
 # -- runs ---------------------------------------------------------------------------------------
@@ -171,7 +186,7 @@ def _new_attempt(settings: Settings, args, done: str,
 def cmd_runs_complete(settings: Settings, args) -> int:
     async def work(service: RunsService) -> int:
         found = await service.find(args.run_id, args.namespace)
-        ended = await service.end(found.namespace, found.run_id, RunState.COMPLETED)
+        ended = await service.end(found.namespace, found.run_id, RunState.COMPLETED, by="operator")
         return _report(args, run_json(ended, settings.proxy_url, history=True),
                        f"run {ended.run_id}: completed")
     return _with_runs(settings, work)
@@ -195,7 +210,7 @@ def cmd_journal_find(settings: Settings, args) -> int:
 
 def cmd_journal_show(settings: Settings, args) -> int:
     async def work(service: RunsService) -> int:
-        entry = await service.entry(args.kid)
+        entry = await service.entry(await service.kid(args.kid))
         body = entry_json(entry)
         if args.json:
             if entry.response is not None:
@@ -225,9 +240,10 @@ def cmd_journal_resolve(settings: Settings, args) -> int:
         return 2
 
     async def work(service: RunsService) -> int:
-        await service.resolve(args.kid, recorded)
+        kid = await service.kid(args.kid)
+        await service.resolve(kid, recorded)
         then = "the next call goes upstream" if recorded is None else f"calls replay {recorded.status}"
-        print(f"{args.kid}: resolved; {then}")
+        print(f"{kid}: resolved; {then}")
         return 0
     return _with_runs(settings, work)
 
@@ -240,7 +256,7 @@ def _print_entries(args, entries: list[Entry], none: str) -> int:
         return 0
     now = time.time()
     print(table(["KID", "KEY", "STATE", "RUN", "EPOCH", "UPSTREAM", "METHOD", "PATH", "STATUS", "CREATED"],
-                [[e.kid, agent_key(e) or "-", e.state, e.run, e.epoch, e.upstream, e.method, e.path,
+                [[e.kid[:KID_SHOWN], agent_key(e) or "-", e.state, e.run, e.epoch, e.upstream, e.method, e.path,
                   e.response.status if e.response else None, ago(e.created_at, now)] for e in entries])
           if entries else none)
     return 0
@@ -288,16 +304,36 @@ def describe(body: dict[str, Any], now: float) -> str:
         lines += ["", "history:", table(
             ["WHEN", "EPOCH", "EVENT", "DETAIL"],
             [[ago(e.get("at"), now), e.get("epoch"), e.get("event"),
-              " ".join(f"{k}={v}" for k, v in e.items() if k not in ("at", "epoch", "event"))]
+              " ".join(f"{k}={v}" for k, v in e.items() if k not in ("at", "epoch", "event", "log_tail"))]
              for e in body["history"]])]
+    lines += describe_attempts(body["attempts"], now)
     steps = body["steps"]
     lines += ["", f"journal ({len(steps)} entries):"]
     if steps:
         lines.append(table(
             ["#", "KID", "KEY", "UPSTREAM", "METHOD", "PATH", "STATE", "STATUS", "RECORDED", "REPLAYS", "EPOCH"],
-            [[i, s["kid"], s["agent_key"] or "-", s["upstream"], s["method"], s["path"], s["state"], s["status"],
-              ago(s["recorded_at"], now), s["replays"], s["epoch"]] for i, s in enumerate(steps, 1)]))
+            [[i, s["kid"][:KID_SHOWN], s["agent_key"] or "-", s["upstream"], s["method"], s["path"], s["state"],
+              s["status"], ago(s["recorded_at"], now), s["replays"], s["epoch"]] for i, s in enumerate(steps, 1)]))
     return "\n".join(lines)
+
+
+def describe_attempts(attempts: list[dict[str, Any]], now: float) -> list[str]:
+    """``runs show``: how each attempt ended, then the last lines of the logs of those that
+    have one (proxy/runs/endings.py)."""
+    ended = [a for a in attempts if a["ended"] is not None]
+    if not ended:
+        return []
+    lines = ["", "attempts:", table(
+        ["EPOCH", "ENDED", "HOW", "DETAIL"],
+        [[a["epoch"], ago(e["at"], now), e["how"], e["detail"] + (f"; the run is dead: {e['dead']}" if e.get("dead")
+                                                                  else "")]
+         for a in attempts if (e := a["ended"]) is not None]
+        + [[a["epoch"], "-", "-", "the current attempt"] for a in attempts if a["ended"] is None])]
+    for a in ended:
+        if a["ended"].get("log_tail"):
+            lines += ["", f"epoch {a['epoch']}, last lines of its log ({a['ended'].get('log', '-')}):",
+                      *(f"  {line}" for line in a["ended"]["log_tail"].splitlines())]
+    return lines
 
 
 def describe_entry(body: dict[str, Any], response: Recorded | None, now: float) -> str:

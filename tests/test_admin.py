@@ -234,13 +234,13 @@ async def test_cli_runs_and_journal_commands(make_proxy, store_url, provider, ht
 
     code, out, err = await _cli(config, "runs", "show", "cli-run")
     assert code == 0, err
-    assert "state         running" in out and kid in out and "journal (2 entries)" in out
+    assert "state         running" in out and kid[:12] in out and kid not in out and "journal (2 entries)" in out
     code, out, _ = await _cli(config, "runs", "show", "cli-run", "--json")
     assert [s["state"] for s in json.loads(out)["steps"]] == ["complete", "unknown"]
     code, _, err = await _cli(config, "runs", "show", "no-such-run")
     assert code == 1 and "no run" in err
 
-    code, out, err = await _cli(config, "journal", "resolve", kid, "--status", "200", "--body", '{"sent": 1}')
+    code, out, err = await _cli(config, "journal", "resolve", kid[:12], "--status", "200", "--body", '{"sent": 1}')
     assert code == 0, err
     async with http.post(f"{proxy.url}/runs/cli-run/tools/send", json={"to": "bob"},
                          headers={"Idempotency-Key": "email-3"}) as resp:

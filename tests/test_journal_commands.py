@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import itertools
 import json
 import sys
 import time
@@ -15,7 +16,7 @@ import pytest
 
 from conftest import proxy_sections, write_config
 from idemproxy.proxy.cli import main
-from idemproxy.proxy.store.base import RunState
+from idemproxy.proxy.store.base import RunState, Scope
 
 PROBLEM = "https://idemproxy.dev/problems/"
 ADMIN = {"Authorization": "Bearer test-admin-token"}
@@ -84,11 +85,13 @@ async def test_journal_list_show_and_find_over_real_traffic(make_proxy, store_ur
     listed = json.loads(out)["entries"]
     assert len(listed) == 4 and [e["run"] for e in listed][0] == "other"  # newest first
     assert {e["agent_key"] for e in listed} == {"email-1", "card-9", None}
+    [full] = [e["kid"] for e in listed if e["agent_key"] == "card-9"]
+    assert len(kid) == 12 and full.startswith(kid)  # tables show the start of a kid; --json all of it
 
-    code, out, err = await cli("journal", "show", kid)
+    code, out, err = await cli("journal", "show", kid)  # any unique start of a kid names its entry
     assert code == 0, err
     assert "card-9 (the agent's Idempotency-Key)" in out and "POST /tools/charge" in out
-    assert f"quarantined: idemproxy journal resolve {kid} --retry" in out
+    assert f"quarantined: idemproxy journal resolve {full} --retry" in out
     [chat] = [e for e in listed if e["upstream"] == "openai"]
     code, out, _ = await cli("journal", "show", chat["kid"])
     body = out[out.index("body (sse"):].splitlines()[1:]
@@ -117,7 +120,34 @@ async def test_journal_list_show_and_find_over_real_traffic(make_proxy, store_ur
     table = out[out.index("journal ("):].splitlines()[1:]
     assert table[0].split()[:3] == ["#", "KID", "KEY"]
     keys = {row.split()[1]: row.split()[2] for row in table[1:]}
-    assert keys[kid] == "card-9" and keys[chat["kid"]] == "-"  # a derived key is no agent's
+    assert keys[kid] == "card-9" and keys[chat["kid"][:12]] == "-"  # a derived key is no agent's
+    assert max(len(line) for line in out.splitlines()) < 120  # no 64-digit kid widens the table
+
+
+async def test_a_kid_prefix_names_one_entry_or_says_why_not(make_proxy, store_url, http, make_cli):
+    """Two keys whose kids share their first 6 digits (found by hashing, as the proxy does):
+    that start is ambiguous, a longer one is not; a start too short or not hex is refused."""
+    proxy, cli = await make_proxy(store_url), make_cli()
+    base = f"{proxy.url}/runs/twins/tools/send"
+    assert (await _send(http, base, "twin-0"))[0] == 200
+    [first] = (await proxy.store.journal.search(key=Scope.agent_key("twin-0"), limit=1))
+    seen: dict[str, str] = {}
+    for i in itertools.count(1):
+        key = f"twin-{i}"
+        start = Scope.of_key(first.tenant, "twins", "tools", key).kid[:6]
+        if start in seen:
+            break
+        seen[start] = key
+    for twin in (seen[start], key):
+        assert (await _send(http, base, twin))[0] == 200
+    code, _, err = await cli("journal", "show", start)
+    assert code == 1 and f"several journal entries' kids start with {start}" in err and "more of the kid" in err
+    longer = Scope.of_key(first.tenant, "twins", "tools", key).kid[:20]
+    code, out, err = await cli("journal", "show", longer.upper())
+    assert code == 0 and f"{key} (the agent's Idempotency-Key)" in out, err
+    for bad, why in (("abc12", "is not a kid"), ("zzzzzzzz", "is not a kid"), ("ffffff0000", "no journal entry")):
+        code, _, err = await cli("journal", "resolve", bad, "--retry")
+        assert code == 1 and why in err and "Traceback" not in err, (bad, err)
 
 
 async def test_admin_journal_listing_and_entry(make_proxy, store_url, http):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from typing import Protocol
 
@@ -24,6 +25,8 @@ log = logging.getLogger("idemproxy.supervisor")
 
 RESTART = "restart"  # the history event of a supervisor's restart
 ADMIN_RESTART = "admin-restart"
+KID_LENGTH, MIN_KID_PREFIX = 64, 6  # a kid is a SHA-256 in hex; tables show its first 12 digits
+HEX = re.compile(r"[0-9a-f]+")
 
 
 class Launcher(Protocol):
@@ -229,6 +232,23 @@ class RunsService:
                     got.replayed = listed.replayed  # get() leaves the replays by epoch out
             entries = [f if f is not None else e for e, f in zip(entries, full)]
         return entries
+
+    async def kid(self, given: str) -> str:
+        """The one kid that starts with ``given`` (at least MIN_KID_PREFIX hex digits): operators
+        name an entry by the start of its kid, as tables show it."""
+        prefix = given.strip().lower()
+        if len(prefix) == KID_LENGTH:
+            return prefix
+        if len(prefix) < MIN_KID_PREFIX or len(prefix) > KID_LENGTH or not HEX.fullmatch(prefix):
+            raise Problem("invalid-request", f"{given!r} is not a kid: {KID_LENGTH} hex digits, or the first "
+                          f"{MIN_KID_PREFIX} or more of them")
+        found = await self.store.journal.kids(prefix, 2)
+        if not found:
+            raise Problem("not-found", f"no journal entry's kid starts with {prefix}")
+        if len(found) > 1:
+            raise Problem("invalid-request", f"several journal entries' kids start with {prefix} "
+                          f"({', '.join(found)}, ...): give more of the kid")
+        return found[0]
 
     async def entry(self, kid: str) -> Entry:
         """A journal entry with its response (``journal show``)."""

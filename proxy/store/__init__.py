@@ -13,12 +13,11 @@ from importlib import import_module
 from typing import Awaitable, Callable, TypeVar
 from urllib.parse import unquote, urlsplit
 
-from pathlib import Path
-
 from ..config import ConfigError, Settings, StoreSettings
-from .base import Store, StoreError, StoreUnavailable
+from .base import SchemaNotCurrent, Store, StoreError, StoreMisconfigured, StoreUnavailable
 
-__all__ = ["Store", "StoreError", "StoreUnavailable", "make_store", "open_store", "retried"]
+__all__ = ["SchemaNotCurrent", "Store", "StoreError", "StoreMisconfigured", "StoreUnavailable", "make_store",
+           "open_store", "retried"]
 
 log = logging.getLogger("idemproxy.store")
 T = TypeVar("T")
@@ -51,7 +50,10 @@ def make_store(settings: StoreSettings) -> Store:
         if not path:
             raise ConfigError("sqlite URL must look like sqlite:///path/to/file.db")
         return cls(path, timeout=settings.timeout)
-    return cls(settings.url, timeout=settings.timeout)
+    try:
+        return cls(settings.url, timeout=settings.timeout)
+    except ValueError as exc:  # our own URL parameters (postgres ?schema=, ?pool_size=)
+        raise ConfigError(f"store.url: {exc}") from None
 
 
 def sqlite_path(url: str) -> str:
@@ -59,16 +61,14 @@ def sqlite_path(url: str) -> str:
     return unquote(url[len("sqlite:///"):]) if url.startswith("sqlite:///") else ""
 
 
-async def open_store(settings: Settings, *, attempts: int = OPEN_ATTEMPTS, create: bool = True) -> Store:
-    """Open the configured store, retrying with backoff while it is not reachable yet.
+async def open_store(settings: Settings, *, attempts: int = OPEN_ATTEMPTS, migrate: bool = True) -> Store:
+    """Open the configured store, retrying with backoff while it is not reachable yet; a
+    permanent refusal (StoreMisconfigured) ends it at once.
 
-    ``create=False`` (commands that only read, or act on what exists) refuses a SQLite
-    journal that is not there instead of creating an empty one."""
+    ``migrate=False`` (``check``, and commands that act on what exists) writes nothing: a
+    store without our schema, or with an older one, raises SchemaNotCurrent."""
     store = make_store(settings.store)
-    path = sqlite_path(settings.store.url)
-    if not create and path and not Path(path).exists():
-        raise StoreUnavailable(f"no journal at {path} (the proxy creates it when it first starts)")
-    await retried(store.open, "store not reachable", attempts)
+    await retried(lambda: store.open(migrate=migrate), "store not reachable", attempts)
     log.info("store %r open; durability: %s", store, store.durability)
     return store
 

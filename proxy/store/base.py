@@ -6,7 +6,12 @@ contract suite in ``tests/test_store_contract.py``. Errors a driver raises are
 translated inside the backend::
 
     StoreError
-    ├── StoreUnavailable   the store cannot be reached or did not answer in time
+    ├── StoreUnavailable    the store cannot be reached or did not answer in time: retried
+    ├── StoreMisconfigured  the store answered that it never will serve this URL as it is
+    │                       (no such database or folder, a database index out of range,
+    │                       credentials refused): not retried, start-up fails at once
+    ├── SchemaNotCurrent    opened without migrating, the store has no schema or an older
+    │                       one: ``idemproxy migrate`` (or ``serve``) brings it up to date
     └── (programming errors are not translated)
 
 Times are UNIX seconds (float). A journal entry is addressed by its ``kid``, a hash of
@@ -54,6 +59,14 @@ class StoreError(Exception):
 
 class StoreUnavailable(StoreError):
     """The store cannot be reached, or did not answer within its timeout."""
+
+
+class StoreMisconfigured(StoreError):
+    """The store answered, and will never serve this URL as it is: retrying cannot help."""
+
+
+class SchemaNotCurrent(StoreError):
+    """Opened with ``migrate=False``, the store has no schema yet, or an older one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,6 +389,9 @@ class Journal(Protocol):
                      run: str | None = None, limit: int = 100) -> list[Entry]:
         """Live entries matching every filter given (``key`` as stored, e.g. ``key:<agent's key>``),
         newest first, at most ``limit``, with status but no body. For operators: it may scan."""
+    async def kids(self, prefix: str, limit: int) -> list[str]:
+        """Kids that start with ``prefix`` (lowercase hex), at most ``limit``: for operators,
+        who name an entry by the start of its kid. It may scan."""
 
 
 @runtime_checkable
@@ -441,7 +457,10 @@ class Store(Protocol):
     journal: Journal
     runs: RunRegistry
 
-    async def open(self) -> None: """Connect and migrate; retries with backoff."""
+    async def open(self, *, migrate: bool = True) -> None:
+        """Connect, and bring the schema up to date; ``migrate=False`` writes nothing and
+        raises SchemaNotCurrent where the schema is missing or older. Permanent refusals
+        raise StoreMisconfigured, everything else that is not reachable StoreUnavailable."""
     async def aclose(self) -> None: """Flush pending work and close."""
     async def ping(self) -> None: """Raise StoreUnavailable unless the store answers."""
     async def secret(self, name: str, generate: bytes) -> bytes: """Get, or set once, a named secret."""

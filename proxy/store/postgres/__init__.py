@@ -41,8 +41,8 @@ class PostgresStore:
     def durability(self) -> str:
         return self.connection.durability
 
-    async def open(self) -> None:
-        await self.connection.open()
+    async def open(self, *, migrate: bool = True) -> None:
+        await self.connection.open(migrate)
 
     async def aclose(self) -> None:
         await self.journal.aclose()

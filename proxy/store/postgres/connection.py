@@ -23,8 +23,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import asyncpg
 import orjson
 
-from ..base import RUN_LOST, Bell, StoreUnavailable, Waiters
-from .schema import migrate
+from ..base import RUN_LOST, Bell, StoreMisconfigured, StoreUnavailable, Waiters
+from .schema import check, migrate
 
 log = logging.getLogger("idemproxy.store")
 
@@ -36,6 +36,10 @@ MIGRATE_TIMEOUT_S = 60.0
 # operator intervention, shutdown and our statement_timeout (57), system (58); a read-only
 # standby (25006) and our lock_timeout (55P03).
 UNAVAILABLE_CLASSES = {"08", "40", "53", "57", "58"}
+# What the server answers, at a connection's start, to a URL it will never serve: invalid
+# authorization (28: no such role, a wrong password), no such database (3D), a privilege it
+# lacks (42501: CREATE SCHEMA, say). Not retried: start-up fails at once.
+PERMANENT_AT_OPEN = {"28", "3D", "42"}
 
 
 def json_text(value: Any) -> str:
@@ -66,6 +70,17 @@ def translated(what: str, timeout: float) -> Iterator[None]:
             raise StoreUnavailable(f"postgres {what}: no answer within {timeout}s") from exc
         if _unreachable(exc):
             raise StoreUnavailable(f"postgres {what}: {type(exc).__name__}: {exc}") from exc
+        raise
+
+
+@contextlib.contextmanager
+def refused_for_good() -> Iterator[None]:
+    """The server's refusals of the URL itself (PERMANENT_AT_OPEN) become StoreMisconfigured."""
+    try:
+        yield
+    except asyncpg.PostgresError as exc:
+        if (getattr(exc, "sqlstate", None) or "")[:2] in PERMANENT_AT_OPEN:
+            raise StoreMisconfigured(f"postgres: {exc}") from exc
         raise
 
 
@@ -114,6 +129,7 @@ class PostgresConnection:
         self._session: dict[str, str] = {}  # extra server settings for our sessions
         self._pool: asyncpg.Pool | None = None
         self._listener: asyncio.Task | None = None
+        self._listening: asyncpg.Connection | None = None  # the listener's connection, now
         self._kept: dict[str, asyncpg.Connection] = {}  # one per kind of batch; see use()
 
     def _connect_args(self, role: str) -> dict[str, Any]:
@@ -136,14 +152,18 @@ class PostgresConnection:
         return {"timeout": self.timeout, "command_timeout": self.timeout,
                 "server_settings": {**settings, **self._session}}
 
-    async def open(self) -> None:
-        with translated("open", MIGRATE_TIMEOUT_S):
+    async def open(self, migrate_schema: bool = True) -> None:
+        with refused_for_good(), translated("open", MIGRATE_TIMEOUT_S):
             async with asyncio.timeout(MIGRATE_TIMEOUT_S):
-                # The first connection migrates, reads the settings, then stays as the listener.
+                # The first connection migrates (or, told not to, only looks), reads the
+                # settings, then stays as the listener.
                 conn = await asyncpg.connect(self._dsn, **self._connect_args("idemproxy-listen"))
                 try:
-                    for version in await migrate(conn, self.schema, MIGRATE_TIMEOUT_S):
-                        log.info("postgres schema %s: migration %d applied", self.schema, version)
+                    if not migrate_schema:
+                        await check(conn, self.schema)
+                    else:
+                        for version in await migrate(conn, self.schema, MIGRATE_TIMEOUT_S):
+                            log.info("postgres schema %s: migration %d applied", self.schema, version)
                     sync, fsync = await conn.fetchrow(
                         "SELECT current_setting('synchronous_commit'), current_setting('fsync')")
                     if sync == "off":
@@ -161,6 +181,7 @@ class PostgresConnection:
                         self._pool.terminate()
                         self._pool = None
                     raise
+        self._listening = conn
         self._listener = asyncio.create_task(self._listen(conn), name="idemproxy-pg-listener")
 
     async def aclose(self) -> None:
@@ -168,6 +189,11 @@ class PostgresConnection:
             self._listener.cancel()
             await asyncio.gather(self._listener, return_exceptions=True)
             self._listener = None
+        if self._listening is not None:
+            # a listener cancelled before it first ran never closed its connection (a
+            # command that closes the store at once); the loop would wait for it at exit
+            self._listening.terminate()
+            self._listening = None
         if self._pool is not None:
             pool, self._pool = self._pool, None
             for conn in self._kept.values():
@@ -268,7 +294,7 @@ class PostgresConnection:
             delay = min(delay * 2, 5.0)
             conn = None
             try:
-                conn = await asyncpg.connect(self._dsn, **self._connect_args("idemproxy-listen"))
+                conn = self._listening = await asyncpg.connect(self._dsn, **self._connect_args("idemproxy-listen"))
                 await conn.add_listener(self.channel, self._on_notify)
                 log.info("postgres listener reconnected")
                 delay = 0.1

@@ -233,6 +233,9 @@ class PostgresJournal:
         rows = await self._db.fetch("search", sql.SEARCH, time.time(), state, key, tenant, run, limit)
         return [_listed(r) for r in rows]
 
+    async def kids(self, prefix: str, limit: int) -> list[str]:
+        return [row[0] for row in await self._db.fetch("kids", sql.KIDS, prefix, prefix + "g", limit)]
+
     async def delete_run(self, namespace: str, run: str) -> int:
         return (await self._db.fetchrow("delete_journal", sql.DELETE_JOURNAL, namespace, run))[0]
 

@@ -6,6 +6,8 @@ import hashlib
 
 import asyncpg
 
+from ..base import SchemaNotCurrent
+
 # Append only: a deployed migration never changes; the next change is version N+1.
 MIGRATIONS: list[tuple[int, str]] = [(1, """
 CREATE TABLE journal (
@@ -57,6 +59,17 @@ CREATE TYPE claim_row AS (
 CREATE TYPE record_row AS (
     kid TEXT, owner TEXT, status INTEGER, headers TEXT, body BYTEA, streamed BOOLEAN, timing TEXT);
 """)]
+
+
+async def check(conn: asyncpg.Connection, schema: str) -> None:
+    """Raise SchemaNotCurrent unless ``schema`` has every migration; reads only."""
+    table = f'"{schema}".schema_migrations'
+    if not await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", table):
+        raise SchemaNotCurrent(f"no idemproxy tables in schema {schema}")
+    done = {r[0] for r in await conn.fetch(f"SELECT version FROM {table}")}
+    missing = [version for version, _ in MIGRATIONS if version not in done]
+    if missing:
+        raise SchemaNotCurrent(f"schema {schema} lacks migration(s) {', '.join(map(str, missing))}")
 
 
 async def migrate(conn: asyncpg.Connection, schema: str, timeout: float) -> list[int]:

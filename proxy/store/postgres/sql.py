@@ -245,6 +245,8 @@ SEARCH = (f"SELECT {ENTRY_COLUMNS}, status, replayed FROM journal WHERE expires_
           "AND ($2::text IS NULL OR state = $2) AND ($3::text IS NULL OR key = $3) "
           "AND ($4::text IS NULL OR tenant = $4) AND ($5::text IS NULL OR run = $5) "
           "ORDER BY created_at DESC LIMIT $6")
+# the primary key's range: "g" sorts after every hex digit (kids and prefixes are lowercase hex)
+KIDS = "SELECT kid FROM journal WHERE kid >= $1 AND kid < $2 ORDER BY kid LIMIT $3"
 GET_RUN = f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = $2 AND ($1::text IS NULL OR tenant = $1)"
 LIST_RUNS = (f"SELECT {RUN_COLUMNS} FROM runs WHERE $1::text IS NULL OR state = $1 "
              "ORDER BY created_at DESC LIMIT $2")

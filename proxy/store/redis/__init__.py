@@ -51,8 +51,8 @@ class RedisStore:
     def durability(self) -> str:
         return self.connection.durability
 
-    async def open(self) -> None:
-        await self.connection.open()
+    async def open(self, *, migrate: bool = True) -> None:
+        await self.connection.open(migrate)
 
     async def aclose(self) -> None:
         await self.journal.aclose()

@@ -20,11 +20,12 @@ import orjson
 import redis.asyncio as redis_asyncio  # the redis-py library: absolute imports never mean this package
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import AuthenticationError, AuthorizationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from ...config import mask_url
-from ..base import RUN_LOST, Bell, StoreUnavailable, Waiters
+from ..base import RUN_LOST, Bell, StoreMisconfigured, StoreUnavailable, Waiters
 from .scripts import SCRIPTS
 
 log = logging.getLogger("idemproxy.store")
@@ -125,21 +126,29 @@ class RedisConnection:
     def key(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
 
-    async def open(self) -> None:
+    async def open(self, migrate: bool = True) -> None:
+        """Connect, read the durability, subscribe. Redis keeps no schema: ``migrate`` changes nothing."""
         # One quick retry on a broken connection; timeouts are not retried, since a command
         # that timed out may have run. Every call is also bounded by `timeout` as a whole.
         client = redis_asyncio.Redis.from_url(
             self.url, socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
             retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             decode_responses=False)
+        where = f"redis at {mask_url(self.url)}"
         try:
-            with translated(f"redis at {mask_url(self.url)}", self.timeout * 2):
+            with translated(where, self.timeout * 2):
                 async with asyncio.timeout(self.timeout * 2):
-                    await client.ping()
+                    try:
+                        await client.ping()
+                    except (ResponseError, AuthenticationError, AuthorizationError) as exc:
+                        # Redis refuses the URL itself (a database index out of range, a user or
+                        # password it does not know): not retried. BusyLoadingError (a Redis
+                        # loading its data set) is a ConnectionError, and is.
+                        raise StoreMisconfigured(f"{where}: {exc}") from exc
                     appendonly, appendfsync = await self._persistence(client)
                     self.durability = durability_of(appendonly, appendfsync)
                     pubsub = await self._subscribe(client)
-        except StoreUnavailable:
+        except (StoreUnavailable, StoreMisconfigured):
             await client.aclose()
             raise
         self._client = client

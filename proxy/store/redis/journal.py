@@ -241,6 +241,17 @@ class RedisJournal:
             if cursor == 0:
                 return [entry for _, _, entry in sorted(newest, reverse=True)]
 
+    async def kids(self, prefix: str, limit: int) -> list[str]:
+        client, start = self._db.client, len(self._db.key("entry", "").encode())
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self._db.key("entry", prefix)) + "*"
+        found: set[str] = set()
+        cursor = 0
+        while True:
+            cursor, names = await self._db.do(client.scan(cursor, match=pattern, count=1000))
+            found.update(name[start:].decode() for name in names)
+            if cursor == 0 or len(found) >= limit:
+                return sorted(found)[:limit]
+
     async def delete_run(self, namespace: str, run: str) -> int:
         rk = run_ref(namespace, run)
         return await self._db.script("delete_journal", [self._db.key("steps", rk), self._db.key("occ", rk),

@@ -34,8 +34,8 @@ class SQLiteStore:
     def durability(self) -> str:
         return self.connection.durability
 
-    async def open(self) -> None:
-        await self.connection.open()
+    async def open(self, *, migrate: bool = True) -> None:
+        await self.connection.open(migrate)
 
     async def aclose(self) -> None:
         await self.connection.aclose()

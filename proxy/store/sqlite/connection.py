@@ -13,14 +13,17 @@ sqlite3's errors become :class:`StoreUnavailable` in one place, :class:`translat
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import logging
 import os
 import sqlite3
 import stat
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+from urllib.parse import quote
 
-from ..base import Bell, EntryState, RunState, StoreUnavailable, Waiters
+from ..base import Bell, EntryState, RunState, SchemaNotCurrent, StoreMisconfigured, StoreUnavailable, Waiters
 from ..batching import Watchdog
 from .disk import DiskThread
 from .schema import SCHEMA_VERSION, migrate
@@ -89,11 +92,14 @@ class SQLiteConnection:
         conn.execute(f"PRAGMA busy_timeout={int(self.timeout * 1000)}")
         return conn
 
-    async def open(self) -> None:
-        make_private(self.path)
-        with translated(f"cannot open {self.path}"):
+    async def open(self, migrate_schema: bool = True) -> None:
+        with opening(self.path):
+            if migrate_schema:
+                make_private(self.path)
+            else:
+                self._check_schema()
             writer = self._connect()
-            if writer.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+            if migrate_schema and writer.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
                 migrate(writer)
             # The writer waits for the write lock itself (_begin), not by SQLite's busy handler
             writer.execute("PRAGMA busy_timeout=0")
@@ -105,6 +111,19 @@ class SQLiteConnection:
                 self._relaxed.execute(f"PRAGMA {pragma}")
         self._writer = writer
         self._disk = DiskThread("idemproxy-sqlite-commit")
+
+    def _check_schema(self) -> None:
+        """Without a write (not even the WAL switch of _connect): the file is there, at our version."""
+        if not os.path.exists(self.path):
+            raise SchemaNotCurrent(f"no journal at {self.path} yet")
+        conn = sqlite3.connect(f"file:{quote(self.path)}?mode=ro", uri=True, timeout=self.timeout)
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+        finally:
+            conn.close()
+        if version < SCHEMA_VERSION:
+            raise SchemaNotCurrent(f"{self.path} is at schema version {version}, this idemproxy needs "
+                                   f"{SCHEMA_VERSION}" if version else f"{self.path} has no idemproxy tables")
 
     async def aclose(self) -> None:
         if self._sender is not None:  # what is queued is written first; never cut off mid-commit
@@ -331,6 +350,28 @@ def _took_lock(conn: sqlite3.Connection) -> bool:
         raise
 
 
+# Why a file cannot be opened, for good: a folder that is not there, not ours, read-only
+PERMANENT_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS,
+                    errno.ENAMETOOLONG, errno.ELOOP}
+
+
+@contextlib.contextmanager
+def opening(path: str) -> Iterator[None]:
+    """Errors of opening ``path``: a lock another process holds is StoreUnavailable (retried);
+    a missing folder, a denied permission, a file that is not a database, StoreMisconfigured."""
+    try:
+        yield
+    except sqlite3.OperationalError as exc:
+        if "locked" in str(exc) or "busy" in str(exc):
+            raise StoreUnavailable(f"cannot open {path}: {exc}") from exc
+        raise StoreMisconfigured(f"cannot open {path}: {exc}") from exc
+    except sqlite3.Error as exc:  # DatabaseError: "file is not a database"
+        raise StoreMisconfigured(f"cannot open {path}: {exc}") from exc
+    except OSError as exc:
+        kind = StoreMisconfigured if exc.errno in PERMANENT_ERRNOS else StoreUnavailable
+        raise kind(f"cannot open {path}: {exc.strerror or exc}") from exc
+
+
 def make_private(path: str) -> None:
     """Create the database file 0600 before SQLite opens it: it holds every tenant's bodies
     and the tenant HMAC key. SQLite would create it 0644 (less the umask); its -wal and
@@ -344,8 +385,6 @@ def make_private(path: str) -> None:
         os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     except FileExistsError:
         pass
-    except OSError as exc:
-        raise StoreUnavailable(f"cannot open {path}: {exc}") from exc
     for name in (path, path + "-wal", path + "-shm"):
         _close_to_others(name)
 

@@ -280,6 +280,12 @@ class SQLiteJournal:
             {"now": time.time(), "state": state, "key": key, "tenant": tenant, "run": run, "limit": limit})
         return [_listed(row) for row in rows]
 
+    async def kids(self, prefix: str, limit: int) -> list[str]:
+        # the primary key's range: "g" sorts after every hex digit
+        rows = await self._read("SELECT kid FROM journal WHERE kid >= ? AND kid < ? ORDER BY kid LIMIT ?",
+                                (prefix, prefix + "g", limit))
+        return [row[0] for row in rows]
+
     async def delete_run(self, namespace: str, run: str) -> int:
         def op(c):
             c.execute("DELETE FROM partials WHERE kid IN (SELECT kid FROM journal WHERE namespace = ? "
