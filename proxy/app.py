@@ -17,7 +17,7 @@ from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler
 
 from . import console, pricing, tracing
-from .appkeys import METRICS, PROXY, RUNS, SETTINGS, STORE, STRAIGHT, TENANTS
+from .appkeys import AUTH, CLIENTS, METRICS, PROXY, RUNS, SETTINGS, STORE, STRAIGHT, TENANTS
 from .codings import REQUEST_HANDLING
 from .config import Settings
 from .connections import request_started
@@ -26,6 +26,7 @@ from .forward import make_pool
 from .handler import Proxy
 from .heartbeats import Heartbeats
 from .identity import TenantResolver, tenant_secret
+from .ratelimit import AuthGuard, Clients
 from .metrics import Metrics
 from .problems import Problem
 from .replay import server_timing
@@ -57,6 +58,8 @@ def create_app(settings: Settings, launcher: LauncherFactory) -> web.Application
     app[SETTINGS] = settings
     app[METRICS] = counters
     app[STRAIGHT] = straight
+    app[CLIENTS] = Clients(settings.server.trusted_proxies)
+    app[AUTH] = AuthGuard(settings.admin)
     app.cleanup_ctx.append(lambda app: _lifecycle(app, launcher, traces))
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

@@ -6,6 +6,7 @@ from aiohttp.typedefs import Middleware
 from .config import Settings
 from .handler import Proxy
 from .identity import TenantResolver
+from .ratelimit import AuthGuard, Clients
 from .metrics import Metrics
 from .runs import RunsService
 from .runs.held import Attachments
@@ -18,5 +19,7 @@ METRICS = web.AppKey("metrics", Metrics)
 RUNS = web.AppKey("runs", RunsService)
 TENANTS = web.AppKey("tenants", TenantResolver)
 ATTACHMENTS = web.AppKey("attachments", Attachments)
+CLIENTS = web.AppKey("clients", Clients)  # who a request's client is, for ratelimit.py's counts
+AUTH = web.AppKey("auth", AuthGuard)  # wrong admin tokens, per client
 # What a proxied call passes through when the front door takes it past the router (app.front_door)
 STRAIGHT = web.AppKey("straight", list[Middleware])

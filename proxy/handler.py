@@ -153,8 +153,7 @@ class Proxy:
         upstream = route.upstream
         return fingerprint(request.method, upstream.name, route.path_qs, content,
                            request.headers.get("Content-Type", ""),
-                           policy.ignored_fields(upstream, request.method, route.path),
-                           policy.unordered_fields(upstream, request.method, route.path))
+                           policy.ignored_fields(upstream, request.method, route.path))
 
     async def _read_body(self, request: web.Request) -> tuple[bytes, bytes]:
         """The body as received, which is forwarded, and its content decoded per its

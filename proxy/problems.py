@@ -50,6 +50,8 @@ PROBLEMS: dict[str, ProblemType] = {
     "too-large": ProblemType(413, "Request body too large", _REJECTED),
     "key-reused": ProblemType(422, "Idempotency-Key reused with a different request", _CONFLICT),
     "outside-limits": ProblemType(422, "Outside the configured limits", _REJECTED),
+    "too-many-requests": ProblemType(429, "Too many requests from this client", _REJECTED),
+    "too-many-runs": ProblemType(429, "Too many runs not ended in this namespace", _REJECTED),
     "outcome-unknown": ProblemType(502, "Outcome of the first call is unknown", _CONFLICT),
     "upstream-unavailable": ProblemType(502, "Upstream unreachable", None),
     "store-unavailable": ProblemType(503, "Journal store unavailable", None),

@@ -9,7 +9,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from aiohttp import web
 
-from ..appkeys import RUNS, SETTINGS
+from ..appkeys import AUTH, CLIENTS, RUNS, SETTINGS
+from ..ratelimit import same_token
 from ..problems import Problem
 from ..runs.api import run_id
 from ..runs.options import resolution
@@ -26,8 +27,10 @@ async def login(request: web.Request) -> web.Response:
     given_form, expected_form = str(form.get("form", "")), request.cookies.get(LOGIN_COOKIE, "")
     if not expected_form or not hmac.compare_digest(given_form, expected_form):
         return _login(request, "The login form expired; try again.", status=403)
-    token = str(request.config_dict[SETTINGS].admin.token)
-    if not hmac.compare_digest(str(form.get("token", "")).encode(), token.encode()):
+    guard, client = request.config_dict[AUTH], request.config_dict[CLIENTS].of(request.headers, request.remote)
+    guard.admit(client)  # 429 for a client past its wrong tokens, before this one is compared
+    if not same_token(str(form.get("token", "")), str(request.config_dict[SETTINGS].admin.token)):
+        guard.failed(client)
         return _login(request, "That is not the admin token.", status=401)
     response = see_other(_back(request.query.get("next"), "/ui/runs"))
     set_cookie(response, request, COOKIE, (await console(request).sessions(request)).issue(), SESSION_S)

@@ -90,7 +90,9 @@ async def _html_problems(request: web.Request, handler) -> web.StreamResponse:
     except Problem as problem:
         if "text/html" not in request.headers.get("Accept", ""):
             raise
-        return render(request, "error.html", status=problem.status, problem=problem)
+        page = render(request, "error.html", status=problem.status, problem=problem)
+        page.headers.update(problem.headers)  # Retry-After, say
+        return page
 
 
 @web.middleware

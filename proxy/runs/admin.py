@@ -30,11 +30,11 @@ registering a run that exists in none.
 from __future__ import annotations
 
 import base64
-import hmac
 
 from aiohttp import web
 
-from ..appkeys import METRICS, RUNS, SETTINGS
+from ..appkeys import AUTH, CLIENTS, METRICS, RUNS, SETTINGS
+from ..ratelimit import same_token
 from ..identity import TENANT_NAME
 from ..problems import Problem
 from ..store.base import RUN_STATES, RunState
@@ -71,8 +71,11 @@ async def _require_token(request: web.Request, handler) -> web.StreamResponse:
     if not token:
         raise Problem("unauthorized", "the admin API is disabled: no [admin] token is configured",
                       headers=CHALLENGE)
+    guard, client = request.config_dict[AUTH], request.config_dict[CLIENTS].of(request.headers, request.remote)
+    guard.admit(client)  # 429 for a client past its wrong tokens, before this one is compared
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), str(token).encode()):
+    if scheme.lower() != "bearer" or not same_token(given.strip(), str(token)):
+        guard.failed(client)
         raise Problem("unauthorized", "send Authorization: Bearer <admin token>", headers=CHALLENGE)
     return await handler(request)
 

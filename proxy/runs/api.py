@@ -17,7 +17,7 @@ a run gets a namespace of its own (``r:…``), reached with the token only. The 
 get has no ``history``, which is for operators::
 
     POST /runs/{id}            register: {timeout_s, grace_s, hook, max_restarts, metadata},
-                               all optional -> 201 new, 200 updated          403, 422
+                               all optional -> 201 new, 200 updated          403, 422, 429
     GET  /runs/{id}            the run                                       404 if none
     POST /runs/{id}/heartbeat  alive now (work outside the proxy)            404, 412
     POST /runs/{id}/complete   ended for good: never restarted               404, 409, 412
@@ -44,7 +44,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from ..appkeys import RUNS, SETTINGS, TENANTS
+from ..appkeys import CLIENTS, RUNS, SETTINGS, TENANTS
 from ..codings import decoded
 from ..identity import ANONYMOUS, parse_run, private_namespace
 from ..problems import Problem
@@ -67,7 +67,8 @@ def add_routes(router: web.UrlDispatcher) -> None:
 
 async def register(request: web.Request) -> web.Response:
     options = run_options(json_object(await read_json(request)), request.config_dict[SETTINGS])
-    run, created = await request.config_dict[RUNS].register(*_which(request, new=True), options)
+    run, created = await request.config_dict[RUNS].register(*_which(request, new=True), options,
+                                                            client=_client(request))
     return own_answer(request, run, 201 if created else 200)
 
 
@@ -91,7 +92,7 @@ async def fail(request: web.Request) -> web.Response:
 
 
 async def new_attempt(request: web.Request) -> web.Response:
-    run = await request.config_dict[RUNS].new_attempt(*_which(request, new=True))
+    run = await request.config_dict[RUNS].new_attempt(*_which(request, new=True), _client(request))
     return own_answer(request, run, 201)
 
 
@@ -146,6 +147,9 @@ def _which(request: web.Request, *, new: bool = False) -> tuple[str, str]:
         namespace = private_namespace()
     return namespace, run
 
+
+def _client(request: web.Request) -> str:
+    return request.config_dict[CLIENTS].of(request.headers, request.remote)
 
 
 async def _epoch(request: web.Request) -> int | None:

@@ -18,6 +18,7 @@ from typing import Protocol
 from ..config import Settings
 from ..forward import NEVER_STORED, NOT_FORWARDED, storable_headers
 from ..problems import Problem
+from ..ratelimit import Window, too_many
 from ..store import Store
 from ..store.base import ENDED, Entry, EntryState, Recorded, Run, RunState, Scope
 
@@ -51,14 +52,19 @@ class RunsService:
         self.store = store
         self.settings = settings
         self.launcher = launcher
+        # new runs per minute from one namespace, and from one client (proxy/ratelimit.py)
+        self._registrations = Window(settings.runs.registrations_per_minute, 60.0)
 
     # -- agents: their own runs, in their namespace -------------------------------------------
 
     async def register(self, namespace: str, run_id: str, options: dict, *,
-                       operator: bool = False) -> tuple[Run, bool]:
+                       operator: bool = False, client: str | None = None) -> tuple[Run, bool]:
         """Create the run or update its options; (the run, whether it is new). Only an
-        ``operator`` (the admin API) or a namespace the hook allows may arm a hook."""
+        ``operator`` (the admin API) or a namespace the hook allows may arm a hook; anyone
+        else's new runs are bounded (:meth:`_admit_new_run`)."""
         existing = await self.store.runs.find(namespace, run_id)
+        if not existing and not operator:
+            await self._admit_new_run(namespace, client)
         run = existing[0] if existing else self.new_run(namespace, run_id, time.time(), operator=operator)
         hook = options.get("hook", run.hook)
         if hook not in (None, run.hook) and not operator and not self.settings.may_arm(hook, namespace):
@@ -92,16 +98,33 @@ class RunsService:
             raise Problem("run-ended", f"run {run_id} already ended as {ended.state}", state=ended.state)
         return ended
 
-    async def new_attempt(self, namespace: str, run_id: str) -> Run:
+    async def new_attempt(self, namespace: str, run_id: str, client: str | None = None) -> Run:
         """Epoch + 1, fencing the attempt before; creates the run at epoch 0 if unknown."""
         runs = await self.store.runs.find(namespace, run_id)
         if not runs:
+            await self._admit_new_run(namespace, client)
             return await self.store.runs.upsert(self.new_run(namespace, run_id, time.time()))
         run = await self.store.runs.new_attempt(namespace, run_id, None, time.time(), "attempt", restart=False)
         if run is None:
             raise Problem("run-ended", f"run {run_id} has ended ({runs[0].state}); start a new run",
                           state=runs[0].state)
         return run
+
+    async def _admit_new_run(self, namespace: str, client: str | None) -> None:
+        """Registrations need no token, and each may carry max_metadata_bytes: 429 past
+        ``[runs] registrations_per_minute`` from the namespace or the client, or past
+        ``max_live_runs`` runs of the namespace not ended."""
+        now, keys = time.monotonic(), [f"namespace {namespace}"] + ([f"client {client}"] if client else [])
+        wait = max(self._registrations.wait(key, now) for key in keys)
+        if wait:
+            raise too_many(f"more than {self.settings.runs.registrations_per_minute} new runs a minute "
+                           "from this namespace or client", wait)
+        cap = self.settings.runs.max_live_runs
+        if cap and await self.store.runs.live(namespace, cap) >= cap:
+            raise Problem("too-many-runs", f"namespace {namespace!r} has {cap} runs not ended, the most "
+                          "[runs] max_live_runs allows: complete or fail some first", max_live_runs=cap)
+        for key in keys:
+            self._registrations.add(key, now)
 
     def new_run(self, namespace: str, run_id: str, now: float, *, operator: bool = False) -> Run:
         """A run at epoch 0 with the configured ``[runs]`` defaults; its ``hook`` only for an

@@ -444,6 +444,8 @@ class RunRegistry(Protocol):
                         event: dict[str, Any] | None = None, **fields: Any) -> None:
         """Set state (None keeps it), append ``event`` to the history, set ``fields``."""
     async def count(self) -> dict[str, int]: """Number of runs in each state."""
+    async def live(self, namespace: str, limit: int) -> int:
+        """How many of ``namespace``'s runs have not ended, counted up to ``limit``."""
     async def purge(self, before: float, batch: int = 1000) -> int:
         """Delete the runs neither seen nor ended since ``before`` (ended long ago, or idle
         that long); how many."""

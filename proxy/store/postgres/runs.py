@@ -154,6 +154,9 @@ class PostgresRuns:
         rows = await self._db.fetch("count_runs", sql.COUNT_RUNS)
         return {state: n for state, n in rows}
 
+    async def live(self, namespace: str, limit: int) -> int:
+        return (await self._db.fetchrow("live_runs", sql.LIVE_RUNS, namespace, limit))[0]
+
     async def purge(self, before: float, batch: int = 1000) -> int:
         total = 0
         while True:  # in batches: no transaction holds many rows for long

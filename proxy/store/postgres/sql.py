@@ -263,6 +263,8 @@ SILENT_RUNS = (f"SELECT {RUN_COLUMNS} FROM runs WHERE state IN ('{RunState.RUNNI
                "OR (lost_epoch = epoch AND hook IS NOT NULL)) "
                "AND next_restart_at <= $1")
 COUNT_RUNS = "SELECT state, count(*) FROM runs GROUP BY state"
+LIVE_RUNS = (f"SELECT count(*) FROM (SELECT 1 FROM runs WHERE tenant = $1 AND state IN "
+             f"('{RunState.RUNNING}', '{RunState.RESTARTING}') LIMIT $2) AS live")
 # $1 before, $2 batch, $3 every state (so runs_by_state (state, last_seen) finds them).
 # Rows a writer holds are skipped, not waited for, as the journal's purge does.
 PURGE_RUNS = """

@@ -7,6 +7,7 @@ name) in step. Reads are pipelines.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Awaitable
 
 import orjson
@@ -89,6 +90,20 @@ class RedisRuns:
             pipe.zcard(self._db.key("runs", state))
         counts = await self._db.do(pipe.execute())
         return {state: n for state, n in zip(RUN_STATES, counts) if n}
+
+    async def live(self, namespace: str, limit: int) -> int:
+        # the live runs' indexes, filtered by the namespace's part of each member (run_ref)
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", run_ref(namespace, "")) + "*"
+        found = 0
+        for state in (RunState.RUNNING, RunState.RESTARTING):
+            cursor = 0
+            while found < limit:
+                cursor, members = await self._db.do(self._db.client.zscan(
+                    self._db.key("runs", state), cursor, match=pattern, count=1000))
+                found += len(members)
+                if cursor == 0:
+                    break
+        return min(found, limit)
 
     async def observe_epoch(self, namespace: str, run_id: str, epoch: int | None, defaults: Run,
                             now: float) -> int:

@@ -212,6 +212,11 @@ class SQLiteRuns:
     async def count(self) -> dict[str, int]:
         return {state: n for state, n in self._db.read("SELECT state, count(*) FROM runs GROUP BY state")}
 
+    async def live(self, namespace: str, limit: int) -> int:
+        return self._db.read(  # the primary key's (tenant, run_id) range, no further than limit
+            "SELECT count(*) FROM (SELECT 1 FROM runs WHERE tenant = ? AND state IN (?, ?) LIMIT ?)",
+            (namespace, RunState.RUNNING, RunState.RESTARTING, limit))[0][0]
+
     async def purge(self, before: float, batch: int = 1000) -> int:
         def op(c):
             # by state, so runs_by_state (state, last_seen) finds them without a full scan
