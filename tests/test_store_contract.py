@@ -965,3 +965,30 @@ async def test_a_lost_attempt_rings_every_instance(store, open_store, store_url)
     assert await waiting
     assert await store.runs.wait_lost(1.0)  # and the instance that marked it
     assert not await store.runs.wait_lost(0.05)  # heard once
+
+
+# -- what operators and the registration limits ask ---------------------------------------
+
+async def test_kids_are_found_by_their_start(store):
+    kids = [scope(f"key:{n}").kid for n in range(40)]
+    for n in range(40):
+        await claimed(store, scope(f"key:{n}"))
+    for kid in kids[:5]:
+        assert await store.journal.kids(kid[:10], 2) == [kid]
+    digit = max("0123456789abcdef", key=lambda d: sum(k.startswith(d) for k in kids))
+    sharing = sorted(k for k in kids if k.startswith(digit))  # 40 kids, 16 digits: two at least
+    assert sorted(await store.journal.kids(digit, 100)) == sharing
+    [one] = await store.journal.kids(digit, 1)
+    assert one in sharing
+    assert await store.journal.kids("f" * 20, 2) == []
+
+
+async def test_live_counts_a_namespaces_runs_not_ended(store):
+    for n in range(4):
+        await store.runs.upsert(new_run(f"run-{n}"))
+    await store.runs.upsert(new_run("run-0", tenant="ns-b"))
+    await store.runs.end(NS, "run-0", RunState.COMPLETED, time.time())
+    assert await store.runs.live(NS, 100) == 3
+    assert await store.runs.live(NS, 2) == 2  # counted no further than asked
+    assert await store.runs.live("ns-b", 100) == 1
+    assert await store.runs.live("ns", 100) == 0  # a namespace that starts another's name
