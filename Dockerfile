@@ -30,7 +30,8 @@ USER 10001:10001
 WORKDIR /var/lib/idemproxy
 EXPOSE 8787
 
-# Exit 0 when the configuration loads and the store answers.
+# Exit 0 when the configuration loads and the store answers with a current schema (serve
+# makes it at start); exit 1 otherwise. check itself never writes to the store.
 HEALTHCHECK --interval=15s --timeout=10s --start-period=20s --retries=3 \
     CMD ["idemproxy", "check"]
 
