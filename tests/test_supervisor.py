@@ -261,7 +261,8 @@ async def test_supervise_command_restarts_alone_and_stops_on_sigterm(store_url, 
                                   "command": [sys.executable, _script(tmp_path, "t", TALLY), str(fired), "0"],
                                   "log_dir": str(tmp_path / "logs"), "watch_exit": False})
     config = write_config(tmp_path / "supervise.toml", sections)
-    check = await asyncio.create_subprocess_exec(sys.executable, "-m", "idemproxy.proxy.cli", "check",
+    # the configuration loads and the store answers; migrate makes its schema (check never would)
+    check = await asyncio.create_subprocess_exec(sys.executable, "-m", "idemproxy.proxy.cli", "migrate",
                                                  "--config", str(config), stdout=asyncio.subprocess.PIPE,
                                                  stderr=asyncio.subprocess.PIPE)
     out, err = await check.communicate()
