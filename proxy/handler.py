@@ -92,6 +92,12 @@ class Proxy:
             if not target.startswith("/"):  # absolute-form: taken when it names us (routing.py)
                 target = origin_form(target, request.headers.getall(hdrs.HOST, ()))
             route = parse_route(target, self.settings.upstreams)
+            if "websocket" in request.headers.get(hdrs.UPGRADE, "").lower():
+                # Frames on a WebSocket are no requests the journal could key, record or replay
+                # (the OpenAI Agents SDK's opt-in Responses transport): refused, never tunnelled unjournaled.
+                raise Problem("websocket-refused", "idemproxy journals HTTP requests and cannot journal a "
+                              "WebSocket: use the client's HTTP transport (for the OpenAI Agents SDK, the "
+                              "default, set_default_openai_responses_transport(\"http\"))")
             if route.upstream.kind == "mcp":
                 return await self._mcp(request, route, started)
             ident, chosen = self._identify_and_decide(request, route)
@@ -153,7 +159,8 @@ class Proxy:
         upstream = route.upstream
         return fingerprint(request.method, upstream.name, route.path_qs, content,
                            request.headers.get("Content-Type", ""),
-                           policy.ignored_fields(upstream, request.method, route.path))
+                           policy.ignored_fields(upstream, request.method, route.path),
+                           policy.unordered_fields(upstream, request.method, route.path))
 
     async def _read_body(self, request: web.Request) -> tuple[bytes, bytes]:
         """The body as received, which is forwarded, and its content decoded per its

@@ -57,6 +57,7 @@ PROBLEMS: dict[str, ProblemType] = {
     "store-unavailable": ProblemType(503, "Journal store unavailable", None),
     "too-many-connections": ProblemType(503, "Too many connections", _REJECTED),
     "internal-error": ProblemType(500, "Internal error", None),
+    "websocket-refused": ProblemType(501, "WebSockets cannot be journaled", _REJECTED),
     "upstream-timeout": ProblemType(504, "Upstream timed out", None),
 }
 

@@ -13,6 +13,14 @@ can ask for a status, a delay, a broken stream:
 - ``X-Fake-Size: 1000000``     body of that many bytes (``/blob``, ``/flood``)
 - ``X-Fake-Split: 0.3``        send each event in two writes, that many seconds apart
 
+Scripted tool calls, for agent frameworks (tests/test_frameworks.py): a request that offers
+``tools`` and whose prompt holds a line ``PLAN: [{"tool": "send_email", "args": {...}}, ...]``
+is answered with the plan's next tool call, the k-th when k tool results are already in the
+conversation, and with a final text once all were answered. Chat Completions
+(``role: tool`` messages) and Responses (``function_call_output`` items, ``/v1/responses``)
+alike; the answer depends on the request alone, so a replayed conversation goes on the same.
+``/v1/traces/ingest`` takes the OpenAI Agents SDK's traces.
+
 Run alone: ``python tests/fake_provider.py --port 9100``.
 """
 
@@ -70,6 +78,38 @@ async def _stream(request: web.Request, events: list[bytes]) -> web.StreamRespon
     return resp
 
 
+PLAN_MARK = "PLAN:"
+
+
+def _texts(content) -> list[str]:
+    """The text of a message's content: a string, or a list of parts with ``text``."""
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        return [part.get("text", "") for part in content if isinstance(part, dict)]
+    return []
+
+
+def _plan(texts: list[str]) -> list[dict] | None:
+    for text in texts:
+        for line in text.splitlines():
+            if line.strip().startswith(PLAN_MARK):
+                return orjson.loads(line.strip()[len(PLAN_MARK):])
+    return None
+
+
+def _scripted(req: dict, texts: list[str], answered: int) -> tuple[dict, str] | tuple[None, str]:
+    """The plan's next tool call (``{"name", "arguments", "call_id"}``) or the final text."""
+    plan = _plan(texts) if req.get("tools") else None
+    if plan is None:
+        return None, ""
+    if answered < len(plan):
+        step = plan[answered]
+        return {"name": step["tool"], "arguments": orjson.dumps(step.get("args", {})).decode(),
+                "call_id": f"call_{answered + 1}_{step['tool']}"}, ""
+    return None, f"done: {answered} tool calls answered"
+
+
 async def chat(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     _record(request, "chat", body)
@@ -78,6 +118,19 @@ async def chat(request: web.Request) -> web.StreamResponse:
         return failed
     req = orjson.loads(body or b"{}")
     n = next(_ids)
+    messages = req.get("messages") or []
+    call, final = _scripted(req, [t for m in messages if m.get("role") in ("system", "developer", "user")
+                                  for t in _texts(m.get("content"))],
+                            sum(m.get("role") == "tool" for m in messages))
+    if call is not None or final:
+        message = {"role": "assistant", "content": final or None}
+        if call is not None:
+            message["tool_calls"] = [{"id": call["call_id"], "type": "function", "function": {
+                "name": call["name"], "arguments": call["arguments"]}}]
+        return web.json_response({
+            "id": f"chatcmpl-{n}", "object": "chat.completion", "created": 1, "model": req.get("model", "fake"),
+            "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if call else "stop"}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}})
     last = (req.get("messages") or [{}])[-1].get("content", "")
     text = f"reply {n} to: {str(last)[:40]}"
     if req.get("stream"):
@@ -97,6 +150,40 @@ async def chat(request: web.Request) -> web.StreamResponse:
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}},
         headers={"Set-Cookie": "session=secret-cookie", "X-Request-Id": f"req-{n}"})
+
+
+async def responses(request: web.Request) -> web.Response:
+    """The Responses API (non-streaming): scripted tool calls, or a text reply."""
+    body = await request.read()
+    _record(request, "responses", body)
+    await asyncio.sleep(_delay(request))
+    if (failed := await _maybe_status(request)) is not None:
+        return failed
+    req = orjson.loads(body or b"{}")
+    n = next(_ids)
+    items = req.get("input")
+    items = [{"role": "user", "content": items}] if isinstance(items, str) else items or []
+    texts = [req.get("instructions") or ""] + [t for item in items if item.get("role") in ("system", "developer", "user")
+                                               for t in _texts(item.get("content"))]
+    call, final = _scripted(req, texts, sum(item.get("type") == "function_call_output" for item in items))
+    if call is not None:
+        output = [{"type": "function_call", "id": f"fc_{n}", "status": "completed", **call}]
+    else:
+        text = final or f"reply {n} to: {texts[-1][:40]}"
+        output = [{"type": "message", "id": f"msg_{n}", "status": "completed", "role": "assistant",
+                   "content": [{"type": "output_text", "text": text, "annotations": []}]}]
+    return web.json_response({
+        "id": f"resp_{n}", "object": "response", "created_at": 1, "status": "completed",
+        "model": req.get("model", "fake"), "output": output, "parallel_tool_calls": True,
+        "tool_choice": "auto", "tools": req.get("tools", []), "error": None, "incomplete_details": None,
+        "instructions": req.get("instructions"), "metadata": {}, "temperature": None, "top_p": None,
+        "usage": {"input_tokens": 10, "output_tokens": 5, "total_tokens": 15,
+                  "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}})
+
+
+async def traces(request: web.Request) -> web.Response:
+    _record(request, "traces", await request.read())
+    return web.json_response({})
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
@@ -202,6 +289,8 @@ def create_app() -> web.Application:
     app[OPEN] = collections.Counter()
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/traces/ingest", traces)
     app.router.add_route("*", "/tools/{name}", tool)
     app.router.add_route("*", "/blob", blob)
     app.router.add_route("*", "/flood", flood)

@@ -1,0 +1,235 @@
+"""The framework recipes (examples/frameworks/, docs/recipes.md) run as their users run them.
+
+Each test starts the fake provider (model and tools, counting every call), a real
+``idemproxy serve --config examples/frameworks/config.toml`` with the supervisor in-process
+and a SQLite journal, and the recipe's first attempt with ``--crash-after charge_card``: the
+agent has sent an email and charged a card when it SIGKILLs itself. The supervisor starts
+the recipe again through its command hook; the counts prove that every model call was paid
+once and every side effect happened once, with the frameworks' own retries at their defaults.
+Where the framework itself would run a tool again (LangGraph resuming from its checkpoint),
+the same recipe without the journal shows the duplicate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+import services
+
+pytestmark = [pytest.mark.slow, pytest.mark.frameworks]  # processes SIGKILLed and restarted
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPES = REPO / "examples" / "frameworks"
+CONFIG = RECIPES / "config.toml"
+ADMIN = "frameworks-test-admin-token"
+SIGKILLED = -9
+SIDE_EFFECTS = {"tool:send_email": 1, "tool:charge_card": 1, "tool:send_receipt": 1}
+TOOL_LINE = re.compile(r"^tool (\w+): (live|replayed)", re.M)
+
+
+@dataclass
+class Outcome:
+    run: dict               # the run as the admin API shows it, history included
+    first: str              # the first attempt's output
+    restarted: list[str]    # each restarted attempt's log, by epoch
+
+    def served(self, output: str) -> list[tuple[str, str]]:
+        return TOOL_LINE.findall(output)
+
+    def explain(self, proxy_log: Path) -> str:
+        return "\n".join([json.dumps({k: self.run.get(k) for k in ("state", "epoch", "restarts", "history")}),
+                          "--- first attempt", self.first[-3000:],
+                          *[f"--- restarted\n{text[-3000:]}" for text in self.restarted],
+                          "--- proxy", proxy_log.read_text(errors="replace")[-2000:]])
+
+
+async def _admin(http: aiohttp.ClientSession, url: str, run_id: str) -> dict | None:
+    async with http.get(f"{url}/admin/runs/{run_id}", headers={"Authorization": f"Bearer {ADMIN}"}) as resp:
+        return await resp.json() if resp.status == 200 else None
+
+
+def _hook_pids(run: dict) -> tuple[set[int], set[int]]:
+    started = {e["pid"] for e in run.get("history", []) if e.get("event") == "hook-started"}
+    exited = {e["pid"] for e in run.get("history", []) if e.get("event") == "hook-exit"}
+    return started, exited
+
+
+async def run_recipe(provider, tmp_path: Path, recipe: str, hook: str, *, run_id: str,
+                     args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                     first_env: dict[str, str] | None = None, sets: dict[str, str] | None = None,
+                     timeout: float = 90.0) -> tuple[Outcome, Path]:
+    """Serve the recipes' config, start ``recipe`` with ``--crash-after charge_card``, and
+    wait until the run has ended and every attempt the supervisor started has exited."""
+    port = services.free_port()
+    url = f"http://127.0.0.1:{port}"
+    logs = tmp_path / "logs"
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith(("IDEM_", "IDEMPROXY_"))}
+    base_env.update({"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+                     "OPENAI_API_KEY": "sk-recipe-test", "PYTHONUNBUFFERED": "1", **(env or {})})
+    overrides = {"upstreams.openai.url": provider.url, "upstreams.tools.url": f"{provider.url}/tools",
+                 f"hooks.{hook}.log_dir": str(logs), "admin.token": ADMIN, **(sets or {})}
+    argv = [sys.executable, "-m", "idemproxy.proxy.cli", "serve", "--config", str(CONFIG), "--port", str(port),
+            "--store", f"sqlite:///{tmp_path / 'journal.db'}"]
+    for option, value in overrides.items():
+        argv += ["--set", f"{option}={value}"]
+    proxy_log = tmp_path / "proxy.log"
+    with open(proxy_log, "wb") as out:
+        proxy = await asyncio.create_subprocess_exec(*argv, cwd=REPO, env=base_env, stdout=out,
+                                                     stderr=asyncio.subprocess.STDOUT)
+    try:
+        async with aiohttp.ClientSession() as http:
+            deadline = time.monotonic() + 20
+            while not services.reachable(f"{url}/healthz", 0.2):
+                assert proxy.returncode is None and time.monotonic() < deadline, proxy_log.read_text()[-3000:]
+                await asyncio.sleep(0.05)
+            first_log = tmp_path / "first.log"
+            with open(first_log, "wb") as out:
+                first = await asyncio.create_subprocess_exec(
+                    sys.executable, str(RECIPES / recipe), *args, "--crash-after", "charge_card", cwd=REPO,
+                    env={**base_env, **(first_env or {}), "IDEM_RUN_ID": run_id, "IDEM_PROXY_URL": url},
+                    stdout=out, stderr=asyncio.subprocess.STDOUT)
+            code = await asyncio.wait_for(first.wait(), 60)
+            assert code == SIGKILLED, first_log.read_text()[-3000:]
+            deadline, run = time.monotonic() + timeout, None
+            while time.monotonic() < deadline:
+                run = await _admin(http, url, run_id)
+                if run and run["state"] in ("completed", "failed", "dead"):
+                    started, exited = _hook_pids(run)
+                    if started <= exited:
+                        break
+                await asyncio.sleep(0.2)
+            assert run is not None, proxy_log.read_text()[-3000:]
+            restarted = [p.read_text(errors="replace") for p in sorted(logs.glob(f"*.{run_id}.*.log"))]
+            return Outcome(run, first_log.read_text(errors="replace"), restarted), proxy_log
+    finally:
+        if proxy.returncode is None:
+            proxy.terminate()
+            try:
+                await asyncio.wait_for(proxy.wait(), 15)
+            except asyncio.TimeoutError:
+                proxy.kill()
+                await proxy.wait()
+
+
+def check_resumed(outcome: Outcome, proxy_log: Path, tool_results: int = 3) -> str:
+    """Crashed once after the email and the charge, restarted once, completed: the
+    restarted attempt's output."""
+    why = outcome.explain(proxy_log)
+    assert outcome.run["state"] == "completed", why
+    assert outcome.run["epoch"] == 1 and outcome.run["restarts"] == 1, why
+    assert outcome.served(outcome.first) == [("send_email", "live"), ("charge_card", "live")], why
+    assert "crash: SIGKILL after charge_card" in outcome.first
+    (again,) = outcome.restarted
+    assert f"done: done: {tool_results} tool calls answered" in again, why
+    return again
+
+
+# -- OpenAI Agents SDK ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("api", ["responses", "chat_completions"])
+async def test_openai_agents_sdk_resumes_paying_and_charging_once(api, provider, tmp_path):
+    """Both model APIs of the SDK, each process with its own PYTHONHASHSEED: the Responses
+    `include` list comes in another order after the restart, and ``ignore_order`` (in the
+    recipe's config) still finds the journal."""
+    outcome, proxy_log = await run_recipe(
+        provider, tmp_path, "openai_agents_agent.py", "openai_agents", run_id=f"agents-{api}",
+        env={"AGENT_OPENAI_API": api, "PYTHONHASHSEED": "1"}, first_env={"PYTHONHASHSEED": "0"})
+    again = check_resumed(outcome, proxy_log)
+    why = outcome.explain(proxy_log)
+    assert outcome.served(again) == [("send_email", "replayed"), ("charge_card", "replayed"),
+                                     ("send_receipt", "live")], why
+    model = "responses" if api == "responses" else "chat"
+    # four model calls in all: two live before the crash, replayed after it, then two live
+    assert {k: provider.calls[k] for k in (model, *SIDE_EFFECTS)} == {model: 4, **SIDE_EFFECTS}, why
+    assert provider.calls["traces"] >= 1  # the SDK's tracing stayed on, through the proxy
+    if api == "responses":
+        includes = [json.loads(s["body"])["include"] for s in provider.seen if s["name"] == "responses"]
+        assert len({tuple(i) for i in includes[:2]}) == 1 and len({tuple(i) for i in includes[2:]}) == 1
+        assert includes[0] != includes[2] and sorted(includes[0]) == sorted(includes[2])  # the hazard, met
+
+
+async def test_openai_agents_sdk_without_ignore_order_pays_again(provider, tmp_path):
+    """The control: the same run without the rule. The restarted attempt's first model calls
+    miss the journal and are paid again (the tools' explicit keys still hold)."""
+    outcome, proxy_log = await run_recipe(
+        provider, tmp_path, "openai_agents_agent.py", "openai_agents", run_id="agents-unordered",
+        env={"PYTHONHASHSEED": "1"}, first_env={"PYTHONHASHSEED": "0"},
+        sets={"upstreams.openai.ignore_order": "[]"})
+    check_resumed(outcome, proxy_log)
+    assert provider.calls["responses"] == 6, outcome.explain(proxy_log)
+    assert {k: provider.calls[k] for k in SIDE_EFFECTS} == SIDE_EFFECTS
+
+
+# -- Pydantic AI ------------------------------------------------------------------------------
+
+async def test_pydantic_ai_resumes_paying_and_charging_once(provider, tmp_path):
+    """A tool's ModelRetry makes one more model call, journaled and replayed like the rest."""
+    outcome, proxy_log = await run_recipe(provider, tmp_path, "pydantic_ai_agent.py", "pydantic_ai",
+                                          run_id="pydantic-ai")
+    again = check_resumed(outcome, proxy_log, tool_results=4)
+    why = outcome.explain(proxy_log)
+    assert outcome.first.count("tool charge_card: ModelRetry") == 1
+    assert again.count("tool charge_card: ModelRetry") == 1  # the replayed model asked the same
+    assert outcome.served(again) == [("send_email", "replayed"), ("charge_card", "replayed"),
+                                     ("send_receipt", "live")], why
+    # five model calls: three live before the crash (one of them after ModelRetry), two after
+    assert {k: provider.calls[k] for k in ("chat", *SIDE_EFFECTS)} == {"chat": 5, **SIDE_EFFECTS}, why
+
+
+# -- LangGraph with a checkpointer ------------------------------------------------------------
+
+@pytest.mark.parametrize("journaled", [True, False], ids=["journaled", "tools-unjournaled"])
+async def test_langgraph_checkpoint_resume_charges_once(journaled, provider, tmp_path):
+    """The restarted process resumes the thread from its SQLite checkpoint, which runs the
+    tools node again (langchain-ai/langgraph#7417): the journal answers its charge. The
+    control passes the tools through unjournaled: the card is charged twice."""
+    sets = {} if journaled else {"upstreams.tools.rules": '[{ match = "POST *", policy = "passthrough" }]'}
+    outcome, proxy_log = await run_recipe(
+        provider, tmp_path, "langgraph_agent.py", "langgraph", run_id=f"langgraph-{journaled}",
+        env={"LANGGRAPH_CHECKPOINTS": str(tmp_path / "checkpoints.db")}, sets=sets)
+    again = check_resumed(outcome, proxy_log)
+    why = outcome.explain(proxy_log)
+    assert "resuming before tools" in again, why
+    # The checkpoint holds the email and both model calls before the crash: neither is made again.
+    assert outcome.served(again) == [("charge_card", "replayed" if journaled else "live"),
+                                     ("send_receipt", "live")], why
+    charges = 1 if journaled else 2
+    assert {k: provider.calls[k] for k in ("chat", *SIDE_EFFECTS)} == {
+        "chat": 4, **SIDE_EFFECTS, "tool:charge_card": charges}, why
+
+
+async def test_openai_agents_sdk_websocket_transport_is_refused_clearly(make_proxy, sqlite_url, provider):
+    """The SDK's opt-in WebSocket transport for the Responses API cannot be journaled: the
+    proxy refuses the upgrade with problem+json (501 websocket-refused) rather than letting
+    model calls pass unrecorded, and nothing reaches the upstream."""
+    from agents import Agent, Runner, set_default_openai_client, set_default_openai_responses_transport
+    from agents import set_tracing_disabled
+    from openai import AsyncOpenAI
+    from websockets.exceptions import InvalidStatus
+
+    proxy = await make_proxy(sqlite_url)
+    set_tracing_disabled(True)
+    set_default_openai_client(AsyncOpenAI(base_url=f"{proxy.url}/runs/ws-1/openai/v1", api_key="sk-ws"))
+    set_default_openai_responses_transport("websocket")
+    try:
+        with pytest.raises(InvalidStatus) as refused:
+            await Runner.run(Agent(name="orders", instructions="Be brief.", model="gpt-4o-mini"), "hi")
+    finally:
+        set_default_openai_responses_transport("http")
+        set_tracing_disabled(False)
+    answer = refused.value.response
+    assert answer.status_code == 501
+    assert answer.headers["Content-Type"].startswith("application/problem+json")
+    problem = json.loads(answer.body)
+    assert problem["type"].endswith("/websocket-refused") and "HTTP transport" in problem["detail"]
+    assert provider.calls["responses"] == 0 and not provider.seen
