@@ -9,7 +9,8 @@ rule so that valid input never fails and different requests never share a record
   twice, at most ``MAX_DEPTH`` levels of nesting, and numbers that read back as written:
   integers of any size, decimals whose nearest double prints as the same number. It is
   hashed as its canonical form (keys sorted, no insignificant whitespace, numbers by
-  value, the ``ignore`` paths removed): key order and spacing do not change it.
+  value, the ``ignore`` paths removed, the ``unordered`` arrays sorted): key order and
+  spacing do not change it, nor the order of an array configured as a set.
 - Any other body is hashed as its raw bytes. One that is byte for byte some canonical
   form but was not sent as JSON is tagged, so it never matches a canonicalised body.
 
@@ -46,9 +47,9 @@ def is_json(content_type: str) -> bool:
     return media == "application/json" or media.endswith("+json")
 
 
-def canonical_json(body: bytes, ignore: Iterable[str] = ()) -> bytes | None:
-    """Canonical bytes of a JSON body with ``ignore`` paths removed; None unless the body
-    follows the rule in the module docstring."""
+def canonical_json(body: bytes, ignore: Iterable[str] = (), unordered: Iterable[str] = ()) -> bytes | None:
+    """Canonical bytes of a JSON body with ``ignore`` paths removed and the arrays at
+    ``unordered`` paths sorted; None unless the body follows the rule in the module docstring."""
     escaped_colon = b"\\u003" in body  # \u003a: a colon the count below cannot see
     try:
         value = _parse(body, escaped_colon)
@@ -60,19 +61,21 @@ def canonical_json(body: bytes, ignore: Iterable[str] = ()) -> bytes | None:
     # than its canonical form (an escaped colon would hide one: _parse checks keys then).
     if canonical is None or (not escaped_colon and body.count(b":") != canonical.count(b":")):
         return None
-    ignore = tuple(ignore)
-    if not ignore:
+    ignore, unordered = tuple(ignore), tuple(unordered)
+    if not ignore and not unordered:
         return canonical
     for path in ignore:
         _drop(value, path.split("."))
+    for path in unordered:
+        _sort(value, path.split("."))
     return _dump(value)
 
 
 def fingerprint(method: str, upstream: str, path_qs: str, body: bytes, content_type: str,
-                ignore: Iterable[str] = ()) -> str:
+                ignore: Iterable[str] = (), unordered: Iterable[str] = ()) -> str:
     method_field = method.upper().encode()
     if body and is_json(content_type):
-        body = canonical_json(body, ignore) or body
+        body = canonical_json(body, ignore, unordered) or body
     elif body and _looks_canonical(body):
         # \x01 cannot occur in a method token, so no raw body can forge this tag
         method_field += b"\x01"
@@ -154,22 +157,36 @@ def _dump(value: Any) -> bytes | None:
         return None
 
 
-# -- ignored fields ---------------------------------------------------------------------
+# -- ignored fields and unordered arrays --------------------------------------------------
+
+def _children(node: Any, head: str) -> list:
+    """The keys or indexes of ``node`` that one step of a dotted path names; ``*``: all."""
+    if isinstance(node, dict):
+        return list(node) if head == "*" else [head] if head in node else []
+    if isinstance(node, list):
+        if head == "*":
+            return list(range(len(node)))
+        return [int(head)] if head.isdigit() and int(head) < len(node) else []
+    return []
+
+
+def _sort(node: Any, path: list[str]) -> None:
+    """Sort the array at a dotted path by its items' canonical bytes (a set sent as a list:
+    the same members in any order are the same call). Anything else there is left as it is."""
+    head, rest = path[0], path[1:]
+    for child in _children(node, head):
+        if rest:
+            _sort(node[child], rest)
+        elif isinstance(node[child], list):
+            node[child] = sorted(node[child], key=lambda item: _dump(item) or b"")
+
 
 def _drop(node: Any, path: list[str]) -> None:
     """Remove the field at a dotted path; ``*`` matches every key or index."""
     head, rest = path[0], path[1:]
-    if isinstance(node, dict):
-        children = list(node) if head == "*" else [head] if head in node else []
-    elif isinstance(node, list):
-        if head == "*":
-            children = list(range(len(node)))
-        elif head.isdigit() and int(head) < len(node):
-            children = [int(head)]
-        else:
-            children = []
-    else:
+    if not isinstance(node, (dict, list)):
         return
+    children = _children(node, head)
     if not rest:
         if isinstance(node, dict):
             for child in children:

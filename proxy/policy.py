@@ -55,6 +55,15 @@ def ignored_fields(upstream: UpstreamSettings, method: str, path: str) -> tuple[
     return fields
 
 
+def unordered_fields(upstream: UpstreamSettings, method: str, path: str) -> tuple[str, ...]:
+    """The arrays whose order the fingerprint ignores (``ignore_order``) for this request."""
+    fields: tuple[str, ...] = ()
+    for entry in upstream.ignore_order:
+        if _matches(entry.match, method, path):
+            fields += entry.fields
+    return fields
+
+
 def verdict(status: int) -> Verdict:
     """Which outcomes are recorded: 2xx and 4xx, except those that mean nothing happened."""
     if status >= 500:

@@ -210,6 +210,52 @@ async def test_configured_ignored_fields_replay(make_proxy, store_url, provider,
     assert provider.calls["chat"] == 2
 
 
+def test_unordered_arrays_are_sets_and_nothing_else_is():
+    """``ignore_order``: the named arrays compare as sets of members; every other array, and
+    the members themselves, keep their order."""
+    def fp(value: dict, unordered=("include", "tools.*.tags")) -> str:
+        return fingerprint("POST", "openai", "/v1/responses", json.dumps(value).encode(), "application/json",
+                           unordered=unordered)
+
+    base = {"include": ["reasoning.encrypted_content", "message.output_text.logprobs", {"b": 1, "a": [2, 1]}],
+            "tools": [{"name": "t", "tags": ["x", "y"]}], "input": ["first", "second"]}
+    reordered = {**base, "include": [base["include"][2], base["include"][0], base["include"][1]],
+                 "tools": [{"tags": ["y", "x"], "name": "t"}]}
+    assert fp(base) == fp(reordered)
+    assert fp(base, unordered=()) != fp(reordered, unordered=())          # off unless configured
+    assert fp(base) != fp({**base, "input": ["second", "first"]})         # other arrays keep order
+    assert fp(base) != fp({**base, "include": base["include"][:2]})       # a member less
+    assert fp(base) != fp({**base, "include": base["include"] + [base["include"][0]]})  # a member twice
+    assert fp(base) != fp({**base, "include": [*base["include"][:2], {"a": [1, 2], "b": 1}]})  # members' own order
+    assert fp({"include": "one"}) == fp({"include": "one"})              # not an array: left as it is
+    assert canonical_json(b'{"include":["b","a"]}', unordered=["include"]) == b'{"include":["a","b"]}'
+    assert canonical_json(b'{"include":["b","a"]}', ignore=["include"], unordered=["include"]) == b"{}"
+
+
+async def test_configured_ignore_order_replays_a_reordered_set(make_proxy, store_url, provider, http):
+    proxy = await make_proxy(store_url, upstreams__openai={"ignore_order": [
+        {"match": "POST /v1/responses", "fields": ["include"]}]})
+    url = proxy.url + "/openai/v1/responses"
+
+    def body(include: list[str]) -> dict:
+        return {"model": "m", "input": "hi", "include": include}
+
+    async with http.post(url, json=body(["a.b", "c.d"]), headers={"Idem-Run": "io"}) as r:
+        assert r.headers["Idempotent-Replayed"] == "false"
+        first = await r.read()
+    async with http.post(url, json=body(["c.d", "a.b"]), headers={"Idem-Run": "io", "Idem-Epoch": "1"}) as r:
+        assert r.headers["Idempotent-Replayed"] == "true"
+        assert await r.read() == first
+    async with http.post(url, json=body(["c.d"]), headers={"Idem-Run": "io", "Idem-Epoch": "1"}) as r:
+        assert r.headers["Idempotent-Replayed"] == "false"
+    # the rule is per path: chat completions' arrays keep their order
+    chat = proxy.url + "/openai" + CHAT_PATH
+    for epoch, include in enumerate((["a.b", "c.d"], ["c.d", "a.b"])):
+        async with http.post(chat, json=body(include), headers={"Idem-Run": "io2", "Idem-Epoch": str(epoch)}) as r:
+            assert r.headers["Idempotent-Replayed"] == "false"
+    assert provider.calls["responses"] == 2 and provider.calls["chat"] == 2
+
+
 async def test_odd_json_through_the_proxy_is_recorded_and_never_replayed_for_another(make_proxy, store_url,
                                                                                     provider, http):
     proxy = await make_proxy(store_url)

@@ -12,13 +12,13 @@ from .loading import load_settings, parse_duration, unknown_variables
 from .masking import Secret, mask_url
 from .settings import (ANONYMOUS_CHOICES, ENV_PREFIX, MAX_STANDBY, MODEL_PROVIDERS, NAMED_SECTIONS,
                        RESERVED_NAMES, RUNS_PER_CREDENTIAL, RUNS_SHARED, SECTIONS, AdminSettings,
-                       ConfigError, HookSettings, IgnoreFields, Policy, Rule, RunSettings, ServerSettings,
-                       Settings, StoreSettings, SupervisorSettings, TenantSettings, UpstreamSettings,
+                       ConfigError, HookSettings, IgnoreFields, IgnoreOrder, Policy, Rule, RunSettings,
+                       ServerSettings, Settings, StoreSettings, SupervisorSettings, TenantSettings, UpstreamSettings,
                        ambiguous_policy, keepalive_timeout, shares_anonymous, upstream_kind)
 
 __all__ = ["ANONYMOUS_CHOICES", "ENV_PREFIX", "MAX_STANDBY", "MODEL_PROVIDERS", "NAMED_SECTIONS",
            "RESERVED_NAMES", "RUNS_PER_CREDENTIAL", "RUNS_SHARED", "SECTIONS", "AdminSettings", "ConfigError",
-           "HookSettings", "IgnoreFields", "Policy", "Rule", "RunSettings", "Secret", "ServerSettings",
+           "HookSettings", "IgnoreFields", "IgnoreOrder", "Policy", "Rule", "RunSettings", "Secret", "ServerSettings",
            "Settings", "StoreSettings", "SupervisorSettings", "TenantSettings", "UpstreamSettings",
            "ambiguous_policy", "keepalive_timeout", "load_settings", "mask_url", "parse_duration", "shares_anonymous",
            "unknown_variables", "upstream_kind"]

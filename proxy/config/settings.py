@@ -58,6 +58,14 @@ class IgnoreFields:
 
 
 @dataclass(frozen=True)
+class IgnoreOrder:
+    """JSON arrays (dotted paths) whose order the fingerprint ignores for requests matching
+    ``match``: sets sent as lists, in an order that may change between processes."""
+    match: str
+    fields: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8787
@@ -137,6 +145,9 @@ class UpstreamSettings:
     idempotency_header: str | None = None
     rules: tuple[Rule, ...] = ()
     ignore_fields: tuple[IgnoreFields, ...] = ()
+    # The OpenAI Agents SDK builds the Responses API's `include` from a Python set: its order
+    # follows PYTHONHASHSEED, so a restarted process's calls would miss the journal.
+    ignore_order: tuple[IgnoreOrder, ...] = ()
     set_headers: Mapping[str, Secret] = field(default_factory=dict)  # e.g. injected credentials
     redact_headers: tuple[str, ...] = ()  # response headers never stored
     anonymous: str = ""  # "refuse" or "shared" (see TenantSettings); [tenants] anonymous when empty
