@@ -3,12 +3,13 @@
 ``command`` hooks start an argv detached: its own session (a supervisor that stops or
 dies takes no agent with it), stdin from /dev/null, stdout and stderr appended to one log
 file per attempt, and the exit code and signal written into the run's history when it
-ends. The command is taken for the agent itself (``watch_exit``): when it ends while its
-attempt is still current and neither completed nor failed, the attempt is marked lost and
-the supervisor restarts the run at once, without waiting for ``timeout_s``. Its
-environment is described at :func:`hook_environment`. With ``standby = N`` the supervisor
-keeps N processes of the argv started ahead (supervisor/standby.py); a fired hook hands
-one of them the facts of the call instead of spawning, and watches it the same way.
+ends, with the last lines of that log (proxy/runs/endings.py). The command is taken for
+the agent itself (``watch_exit``): when it ends while its attempt is still current and
+neither completed nor failed, the attempt is marked lost and the supervisor restarts the
+run at once, without waiting for ``timeout_s``. Its environment is described at
+:func:`hook_environment`. With ``standby = N`` the supervisor keeps N processes of the argv
+started ahead (supervisor/standby.py); a fired hook hands one of them the facts of the call
+instead of spawning, and watches it the same way.
 ``http`` hooks POST the same facts as JSON, signed with HMAC-SHA256 over the raw body in
 ``Idem-Signature: sha256=<hex>``, retried with exponential backoff.
 
@@ -35,6 +36,7 @@ import aiohttp
 import orjson
 
 from ..proxy.config import ENV_PREFIX, HookSettings, Settings
+from ..proxy.runs.endings import log_tail
 from ..proxy.store import Store, StoreUnavailable
 from ..proxy.identity import TenantResolver, tenant_secret
 from ..proxy.store.base import Run
@@ -214,7 +216,7 @@ class Hooks:
                  call.epoch, pid, log_path)
         await self._record(call, {"event": "hook-started", "hook": hook.name, "epoch": call.epoch,
                                   "pid": pid, "log": str(log_path)})
-        _background(self._watchers, self._watch(hook, call, pid))
+        _background(self._watchers, self._watch(hook, call, pid, log_path))
         return None
 
     async def _hand_to_standby(self, hook: HookSettings, call: HookCall, log_path: Path) -> bool:
@@ -229,7 +231,8 @@ class Hooks:
             await self._record(call, {"event": "hook-started", "hook": hook.name, "epoch": call.epoch,
                                       "pid": standby.pid, "log": str(logged), "standby": True,
                                       "started_ahead_s": round(time.time() - standby.started_at, 3)})
-            _background(self._watchers, self._watch(hook, call, standby.pid, asyncio.shield(standby.ended)))
+            _background(self._watchers, self._watch(hook, call, standby.pid, Path(logged),
+                                                    asyncio.shield(standby.ended)))
             return True
         return False
 
@@ -240,12 +243,14 @@ class Hooks:
             name += f".{call.event}"
         return Path(hook.log_dir) / f"{name}.log"
 
-    async def _watch(self, hook: HookSettings, call: HookCall, pid: int,
+    async def _watch(self, hook: HookSettings, call: HookCall, pid: int, log_path: Path,
                      ended: asyncio.Future | None = None) -> None:
-        """Wait for the agent's exit (a standby's is heard by its pool: ``ended``)."""
+        """Wait for the agent's exit (a standby's is heard by its pool: ``ended``); its exit
+        goes into the history with the last lines of its log (how its attempt ended)."""
         facts = exit_facts(await (exited(pid) if ended is None else ended))
         log.info("hook %s for run %s epoch %d %s", hook.name, call.run_id, call.epoch, describe(facts))
-        event = {"event": "hook-exit", "hook": hook.name, "epoch": call.epoch, "pid": pid, **facts}
+        event = {"event": "hook-exit", "hook": hook.name, "epoch": call.epoch, "pid": pid, **facts,
+                 "log": str(log_path), "log_tail": await asyncio.to_thread(log_tail, log_path)}
         if hook.watch_exit and call.event == "restart" and await self._lose(call, event):
             return
         await self._record(call, event)

@@ -20,6 +20,10 @@ the store rings every supervisor, which then ticks at once), and for each:
   run's ``restart_times``, which the store keeps to the window, not from its history,
   which hook and backoff events would push them out of.
 
+Each restart and each burial records how the attempt before ended (``ended`` in the run's
+history: its process's exit, its held connection's drop, or its silence, with the last
+lines of its log; proxy/runs/endings.py), in the same store change.
+
 Signal handlers only set an event; a tick in progress always finishes, so a claimed
 restart is never left without its hook.
 """
@@ -33,6 +37,7 @@ import time
 
 from ..proxy.config import Settings
 from ..proxy.metrics import Metrics
+from ..proxy.runs.endings import supervisor_ending, with_log_tail
 from ..proxy.runs.service import RESTART, RunsService
 from ..proxy.store import StoreUnavailable
 from ..proxy.store.base import Run, RunState
@@ -110,7 +115,8 @@ class Supervisor:
             return "backoff"
         if not self._may_restart(now):
             return DEFERRED  # left silent: a later tick with room restarts it; nothing is counted
-        new = await self.runs.restart(run, reason=RESTART, expected_epoch=run.epoch, now=now, window_s=window)
+        new = await self.runs.restart(run, reason=RESTART, expected_epoch=run.epoch, now=now, window_s=window,
+                                      ended=await with_log_tail(run, supervisor_ending(run, now)))
         if new is None:
             return None  # another supervisor restarted it, or it ended meanwhile
         self._restarted.append(now)
@@ -134,7 +140,9 @@ class Supervisor:
 
     async def _bury(self, run: Run, now: float, why: str) -> str | None:
         # Fenced by the epoch found silent: an attempt started meanwhile is not buried.
-        ended = await self.store.runs.end(run.namespace, run.run_id, RunState.DEAD, now, epoch=run.epoch)
+        ending = await with_log_tail(run, {**supervisor_ending(run, now), "dead": why})
+        ended = await self.store.runs.end(run.namespace, run.run_id, RunState.DEAD, now, epoch=run.epoch,
+                                          ended=ending)
         # end is idempotent: the run carries our ``now`` only if this call ended it,
         # so among several supervisors exactly one fires on_dead.
         if ended is None or ended.state != RunState.DEAD or ended.ended_at != now:

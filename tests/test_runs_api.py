@@ -179,13 +179,15 @@ async def test_agents_see_no_history_operators_do(make_proxy, store_url, http):
                await _call(http, "GET", f"{proxy.url}/runs/private")]
     for status, run in answers:
         assert status in (200, 201) and run["run_id"] == "private"
-        assert "history" not in run  # hook errors, pids and log paths are for operators
+        assert "history" not in run and "attempts" not in run  # hook errors, pids, logs are for operators
     answers.append(await _call(http, "POST", f"{proxy.url}/runs/private/complete"))
-    assert "history" not in answers[-1][1]
+    assert "history" not in answers[-1][1] and "attempts" not in answers[-1][1]
     status, shown = await _call(http, "GET", f"{proxy.url}/admin/runs/private", headers=ADMIN)
-    assert status == 200 and [e["event"] for e in shown["history"]] == ["attempt", "completed"]
+    events = ["ended", "attempt", "ended", "completed"]  # each attempt's end, then what followed it
+    assert status == 200 and [e["event"] for e in shown["history"]] == events
+    assert [(a["epoch"], a["ended"]["how"]) for a in shown["attempts"]] == [(0, "superseded"), (1, "completed")]
     _, listed = await _call(http, "GET", f"{proxy.url}/admin/runs", headers=ADMIN)
-    assert [e["event"] for e in listed["runs"][0]["history"]] == ["attempt", "completed"]
+    assert [e["event"] for e in listed["runs"][0]["history"]] == events
 
 
 def _gauge(text: str) -> dict[str, float]:

@@ -753,6 +753,29 @@ async def test_end_run_once(store):
     assert await store.runs.new_attempt(NS, "run-1", None, 700.0, "restart", True) is None
 
 
+async def test_how_an_attempt_ended_is_kept_with_what_ended_it(store):
+    """``ended`` is remembered in the same change as the new attempt or the end, for the
+    attempt it ended (proxy/runs/endings.py); a caller that loses the compare-and-set, or
+    ends an ended run, adds nothing."""
+    await store.runs.upsert(new_run("run-1"))
+    at = 1796416590.0816596  # all its digits come back, from every store
+    tail = "Traceback (most recent call last):\n  \"quoted\" \\ \u00e9\nKeyError: 'amount'"
+    crash = {"how": "exited", "detail": "exited with code 1", "code": 1, "signal": None, "log": "a.log",
+             "log_tail": tail}
+    run = await store.runs.new_attempt(NS, "run-1", 0, at, "restart", True, window_s=60, ended=crash)
+    assert run.history == [{"at": at, "epoch": 0, "event": "ended", **crash},
+                           {"at": at, "epoch": 1, "event": "restart"}]
+    assert await store.runs.new_attempt(NS, "run-1", 0, at + 1, "restart", True, ended={"how": "silent"}) is None
+    done = {"how": "completed", "detail": "completed by the agent", "by": "agent"}
+    ended = await store.runs.end(NS, "run-1", RunState.COMPLETED, at + 2, ended=done)
+    assert ended.history[-2:] == [{"at": at + 2, "epoch": 1, "event": "ended", **done},
+                                  {"at": at + 2, "epoch": 1, "event": RunState.COMPLETED}]
+    await store.runs.end(NS, "run-1", RunState.FAILED, at + 3, ended={"how": "failed"})
+    [run] = await store.runs.find(NS, "run-1")
+    assert [e["event"] for e in run.history] == ["ended", "restart", "ended", RunState.COMPLETED]
+    assert run.history[0]["log_tail"] == tail and run.history[0]["at"] == at
+
+
 async def test_new_attempt_is_a_compare_and_set(store):
     await store.runs.upsert(new_run("run-1"))
     first = await store.runs.new_attempt(NS, "run-1", 0, 100.0, "silent for 60s", True)

@@ -7,7 +7,9 @@ stopped. Built from what the store keeps, at view time:
   counted in the background within a second of the replay, so its time is that close);
 - a *quarantined* step is an entry whose outcome is unknown, *in flight* one still claimed;
 - an attempt starts with its history event (restart, admin-restart, attempt, revive) and
-  ends where the next one starts, or with the run (completed, failed, dead).
+  ends where the next one starts, or with the run (completed, failed, dead); how it ended
+  (its process's exit code or signal, its held connection's drop, its silence, an operator,
+  the agent) is its ``ended`` event, with the last lines of its log (proxy/runs/endings.py).
 
 Steps are in journal order (the order the calls were first made): a resumed agent asks
 again in that order, so an attempt's replayed prefix comes first and its live steps follow.
@@ -20,10 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..runs.endings import How, endings
 from ..store.base import ENDED, Entry, EntryState, Run, RunState
 from .ledger import NOTHING, Spend
 
-STARTS = {"restart": "restarted by the supervisor (silent)", "admin-restart": "restarted by an operator",
+STARTS = {"restart": "restarted by the supervisor", "admin-restart": "restarted by an operator",
           "attempt": "new attempt started by the agent", "revive": "revived by an operator"}
 OUTCOMES = {EntryState.COMPLETE: "live", EntryState.UNKNOWN: "quarantined",
             EntryState.IN_FLIGHT: "in flight", EntryState.UNRECORDABLE: "live, not kept"}
@@ -48,6 +51,7 @@ class Attempt:
     events: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (index in history, event)
     ended: str | None = None  # how it ended; None while it is the run's live attempt
     cut_short: bool = False  # it stopped before the run's work was done: its last step is where
+    ending: dict[str, Any] | None = None  # its ``ended`` event (proxy/runs/endings.py), where recorded
 
     def count(self, outcome: str) -> int:
         return sum(1 for s in self.steps if s.outcome == outcome)
@@ -100,3 +104,14 @@ def _ends(run: Run, ordered: list[Attempt]) -> None:
     if run.state in ENDED and numbered:
         numbered[-1].ended = f"the run {run.state}"
         numbered[-1].cut_short = run.state == RunState.DEAD
+    recorded = endings(run.history)
+    for attempt, following in zip(numbered, numbered[1:] + [None]):
+        ending = attempt.ending = recorded.get(attempt.epoch)
+        if ending is None:
+            continue
+        attempt.ended = ending.get("detail") or ending.get("how")
+        if ending.get("dead"):
+            attempt.ended += f"; the run is dead: {ending['dead']}"
+        attempt.cut_short = ending.get("how") not in (How.COMPLETED, How.FAILED)
+        if following is not None and following.how == STARTS["restart"]:  # why the supervisor did
+            following.how += f": epoch {attempt.epoch} {attempt.ended}"

@@ -132,7 +132,8 @@ async def revive(request: web.Request) -> web.Response:
 async def complete(request: web.Request) -> web.Response:
     service = request.config_dict[RUNS]
     run = await service.find(run_id(request), request.query.get("namespace"))
-    return answer(request, await service.end(run.namespace, run.run_id, RunState.COMPLETED), history=True)
+    return answer(request, await service.end(run.namespace, run.run_id, RunState.COMPLETED, by="operator"),
+                  history=True)
 
 
 async def delete_journal(request: web.Request) -> web.Response:

@@ -21,6 +21,7 @@ from ..problems import Problem
 from ..ratelimit import Window, too_many
 from ..store import Store
 from ..store.base import ENDED, Entry, EntryState, Recorded, Run, RunState, Scope
+from .endings import end_ending, operator_ending, superseded_ending, with_log_tail
 
 log = logging.getLogger("idemproxy.supervisor")
 
@@ -88,9 +89,13 @@ class RunsService:
         _not_superseded(run, epoch)
         return run
 
-    async def end(self, namespace: str, run_id: str, state: RunState, epoch: int | None = None) -> Run:
-        """End the run as ``state``, atomically fenced by ``epoch``; idempotent."""
-        ended = await self.store.runs.end(namespace, run_id, state, time.time(), epoch)
+    async def end(self, namespace: str, run_id: str, state: RunState, epoch: int | None = None, *,
+                  by: str | None = None) -> Run:
+        """End the run as ``state``, atomically fenced by ``epoch``; idempotent. ``by``: who,
+        when not the agent (its attempt's ending says so)."""
+        runs = await self.store.runs.find(namespace, run_id)
+        ending = await with_log_tail(runs[0], end_ending(state, by)) if runs else None
+        ended = await self.store.runs.end(namespace, run_id, state, time.time(), epoch, ending)
         if ended is None:
             raise _no_such_run(run_id)
         _not_superseded(ended, epoch)
@@ -104,7 +109,8 @@ class RunsService:
         if not runs:
             await self._admit_new_run(namespace, client)
             return await self.store.runs.upsert(self.new_run(namespace, run_id, time.time()))
-        run = await self.store.runs.new_attempt(namespace, run_id, None, time.time(), "attempt", restart=False)
+        run = await self.store.runs.new_attempt(namespace, run_id, None, time.time(), "attempt", restart=False,
+                                                ended=superseded_ending())
         if run is None:
             raise Problem("run-ended", f"run {run_id} has ended ({runs[0].state}); start a new run",
                           state=runs[0].state)
@@ -179,16 +185,18 @@ class RunsService:
         return runs[0]
 
     async def restart(self, run: Run, *, reason: str = ADMIN_RESTART, expected_epoch: int | None = None,
-                      now: float | None = None, window_s: float | None = None) -> Run | None:
+                      now: float | None = None, window_s: float | None = None,
+                      ended: dict | None = None) -> Run | None:
         """Start a new attempt of ``run`` and fire its hook; None if the claim was lost.
 
         ``expected_epoch`` makes the claim a compare-and-set (the supervisor's case); None
         restarts whatever the current epoch is (an operator's restart). ``window_s`` counts
         the restart towards ``max_restarts`` (the supervisor's restarts do; an operator's do not).
+        ``ended``: how the attempt before ended (proxy/runs/endings.py), kept with the restart.
         """
         now = time.time() if now is None else now
         new = await self.store.runs.new_attempt(run.namespace, run.run_id, expected_epoch, now, reason,
-                                                restart=True, window_s=window_s)
+                                                restart=True, window_s=window_s, ended=ended)
         if new is None:
             return None
         log.info("run %s/%s restarted (%s): epoch %d, restart %d", new.namespace, new.run_id, reason,
@@ -196,14 +204,15 @@ class RunsService:
         await self.launcher.fire(new.hook, RESTART, new)
         return new
 
-    async def restart_now(self, run_id: str, namespace: str | None = None) -> Run:
-        """An operator's restart: a new attempt at once, its hook fired. A dead run is revived."""
+    async def restart_now(self, run_id: str, namespace: str | None = None, *, by: str | None = None) -> Run:
+        """An operator's restart: a new attempt at once, its hook fired. A dead run is revived.
+        ``by``: the operator, as the attempt's ending names them."""
         run = await self.find(run_id, namespace)
         if run.state == RunState.DEAD:
             return await self._revive(run)
         if run.state in ENDED:
             raise Problem("run-ended", f"run {run.run_id} has ended ({run.state})", state=run.state)
-        new = await self.restart(run)
+        new = await self.restart(run, ended=await with_log_tail(run, operator_ending(by)))
         if new is None:
             raise Problem("run-ended", f"run {run.run_id} ended meanwhile")
         return new

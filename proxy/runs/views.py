@@ -6,11 +6,13 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..store.base import Entry, Run, Scope
+from .endings import endings
 
 
-def run_json(run: Run, proxy_url: str, *, history: bool = False,
+def run_json(run: Run, proxy_url: str, *, history: bool = False, tails: bool = True,
              token: str | None = None) -> dict[str, Any]:
-    """A run. ``history`` (hook errors, pids, log paths) is for operators only.
+    """A run. ``history`` (hook errors, pids, log paths, how each attempt ended) is for
+    operators only; without ``tails``, the last lines of attempts' logs are left out.
     ``token``, the run's capability, is for the run's own agents only: its ``base_url`` binds
     the attempt's traffic to the run whatever credential each call carries."""
     body = {"run_id": run.run_id, "namespace": run.namespace, "state": run.state, "epoch": run.epoch,
@@ -23,8 +25,23 @@ def run_json(run: Run, proxy_url: str, *, history: bool = False,
         body["token"] = token
         body["base_url"] += f"/cap/{token}"
     if history:
-        body["history"] = run.history
+        body["history"] = run.history if tails else [_without_tail(e) for e in run.history]
+        body["attempts"] = attempts_json(run, tails)
     return body
+
+
+def attempts_json(run: Run, tails: bool = True) -> list[dict[str, Any]]:
+    """Each attempt that ended, and the current one, oldest first: ``{"epoch": e, "ended":
+    {"at", "how", "detail", ...} or None}`` (proxy/runs/endings.py)."""
+    ended = endings(run.history)
+    return [{"epoch": epoch, "ended": None if epoch not in ended else
+             {k: v for k, v in (ended[epoch] if tails else _without_tail(ended[epoch])).items()
+              if k not in ("epoch", "event")}}
+            for epoch in sorted(ended.keys() | {run.epoch})]
+
+
+def _without_tail(event: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in event.items() if k != "log_tail"} if "log_tail" in event else event
 
 
 def step_json(entry: Entry) -> dict[str, Any]:
@@ -52,9 +69,10 @@ def entry_json(entry: Entry) -> dict[str, Any]:
 
 
 def listing_json(runs: list[Run], steps: dict[tuple[str, str], int], proxy_url: str) -> dict[str, Any]:
-    """``GET /admin/runs``: each run with its number of journal entries as ``steps``."""
-    return {"runs": [{**run_json(r, proxy_url, history=True), "steps": steps.get((r.namespace, r.run_id), 0)}
-                     for r in runs]}
+    """``GET /admin/runs``: each run with its number of journal entries as ``steps`` (the last
+    lines of its attempts' logs only in the run's own view)."""
+    return {"runs": [{**run_json(r, proxy_url, history=True, tails=False),
+                      "steps": steps.get((r.namespace, r.run_id), 0)} for r in runs]}
 
 
 def iso_times(body: Any) -> Any:

@@ -217,6 +217,11 @@ def check_settable(fields: dict[str, Any]) -> None:
         raise ValueError(f"cannot set {set(fields) - SETTABLE_RUN_FIELDS}")
 
 
+def ending_event(now: float, epoch: int, ended: dict[str, Any]) -> dict[str, Any]:
+    """The history event of how attempt ``epoch`` ended (``ended``: proxy/runs/endings.py)."""
+    return {"at": now, "epoch": epoch, "event": "ended", **ended}
+
+
 def remembered(history: list[dict[str, Any]], event: dict[str, Any]) -> list[dict[str, Any]]:
     """``history`` with ``event`` added, keeping the last HISTORY_LIMIT events."""
     return (history + [event])[-HISTORY_LIMIT:]
@@ -229,13 +234,17 @@ def counted(tenant: str, fingerprint: str) -> str:
     return f"{tenant} {fingerprint}"
 
 
-def advance_attempt(run: Run, now: float, reason: str, restart: bool, window_s: float | None) -> None:
+def advance_attempt(run: Run, now: float, reason: str, restart: bool, window_s: float | None,
+                    ended: dict[str, Any] | None = None) -> None:
     """Move ``run`` to its next attempt, in memory: the one rule every backend stores.
 
     The epoch goes up by one (fencing the attempt before), the start and the last sign
     of life are now, and a restart counts towards ``max_restarts`` when ``window_s`` is
-    given (the supervisor's restarts), remembering only those within the window.
+    given (the supervisor's restarts), remembering only those within the window. With
+    ``ended``, how the attempt before ended is remembered first (:func:`ending_event`).
     """
+    if ended is not None:
+        run.history = remembered(run.history, ending_event(now, run.epoch, ended))
     run.epoch += 1
     run.restarts += int(restart)
     run.state = RunState.RESTARTING if restart else RunState.RUNNING
@@ -416,13 +425,16 @@ class RunRegistry(Protocol):
         """One beat from outside the proxy, as ``touch`` does, unless the run is past ``epoch``
         (a superseded attempt: nothing changes). The run afterwards; None if there is none."""
     async def end(self, namespace: str, run_id: str, state: str, now: float,
-                  epoch: int | None = None) -> Run | None:
+                  epoch: int | None = None, ended: dict[str, Any] | None = None) -> Run | None:
         """End the run as ``state``, unless it has ended already or is past ``epoch`` (then
-        nothing changes). The run afterwards; None if there is none."""
+        nothing changes). The run afterwards; None if there is none. ``ended``: how its
+        attempt ended, remembered as its ``ended`` event (proxy/runs/endings.py)."""
     async def new_attempt(self, namespace: str, run_id: str, expected_epoch: int | None, now: float,
-                          reason: str, restart: bool, window_s: float | None = None) -> Run | None:
+                          reason: str, restart: bool, window_s: float | None = None,
+                          ended: dict[str, Any] | None = None) -> Run | None:
         """Compare-and-set the epoch to epoch+1; None when another caller won. With
-        ``window_s``, ``now`` joins ``restart_times``, which keeps the last ``window_s`` seconds."""
+        ``window_s``, ``now`` joins ``restart_times``, which keeps the last ``window_s`` seconds.
+        ``ended``: how the attempt before ended, remembered as its ``ended`` event."""
     async def silent(self, now: float) -> list[Run]:
         """Running runs past timeout and grace, or whose attempt is lost and which have a hook
         to start them again (without one, something else restarts them: silence decides);

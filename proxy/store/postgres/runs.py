@@ -11,7 +11,7 @@ from typing import Any
 import asyncpg
 
 from ..base import (ENDED, HISTORY_LIMIT, RUN_STATES, Run, RunState, advance_attempt, check_settable,
-                    remembered, revive_attempt)
+                    ending_event, remembered, revive_attempt)
 from . import sql
 from .connection import PostgresConnection
 
@@ -75,11 +75,13 @@ class PostgresRuns:
         return None if row is None else _run(row)
 
     async def end(self, namespace: str, run_id: str, state: str, now: float,
-                  epoch: int | None = None) -> Run | None:
+                  epoch: int | None = None, ended: dict[str, Any] | None = None) -> Run | None:
         async def op(c: asyncpg.Connection) -> Run | None:
             run = await self._locked_run(c, namespace, run_id)
             if run is None or run.state in ENDED or (epoch is not None and run.epoch > epoch):
                 return run
+            if ended is not None:
+                run.history = remembered(run.history, ending_event(now, run.epoch, ended))
             run.history = remembered(run.history, {"at": now, "epoch": run.epoch, "event": state})
             run.state, run.ended_at = state, now
             await c.execute(sql.END_RUN, state, now, run.history, namespace, run_id)
@@ -87,12 +89,13 @@ class PostgresRuns:
         return await self._db.tx("end_run", op)
 
     async def new_attempt(self, namespace: str, run_id: str, expected_epoch: int | None, now: float,
-                          reason: str, restart: bool, window_s: float | None = None) -> Run | None:
+                          reason: str, restart: bool, window_s: float | None = None,
+                          ended: dict[str, Any] | None = None) -> Run | None:
         async def op(c: asyncpg.Connection) -> Run | None:
             run = await self._locked_run(c, namespace, run_id)  # concurrent callers queue on the row lock
             if run is None or run.state in ENDED or expected_epoch not in (None, run.epoch):
                 return None
-            advance_attempt(run, now, reason, restart, window_s)
+            advance_attempt(run, now, reason, restart, window_s, ended)
             await c.execute(sql.NEW_ATTEMPT, run.epoch, run.restarts, run.state, now, run.history,
                             run.restart_times, namespace, run_id)
             return run

@@ -35,6 +35,15 @@ def _run(raw: dict | list, history: list[bytes], restart_times: list[bytes]) -> 
                int(f.get("attachments") or 0))
 
 
+def _ending(ended: dict[str, Any] | None) -> bytes:
+    """How an attempt ended, for a script to remember (base.ending_event), which writes its
+    time and epoch in front of these fields: '' for none."""
+    if not ended:
+        return b""
+    fields = orjson.dumps({k: v for k, v in ended.items() if k not in ("at", "epoch", "event")})
+    return fields[1:-1]  # the object's members, without its braces
+
+
 def _new_run_fields(run: Run) -> dict[str, str | None]:
     fields = {"tenant": run.namespace, "run_id": run.run_id, "state": run.state, "epoch": run.epoch,
               "restarts": run.restarts, "last_seen": run.last_seen, "started_at": run.started_at,
@@ -129,16 +138,18 @@ class RedisRuns:
         return _run(*reply) if reply else None
 
     async def end(self, namespace: str, run_id: str, state: str, now: float,
-                  epoch: int | None = None) -> Run | None:
+                  epoch: int | None = None, ended: dict[str, Any] | None = None) -> Run | None:
         reply = await self._script("end_run", run_ref(namespace, run_id), state, field(now),
-                                   "" if epoch is None else epoch)
+                                   "" if epoch is None else epoch, _ending(ended))
         return _run(*reply) if reply else None
 
     async def new_attempt(self, namespace: str, run_id: str, expected_epoch: int | None, now: float,
-                          reason: str, restart: bool, window_s: float | None = None) -> Run | None:
+                          reason: str, restart: bool, window_s: float | None = None,
+                          ended: dict[str, Any] | None = None) -> Run | None:
         reply = await self._script("new_attempt", run_ref(namespace, run_id),
                                    "" if expected_epoch is None else expected_epoch, field(now), reason,
-                                   int(restart), "" if window_s is None else field(float(window_s)))
+                                   int(restart), "" if window_s is None else field(float(window_s)),
+                                   _ending(ended))
         return _run(*reply) if reply else None
 
     async def revive(self, namespace: str, run_id: str, now: float) -> Run | None:

@@ -259,6 +259,11 @@ end
 local function event(at, epoch, name)
   return '{"at":' .. at .. ',"epoch":' .. epoch .. ',"event":' .. cjson.encode(name) .. '}'
 end
+local function ending(p, rk, at, epoch, members)  -- base.ending_event: members are JSON's, braces off
+  if members ~= '' then
+    remember(p, rk, '{"at":' .. at .. ',"epoch":' .. epoch .. ',"event":"ended",' .. members .. '}')
+  end
+end
 local function reindex(p, rk)  -- after every change: listing by state, silent-run deadline, purge
   local r = redis.call('HMGET', p .. 'run:' .. rk, 'state', 'created_at', 'last_seen', 'timeout_s', 'run_id',
                        'ended_at', 'lost_epoch', 'epoch')
@@ -344,11 +349,13 @@ return reply(p, rk)
 """
 
 END_RUN = RUN_HELPERS + """
--- ARGV[3]: state, ARGV[4]: now, ARGV[5]: epoch ('' = unfenced; a superseded attempt changes nothing)
+-- ARGV[3]: state, ARGV[4]: now, ARGV[5]: epoch ('' = unfenced; a superseded attempt changes nothing),
+-- ARGV[6]: how the attempt ended ('' = not said; redis/runs.py _ending)
 local r = redis.call('HMGET', run, 'state', 'epoch')
 if not r[1] then return false end
 if not ENDED[r[1]] and (ARGV[5] == '' or tonumber(r[2]) <= tonumber(ARGV[5])) then
   redis.call('HSET', run, 'state', ARGV[3], 'ended_at', ARGV[4])
+  ending(p, rk, ARGV[4], r[2], ARGV[6])
   remember(p, rk, event(ARGV[4], r[2], ARGV[3]))
   reindex(p, rk)
 end
@@ -357,10 +364,12 @@ return reply(p, rk)
 
 NEW_ATTEMPT = RUN_HELPERS + """
 -- ARGV[3]: expected epoch ('' = any), ARGV[4]: now, ARGV[5]: reason, ARGV[6]: 1 = a restart,
--- ARGV[7]: window ('' = the restart does not count towards max_restarts)
+-- ARGV[7]: window ('' = the restart does not count towards max_restarts), ARGV[8]: how the attempt
+-- before ended ('' = not said; redis/runs.py _ending)
 local r = redis.call('HMGET', run, 'state', 'epoch', 'restarts')
 if not r[1] or ENDED[r[1]] then return false end
 if ARGV[3] ~= '' and tonumber(r[2]) ~= tonumber(ARGV[3]) then return false end  -- another caller won
+ending(p, rk, ARGV[4], r[2], ARGV[8])
 local epoch = tonumber(r[2]) + 1
 redis.call('HSET', run, 'epoch', epoch, 'restarts', tonumber(r[3]) + tonumber(ARGV[6]),
            'state', ARGV[6] == '1' and 'restarting' or 'running', 'started_at', ARGV[4], 'last_seen', ARGV[4])

@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 
 from ..base import (ENDED, HISTORY_LIMIT, RUN_STATES, Run, RunState, advance_attempt, check_settable,
-                    remembered, revive_attempt)
+                    ending_event, remembered, revive_attempt)
 from .connection import SQLiteConnection
 
 RUN_COLUMNS = ("tenant, run_id, state, epoch, restarts, last_seen, started_at, timeout_s, grace_s, "
@@ -114,13 +114,15 @@ class SQLiteRuns:
         return await self._db.write(op)
 
     async def end(self, namespace: str, run_id: str, state: str, now: float,
-                  epoch: int | None = None) -> Run | None:
+                  epoch: int | None = None, ended: dict[str, Any] | None = None) -> Run | None:
         def op(c):
             run = _run_in(c, namespace, run_id)
             if run is None:
                 return None
             if run.state in ENDED or (epoch is not None and run.epoch > epoch):
                 return run
+            if ended is not None:
+                run.history = remembered(run.history, ending_event(now, run.epoch, ended))
             run.history = remembered(run.history, {"at": now, "epoch": run.epoch, "event": state})
             c.execute("UPDATE runs SET state = ?, ended_at = ?, history = ? WHERE tenant = ? AND run_id = ?",
                       (state, now, orjson.dumps(run.history), namespace, run_id))
@@ -129,14 +131,15 @@ class SQLiteRuns:
         return await self._db.write(op)
 
     async def new_attempt(self, namespace: str, run_id: str, expected_epoch: int | None, now: float,
-                          reason: str, restart: bool, window_s: float | None = None) -> Run | None:
+                          reason: str, restart: bool, window_s: float | None = None,
+                          ended: dict[str, Any] | None = None) -> Run | None:
         def op(c):
             run = _run_in(c, namespace, run_id)
             if run is None:
                 return None
             if run.state in ENDED or (expected_epoch is not None and run.epoch != expected_epoch):
                 return None
-            advance_attempt(run, now, reason, restart, window_s)
+            advance_attempt(run, now, reason, restart, window_s, ended)
             c.execute("UPDATE runs SET epoch = ?, restarts = ?, state = ?, started_at = ?, last_seen = ?, "
                       "history = ?, restart_times = ? WHERE tenant = ? AND run_id = ? AND epoch = ?",
                       (run.epoch, run.restarts, run.state, now, now, orjson.dumps(run.history),
