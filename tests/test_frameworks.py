@@ -233,3 +233,29 @@ async def test_openai_agents_sdk_websocket_transport_is_refused_clearly(make_pro
     problem = json.loads(answer.body)
     assert problem["type"].endswith("/websocket-refused") and "HTTP transport" in problem["detail"]
     assert provider.calls["responses"] == 0 and not provider.seen
+
+
+# -- Microsoft Agent Framework ------------------------------------------------------------------
+
+@pytest.mark.parametrize("journaled", [True, False], ids=["journaled", "tools-unjournaled"])
+async def test_agent_framework_checkpoint_resume_sends_once(journaled, provider, tmp_path):
+    """The restarted process resumes the workflow from its latest file checkpoint, taken before
+    the ``fulfil`` step: the framework runs that step's whole agent turn again
+    (microsoft/agent-framework#3938). Journaled, its model calls and tool calls are answered
+    from the journal; the control, tools unjournaled, emails and charges twice."""
+    sets = {} if journaled else {"upstreams.tools.rules": '[{ match = "POST *", policy = "passthrough" }]'}
+    outcome, proxy_log = await run_recipe(
+        provider, tmp_path, "agent_framework_agent.py", "agent_framework", run_id=f"maf-{journaled}",
+        env={"AGENT_FRAMEWORK_CHECKPOINTS": str(tmp_path / "checkpoints")}, sets=sets)
+    again = check_resumed(outcome, proxy_log)
+    why = outcome.explain(proxy_log)
+    assert "resuming from checkpoint" in again, why
+    served = "replayed" if journaled else "live"
+    assert outcome.served(again) == [("send_email", served), ("charge_card", served),
+                                     ("send_receipt", "live")], why
+    twice = 1 if journaled else 2
+    # Journaled, the repeated turn's two model calls are replayed: 4 in all. Unjournaled, the
+    # email sent again answers with another id, so the second model call is another request
+    # and is paid again too: 5.
+    assert {k: provider.calls[k] for k in ("chat", *SIDE_EFFECTS)} == {
+        "chat": 4 if journaled else 5, **SIDE_EFFECTS, "tool:send_email": twice, "tool:charge_card": twice}, why
