@@ -24,7 +24,8 @@ from . import commands, server
 from .app import create_app
 from .appkeys import METRICS, RUNS, SETTINGS
 from .config import ConfigError, Settings, load_settings, mask_url, unknown_variables
-from .store import SchemaNotCurrent, StoreError
+from .eventloop import run
+from .store import SchemaNotCurrent, StoreError, open_store
 
 log = logging.getLogger("idemproxy")
 
@@ -52,7 +53,16 @@ async def serve_app(settings: Settings, *, supervise: bool, reuse_port: bool = F
 
 
 def serve(settings: Settings, args: argparse.Namespace | None = None) -> int:
+    if settings.server.workers > 1:
+        # Here, once: the schema is made before the workers start, and a store that refuses
+        # the configuration stops the start in one line, not in workers restarted one by one.
+        run(lambda: _migrated(settings))
     return server.serve(settings, serve_app)
+
+
+async def _migrated(settings: Settings) -> None:
+    store = await open_store(settings)
+    await store.aclose()
 
 
 def common_options() -> argparse.ArgumentParser:

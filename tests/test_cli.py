@@ -203,10 +203,10 @@ def test_check_leaves_an_empty_or_older_sqlite_file_as_it_is(tmp_path):
     ("redis://127.0.0.1:6379/4096", "DB index is out of range"),
     ("postgresql://postgres@127.0.0.1:5432/no_such_db_here", 'database "no_such_db_here" does not exist'),
 ])
-@pytest.mark.parametrize("command", ["serve", "supervise", "migrate"])
+@pytest.mark.parametrize("command", [["serve"], ["serve", "--workers", "2"], ["supervise"], ["migrate"]])
 def test_permanent_store_errors_stop_the_start_at_once(command, url, says, tmp_path):
     started = time.monotonic()
-    result = idemproxy(command, "--store", url, cwd=tmp_path, timeout=30)
+    result = idemproxy(*command, "--store", url, cwd=tmp_path, timeout=30)
     assert time.monotonic() - started < 5, "retried a store that refused its configuration"
     one_clear_line(result, says)
     assert result.returncode == 1 and "attempt 2/" not in result.stderr
