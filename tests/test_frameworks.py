@@ -259,3 +259,49 @@ async def test_agent_framework_checkpoint_resume_sends_once(journaled, provider,
     # and is paid again too: 5.
     assert {k: provider.calls[k] for k in ("chat", *SIDE_EFFECTS)} == {
         "chat": 4 if journaled else 5, **SIDE_EFFECTS, "tool:send_email": twice, "tool:charge_card": twice}, why
+
+
+# -- a stdio MCP server behind mcp-proxy ---------------------------------------------------------
+
+def mcp_proxy_bin() -> str:
+    """The bridge, installed by scripts/test in a venv of its own: mcp-proxy pins mcp<2, the
+    test extra needs mcp>=2.3 (docs/recipes.md, "stdio MCP servers")."""
+    path = os.environ.get("MCP_PROXY_BIN") or str(REPO / ".venv-mcp-proxy" / "bin" / "mcp-proxy")
+    assert os.access(path, os.X_OK), f"{path} missing: scripts/test installs mcp-proxy there"
+    return path
+
+
+async def test_stdio_mcp_tools_through_mcp_proxy_run_once(provider, tmp_path):
+    """An Agents SDK agent whose tools are a stdio MCP server behind the mcp-proxy bridge,
+    routed through a ``kind = "mcp"`` upstream: killed after the charge, restarted, and each
+    tool executed once (the server's own outbox file counts), each model call paid once."""
+    outbox = tmp_path / "outbox.jsonl"
+    port = services.free_port()
+    bridge_log = tmp_path / "mcp-proxy.log"
+    with open(bridge_log, "wb") as out:
+        bridge = await asyncio.create_subprocess_exec(
+            mcp_proxy_bin(), "--port", str(port), "--", sys.executable, str(RECIPES / "stdio_tools.py"),
+            "--outbox", str(outbox), cwd=REPO, stdout=out, stderr=asyncio.subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 20
+        while not services.reachable(f"http://127.0.0.1:{port}/status", 0.2):
+            assert bridge.returncode is None and time.monotonic() < deadline, bridge_log.read_text()[-2000:]
+            await asyncio.sleep(0.1)
+        outcome, proxy_log = await run_recipe(
+            provider, tmp_path, "mcp_stdio_agent.py", "mcp_stdio", run_id="mcp-stdio",
+            sets={"upstreams.mcp.url": f"http://127.0.0.1:{port}"})
+    finally:
+        bridge.terminate()
+        await bridge.wait()
+    why = outcome.explain(proxy_log) + "\n--- mcp-proxy\n" + bridge_log.read_text(errors="replace")[-2000:]
+    assert outcome.run["state"] == "completed" and outcome.run["restarts"] == 1, why
+    assert "crash: SIGKILL after charge_card" in outcome.first, why
+    (again,) = outcome.restarted
+    assert "done: done: 3 tool calls answered" in again, why
+    executed = [json.loads(line)["tool"] for line in outbox.read_text().splitlines()]
+    assert executed == ["send_email", "charge_card", "send_receipt"], why  # each once, in order
+    # The restarted attempt was told what the crashed one was: "email 1 sent", "charge 2 made".
+    results = re.findall(r"^tool (\w+): (.*)$", again, re.M)
+    assert results[:2] == re.findall(r"^tool (\w+): (.*)$", outcome.first, re.M), why
+    assert "email 1 sent" in results[0][1] and "charge 2 made" in results[1][1] and "receipt 3" in results[2][1]
+    assert provider.calls["responses"] == 4, why
