@@ -110,6 +110,25 @@ def _scripted(req: dict, texts: list[str], answered: int) -> tuple[dict, str] | 
     return None, f"done: {answered} tool calls answered"
 
 
+def _scripted_chunks(n: int, model: str | None, call: dict | None, final: str) -> list[bytes]:
+    """A scripted answer as Chat Completions stream events: the tool call's name, then its
+    arguments, or the final text; then the finish reason with usage, then [DONE]."""
+    def chunk(delta: dict, finish: str | None = None, **extra) -> bytes:
+        return b"data: " + orjson.dumps({
+            "id": f"chatcmpl-{n}", "object": "chat.completion.chunk", "created": 1, "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}) + b"\n\n"
+    if call is not None:
+        events = [chunk({"role": "assistant", "content": None, "tool_calls": [{
+                      "index": 0, "id": call["call_id"], "type": "function",
+                      "function": {"name": call["name"], "arguments": ""}}]}),
+                  chunk({"tool_calls": [{"index": 0, "function": {"arguments": call["arguments"]}}]})]
+    else:
+        events = [chunk({"role": "assistant", "content": final})]
+    events.append(chunk({}, "tool_calls" if call is not None else "stop",
+                        usage={"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}))
+    return [*events, b"data: [DONE]\n\n"]
+
+
 async def chat(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     _record(request, "chat", body)
@@ -122,6 +141,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
     call, final = _scripted(req, [t for m in messages if m.get("role") in ("system", "developer", "user")
                                   for t in _texts(m.get("content"))],
                             sum(m.get("role") == "tool" for m in messages))
+    if (call is not None or final) and req.get("stream"):
+        return await _stream(request, _scripted_chunks(n, req.get("model"), call, final))
     if call is not None or final:
         message = {"role": "assistant", "content": final or None}
         if call is not None:

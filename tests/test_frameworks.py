@@ -67,14 +67,15 @@ def _hook_pids(run: dict) -> tuple[set[int], set[int]]:
 async def run_recipe(provider, tmp_path: Path, recipe: str, hook: str, *, run_id: str,
                      args: tuple[str, ...] = (), env: dict[str, str] | None = None,
                      first_env: dict[str, str] | None = None, sets: dict[str, str] | None = None,
-                     timeout: float = 90.0) -> tuple[Outcome, Path]:
-    """Serve the recipes' config, start ``recipe`` with ``--crash-after charge_card``, and
-    wait until the run has ended and every attempt the supervisor started has exited."""
+                     python: str = sys.executable, timeout: float = 90.0) -> tuple[Outcome, Path]:
+    """Serve the recipes' config, start ``recipe`` with ``--crash-after charge_card`` (on
+    ``python``, which the hooks' ``python`` is too), and wait until the run has ended and every
+    attempt the supervisor started has exited."""
     port = services.free_port()
     url = f"http://127.0.0.1:{port}"
     logs = tmp_path / "logs"
     base_env = {k: v for k, v in os.environ.items() if not k.startswith(("IDEM_", "IDEMPROXY_"))}
-    base_env.update({"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+    base_env.update({"PATH": os.path.dirname(python) + os.pathsep + os.environ.get("PATH", ""),
                      "OPENAI_API_KEY": "sk-recipe-test", "PYTHONUNBUFFERED": "1", **(env or {})})
     overrides = {"upstreams.openai.url": provider.url, "upstreams.tools.url": f"{provider.url}/tools",
                  f"hooks.{hook}.log_dir": str(logs), "admin.token": ADMIN, **(sets or {})}
@@ -95,7 +96,7 @@ async def run_recipe(provider, tmp_path: Path, recipe: str, hook: str, *, run_id
             first_log = tmp_path / "first.log"
             with open(first_log, "wb") as out:
                 first = await asyncio.create_subprocess_exec(
-                    sys.executable, str(RECIPES / recipe), *args, "--crash-after", "charge_card", cwd=REPO,
+                    python, str(RECIPES / recipe), *args, "--crash-after", "charge_card", cwd=REPO,
                     env={**base_env, **(first_env or {}), "IDEM_RUN_ID": run_id, "IDEM_PROXY_URL": url},
                     stdout=out, stderr=asyncio.subprocess.STDOUT)
             code = await asyncio.wait_for(first.wait(), 60)
@@ -305,3 +306,26 @@ async def test_stdio_mcp_tools_through_mcp_proxy_run_once(provider, tmp_path):
     assert results[:2] == re.findall(r"^tool (\w+): (.*)$", outcome.first, re.M), why
     assert "email 1 sent" in results[0][1] and "charge 2 made" in results[1][1] and "receipt 3" in results[2][1]
     assert provider.calls["responses"] == 4, why
+
+
+# -- Strands Agents ----------------------------------------------------------------------------------
+
+def own_venv(name: str) -> str:
+    """The python of a framework installed by scripts/test in a venv of its own, because it
+    pins what the test extra outgrew (docs/recipes.md says which)."""
+    path = REPO / f".venv-{name}" / "bin" / "python"
+    assert os.access(path, os.X_OK), f"{path} missing: scripts/test installs {name} there"
+    return str(path)
+
+
+async def test_strands_resumes_paying_and_charging_once(provider, tmp_path):
+    """Strands streams every model call: the restarted attempt's are replayed as the recorded
+    streams, and its tools' explicit keys answer the email and the charge."""
+    outcome, proxy_log = await run_recipe(provider, tmp_path, "strands_agent.py", "strands", run_id="strands",
+                                          python=own_venv("strands"))
+    again = check_resumed(outcome, proxy_log)
+    why = outcome.explain(proxy_log)
+    assert outcome.served(again) == [("send_email", "replayed"), ("charge_card", "replayed"),
+                                     ("send_receipt", "live")], why
+    assert all(json.loads(s["body"]).get("stream") for s in provider.seen if s["name"] == "chat")
+    assert {k: provider.calls[k] for k in ("chat", *SIDE_EFFECTS)} == {"chat": 4, **SIDE_EFFECTS}, why
