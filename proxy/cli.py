@@ -20,6 +20,7 @@ from typing import AsyncIterator
 from aiohttp import web
 
 from ..supervisor import Hooks, Supervisor, commands as supervisor_commands
+from ..supervisor.credentials import missing_credentials
 from . import commands, server
 from .app import create_app
 from .appkeys import METRICS, RUNS, SETTINGS
@@ -128,7 +129,7 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--version", action="version", version=f"idemproxy {_version()}")
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = common_options()
-    commands.add_commands(sub, common, serve)
+    commands.add_commands(sub, common, serve, advise=missing_credentials)
     supervisor_commands.add_commands(sub, common)
     return top
 

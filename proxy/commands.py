@@ -24,9 +24,11 @@ OK, FAILED, CONFIG_ERROR = 0, 1, 2  # 2 is also argparse's, for a command line i
 MIGRATE_HINT = "run `idemproxy migrate`, or start `idemproxy serve`, which migrates"
 
 
-def add_commands(sub, common: argparse.ArgumentParser, serve: Command) -> None:
+def add_commands(sub, common: argparse.ArgumentParser, serve: Command,
+                 advise: Callable[[Settings], list[str]] | None = None) -> None:
     """Add ``serve`` (run by ``serve``, which the composition root gives), ``migrate``,
-    ``check`` and ``config``."""
+    ``check`` (printing the warnings ``advise`` gives, from the composition root too) and
+    ``config``."""
     p = command(sub, common, "serve", "run the proxy (and the supervisor, unless disabled)",
                 "Run the proxy: bring the store's schema up to date, then listen. The supervisor "
                 "runs in the same process unless --no-supervisor or [supervisor] enabled = false. "
@@ -47,8 +49,10 @@ def add_commands(sub, common: argparse.ArgumentParser, serve: Command) -> None:
                 "store answers and its schema is current; 1 when it is unreachable, refuses the "
                 "configuration, or has no schema or an older one (run `idemproxy migrate`); 2 when "
                 "the configuration is invalid. Meant for health checks (Docker HEALTHCHECK, "
-                "Kubernetes exec probes: any non-zero exit is unhealthy).")
-    p.set_defaults(handler=check)
+                "Kubernetes exec probes: any non-zero exit is unhealthy). Warnings (a command hook "
+                "whose agents will start without a credential an upstream needs) go to stderr and "
+                "change no exit code.")
+    p.set_defaults(handler=lambda settings, args: check(settings, args, advise))
     p = command(sub, common, "config", "print the effective configuration (secrets masked)",
                 "Print the settings after the file, IDEMPROXY_* variables and flags, secrets masked. "
                 "Touches no store.")
@@ -79,10 +83,14 @@ def show_config(settings: Settings, args: argparse.Namespace) -> int:
     return OK
 
 
-def check(settings: Settings, args: argparse.Namespace | None = None) -> int:
+def check(settings: Settings, args: argparse.Namespace | None = None,
+          advise: Callable[[Settings], list[str]] | None = None) -> int:
     """Configuration loads and the store answers with a current schema: exit 0; otherwise
-    print why, exit 1. Writes nothing, on any store."""
+    print why, exit 1. Writes nothing, on any store. ``advise``'s warnings are printed first,
+    on stderr: they change no exit code."""
     where = f"store {mask_url(settings.store.url)}"
+    for warning in advise(settings) if advise is not None else ():
+        print(f"warning: {warning}", file=sys.stderr)
 
     async def probe() -> int:
         try:  # once: the real cause, at once, and nothing left behind
