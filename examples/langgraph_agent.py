@@ -12,6 +12,10 @@ crashed after its side effect but before its checkpoint runs again on resume, an
 email goes out twice. The proxy's journal sits at the call itself, so that retry is
 answered from the record.
 
+examples/frameworks/langgraph_agent.py is the tutorial's tool-calling graph (``ToolNode``,
+``tools_condition``) with a durable ``SqliteSaver`` in play: resumed from its checkpoint, the
+tools node that charged the card runs again and is answered from the journal.
+
     IDEM_RUN_ID=langgraph-1 python examples/langgraph_agent.py --steps 6 --crash-at 3
 """
 

@@ -329,3 +329,31 @@ async def test_strands_resumes_paying_and_charging_once(provider, tmp_path):
                                      ("send_receipt", "live")], why
     assert all(json.loads(s["body"]).get("stream") for s in provider.seen if s["name"] == "chat")
     assert {k: provider.calls[k] for k in ("chat", *SIDE_EFFECTS)} == {"chat": 4, **SIDE_EFFECTS}, why
+
+
+# -- CrewAI --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("journaled", [True, False], ids=["journaled", "tools-unjournaled"])
+async def test_crewai_task_retry_and_restart_charge_once(journaled, provider, tmp_path):
+    """The task's guardrail turns the first answer down and CrewAI runs the task again, every
+    tool with it (crewAIInc/crewAI#5802); the process is also killed after the first charge and
+    restarted. Journaled: one email, one charge, one receipt. The control, tools unjournaled:
+    three emails, three charges, two receipts."""
+    sets = {} if journaled else {"upstreams.tools.rules": '[{ match = "POST *", policy = "passthrough" }]'}
+    outcome, proxy_log = await run_recipe(provider, tmp_path, "crewai_agent.py", "crewai",
+                                          run_id=f"crewai-{journaled}", python=own_venv("crewai"), sets=sets)
+    again = check_resumed(outcome, proxy_log)
+    why = outcome.explain(proxy_log)
+    assert again.count("guardrail: review") == 2, why  # the task ran twice in the restarted attempt
+    first_run = "replayed" if journaled else "live"
+    retried = "replayed" if journaled else "live"
+    assert outcome.served(again) == [("send_email", first_run), ("charge_card", first_run), ("send_receipt", "live"),
+                                     ("send_email", retried), ("charge_card", retried),
+                                     ("send_receipt", retried)], why
+    if journaled:
+        # 4 model calls of the first run of the task (2 before the crash, replayed after it), and
+        # 4 of its retry, a new prompt with the guardrail's feedback: each paid once
+        assert {k: provider.calls[k] for k in ("chat", *SIDE_EFFECTS)} == {"chat": 8, **SIDE_EFFECTS}, why
+    else:
+        assert {k: provider.calls[k] for k in SIDE_EFFECTS} == {
+            "tool:send_email": 3, "tool:charge_card": 3, "tool:send_receipt": 2}, why
