@@ -395,9 +395,94 @@ async def test_quarantine_then_resolve_as_retry(store):
     assert (entry.state, entry.owner, entry.detail) == (EntryState.UNKNOWN, None, "upstream answered 502")
     assert not (await store.journal.claim(claim_of(sc, owner="c"))).won
     assert await store.journal.resolve(sc.kid, None)
-    assert await store.journal.get(sc.kid) is None
+    # kept and findable, as retried; resolved once only
+    entry = await store.journal.get(sc.kid)
+    assert (entry.state, entry.detail) == (EntryState.RETRIED, "upstream answered 502")
+    assert [e.kid for e in await store.journal.search(state=EntryState.RETRIED)] == [sc.kid]
+    assert [e.state for e in await store.journal.entries(NS, "run-1")] == [EntryState.RETRIED]
     assert not await store.journal.resolve(sc.kid, None)
-    assert (await store.journal.claim(claim_of(sc, owner="c"))).won
+    # the next call goes upstream, whatever its fingerprint; it is an entry like any other then
+    taken = await store.journal.claim(claim_of(sc, owner="c", fingerprint="fp-2"))
+    assert taken.won
+    assert (await store.journal.get(sc.kid)).state == EntryState.IN_FLIGHT
+    assert not (await store.journal.claim(claim_of(sc, owner="d", fingerprint="fp-2"))).won
+
+
+async def test_a_retried_entry_is_taken_over_under_quarantine_too(store):
+    """The retry rule holds for claims that quarantine an expired lease: the entry is the
+    operator's retry, not a dead proxy's claim."""
+    sc = scope()
+    await claimed(store, sc, owner="a", on_expired="quarantine")
+    await store.journal.quarantine(sc.kid, "a", "upstream answered 502")
+    assert await store.journal.resolve(sc.kid, None)
+    assert (await store.journal.claim(claim_of(sc, owner="b", on_expired="quarantine"))).won
+    assert await store.journal.complete(sc.kid, "b", REPLY)
+    assert (await store.journal.get(sc.kid)).state == EntryState.COMPLETE
+
+
+EVIDENCE = {"request": {"headers": [["content-type", "application/json"], ["authorization", "***"]],
+                        "body_base64": "eyJhbW91bnQiOiA0Mn0=", "bytes": 14, "truncated": False},
+            "answer": {"status": 502, "headers": [["content-type", "text/plain"]],
+                       "body_base64": "YmFkIGdhdGV3YXk=", "bytes": 11, "truncated": False}}
+
+
+async def test_quarantine_keeps_its_evidence_until_the_next_claim(store):
+    sc = scope()
+    await claimed(store, sc, owner="a")
+    assert (await store.journal.get(sc.kid)).evidence is None
+    await store.journal.quarantine(sc.kid, "a", "upstream answered 502", EVIDENCE)
+    assert (await store.journal.get(sc.kid)).evidence == EVIDENCE
+    assert await store.journal.resolve(sc.kid, None)
+    assert (await store.journal.get(sc.kid)).evidence == EVIDENCE  # what the decision was made on
+    assert (await store.journal.claim(claim_of(sc, owner="b"))).won
+    assert (await store.journal.get(sc.kid)).evidence is None  # a new call: its own outcome
+
+
+async def test_quarantined_entries_are_counted(store):
+    assert await store.journal.count_quarantined() == 0
+    kids = []
+    for key in ("a", "b", "c"):
+        sc = scope(key)
+        await claimed(store, sc, owner="o")
+        await store.journal.quarantine(sc.kid, "o", "upstream answered 502")
+        kids.append(sc.kid)
+    gone = scope("gone")
+    await claimed(store, gone, owner="o", retention_s=0.2)
+    await store.journal.quarantine(gone.kid, "o", "upstream answered 502")
+    assert await store.journal.count_quarantined() == 4
+    await asyncio.sleep(0.3)  # one expired: not counted, before any purge
+    assert await store.journal.count_quarantined() == 3
+    assert await store.journal.resolve(kids[0], None)
+    assert await store.journal.resolve(kids[1], Recorded(200, [], b"sent"))
+    assert await store.journal.count_quarantined() == 1
+    other = scope("x", run="run-2")
+    await claimed(store, other, owner="o")
+    await store.journal.quarantine(other.kid, "o", "timeout")
+    await store.journal.delete_run(NS, "run-2")
+    assert await store.journal.count_quarantined() == 1
+    await store.journal.purge(time.time())
+    assert await store.journal.count_quarantined() == 1
+
+
+async def test_operator_actions_are_kept_by_entry_and_by_run(store, open_store):
+    from idemproxy.proxy.store.base import Action
+    now = time.time()
+    retry = Action(now, "admin:alice", "resolve-retry", NS, "run-1", "k" * 64, {"status": None})
+    revive = Action(now + 1, "console:alice", "revive", NS, "run-1", None, {"epoch": 2})
+    elsewhere = Action(now + 2, "cli:bob@host", "delete-journal", "ns-b", "run-1", None, {"deleted": 3})
+    for action in (retry, revive, elsewhere):
+        await store.audit.note(action, 3600.0)
+    other = await open_store()  # another replica sees them
+    assert await other.audit.of_entry("k" * 64) == [retry]
+    assert await other.audit.of_run(NS, "run-1") == [retry, revive]
+    assert await other.audit.of_run("ns-b", "run-1") == [elsewhere]
+    assert await other.audit.of_entry("j" * 64) == []
+    short = Action(time.time(), "admin:alice", "restart", NS, "run-9", None, {})
+    await store.audit.note(short, 0.2)
+    await asyncio.sleep(0.3)
+    assert await store.audit.of_run(NS, "run-9") == []  # kept for its retention only
+    await store.audit.purge(time.time())
+    assert await store.audit.of_run(NS, "run-1") == [retry, revive]
 
 
 async def test_resolve_with_a_response_to_replay(store):

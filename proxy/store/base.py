@@ -36,6 +36,9 @@ class EntryState(StrEnum):
     COMPLETE = "complete"          # the outcome is recorded: replays answer it
     UNKNOWN = "unknown"            # quarantined: the upstream may have acted; an operator decides
     UNRECORDABLE = "unrecordable"  # answered once, too large to keep: replays get 409
+    # quarantined, then resolved by an operator as retry: kept (findable, with its evidence
+    # and its audit), and the next claim of its key takes it over and goes upstream
+    RETRIED = "retried"
 
 
 class RunState(StrEnum):
@@ -130,6 +133,38 @@ class Entry:
     # replays by the epoch of the run when they were counted: {epoch: (replays, first seen)};
     # read by entries() and search() for the console's timeline, not by get()
     replayed: dict[int, tuple[int, float]] = field(default_factory=dict)
+    # what an operator needs to decide a quarantined call (proxy/evidence.py), kept by
+    # quarantine() and read by get(): the request and the upstream's partial or error answer
+    evidence: dict[str, Any] | None = None
+
+
+# The detail of an entry an operator resolved with an answer (its replays return it): the
+# answer is the operator's, not the upstream's, and its time is the operator's thinking time
+ANSWERED_BY_OPERATOR = "resolved by operator"
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One operator action, kept for the journal's retention (SPEC §16): ``action`` is
+    resolve-retry, resolve-respond, revive, restart, complete or delete-journal; ``by`` the
+    operator (proxy/runs/operators.py); ``kid`` the entry it decided, if any; ``detail`` its
+    facts (a respond's status and body digest, entries deleted, the epoch started)."""
+    at: float
+    by: str
+    action: str
+    namespace: str | None = None
+    run: str | None = None
+    kid: str | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"at": self.at, "by": self.by, "action": self.action, "namespace": self.namespace,
+                "run": self.run, "kid": self.kid, "detail": self.detail}
+
+    @classmethod
+    def of_json(cls, raw: dict[str, Any]) -> "Action":
+        return cls(float(raw["at"]), str(raw["by"]), str(raw["action"]), raw.get("namespace"), raw.get("run"),
+                   raw.get("kid"), dict(raw.get("detail") or {}))
 
 
 @dataclass(frozen=True, slots=True)
@@ -366,13 +401,16 @@ class Journal(Protocol):
     async def complete(self, kid: str, owner: str, recorded: Recorded) -> bool:
         """Durably record the outcome; False if the claim was lost."""
     async def release(self, kid: str, owner: str) -> None: """Give the key back: nothing happened."""
-    async def quarantine(self, kid: str, owner: str | None, detail: str) -> None:
-        """Keep the key as outcome-unknown. For in-flight entries (``owner`` None: whoever holds
-        it); never a complete one, which proxies may hold in memory (see ``generation``)."""
+    async def quarantine(self, kid: str, owner: str | None, detail: str,
+                         evidence: dict[str, Any] | None = None) -> None:
+        """Keep the key as outcome-unknown, with ``evidence`` for the operator (``Entry.evidence``).
+        For in-flight entries (``owner`` None: whoever holds it); never a complete one, which
+        proxies may hold in memory (see ``generation``)."""
     async def mark_unrecordable(self, kid: str, owner: str, detail: str) -> None:
         """The response was too large to keep."""
     async def resolve(self, kid: str, recorded: Recorded | None) -> bool:
-        """Operator decision on an unknown key: None = retry, else the answer to replay."""
+        """Operator decision on an unknown key: None = retry (the entry stays, ``retried``, until
+        the next claim of its key takes it over), else the answer to replay."""
     async def append_partial(self, kid: str, owner: str, seq: int, data: bytes) -> None:
         """Bytes of a stream still in flight, so other proxies can join it."""
     async def read_partial(self, kid: str, after_seq: int) -> list[tuple[int, bytes]]: ...
@@ -401,6 +439,19 @@ class Journal(Protocol):
     async def kids(self, prefix: str, limit: int) -> list[str]:
         """Kids that start with ``prefix`` (lowercase hex), at most ``limit``: for operators,
         who name an entry by the start of its kid. It may scan."""
+    async def count_quarantined(self) -> int:
+        """Live entries whose outcome is unknown (``idemproxy_journal_quarantined``): indexed."""
+
+
+@runtime_checkable
+class Audit(Protocol):
+    """Operator actions (SPEC §16): appended, read by entry or by run, gone after ``retention_s``."""
+
+    async def note(self, action: Action, retention_s: float) -> None: """Keep ``action``."""
+    async def of_entry(self, kid: str) -> list[Action]: """The actions on entry ``kid``, oldest first."""
+    async def of_run(self, namespace: str, run: str) -> list[Action]:
+        """The actions on the run and on its entries, oldest first."""
+    async def purge(self, now: float) -> int: """Delete the actions kept past their retention."""
 
 
 @runtime_checkable
@@ -470,6 +521,7 @@ class Store(Protocol):
     durability: str  # one sentence: how durable an acknowledged record is
     journal: Journal
     runs: RunRegistry
+    audit: Audit
 
     async def open(self, *, migrate: bool = True) -> None:
         """Connect, and bring the schema up to date; ``migrate=False`` writes nothing and

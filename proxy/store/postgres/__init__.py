@@ -11,13 +11,14 @@ requests queue for a connection, with p99 in seconds at 32 concurrent in bench/)
   start in one transaction under ``pg_advisory_xact_lock``, so many replicas can start
   at once.
 - :mod:`.sql`: the statements; :mod:`.journal`, :mod:`.runs`: the two halves of the
-  store contract over the connection.
+  store contract over the connection; :mod:`.audit`: operator actions.
 """
 
 from __future__ import annotations
 
 from ...config import mask_url
 from . import sql
+from .audit import PostgresAudit
 from .connection import PostgresConnection
 from .journal import PostgresJournal
 from .runs import PostgresRuns
@@ -33,6 +34,7 @@ class PostgresStore:
         self.connection = PostgresConnection(url, timeout)
         self.journal = PostgresJournal(self.connection)
         self.runs = PostgresRuns(self.connection)
+        self.audit = PostgresAudit(self.connection)
 
     def __repr__(self) -> str:
         return f"PostgresStore({mask_url(self.url)!r})"

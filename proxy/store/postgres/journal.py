@@ -40,6 +40,11 @@ def _recorded(row: asyncpg.Record) -> Recorded | None:
                     row["streamed"], [tuple(t) for t in row["timing"] or []])
 
 
+def _with_evidence(entry: Entry, row: asyncpg.Record) -> Entry:
+    entry.evidence = row["evidence"]
+    return entry
+
+
 def _rows(status: str) -> int:
     """Rows touched, from a command tag such as ``UPDATE 1``."""
     return int(status.rsplit(" ", 1)[-1])
@@ -66,7 +71,8 @@ class PostgresJournal:
     async def _get_many(self, kids: list[str]) -> list[Entry | None]:
         rows = await self._db.batch("get", sql.GET_MANY, list(set(kids)), time.time())
         found = {row["kid"]: row for row in rows}
-        return [_entry(row, _recorded(row)) if (row := found.get(kid)) else None for kid in kids]
+        return [_with_evidence(_entry(row, _recorded(row)), row) if (row := found.get(kid)) else None
+                for kid in kids]
 
     async def claim(self, claim: Claim) -> ClaimResult:
         kid = claim.scope.kid
@@ -88,7 +94,7 @@ class PostgresJournal:
                 live = None  # changed meanwhile (completed, or quarantined by another proxy)
             # the entry we lost to, as the claim found it, or as it is now after a race
             existing = live or await self.get(kid)
-            if existing is not None:
+            if existing is not None and existing.state != EntryState.RETRIED:
                 return ClaimResult(False, existing)
             # the entry we lost to was released, resolved or purged meanwhile: claim again
         raise StoreUnavailable(f"postgres claim on {kid[:12]} kept racing with other writers")
@@ -177,14 +183,15 @@ class PostgresJournal:
         finally:
             self._waiters.wake(kid)
 
-    async def _set_state(self, kid: str, owner: str | None, state: str, detail: str) -> None:
+    async def _set_state(self, kid: str, owner: str | None, state: str, detail: str,
+                         evidence: dict | None = None) -> None:
         try:
-            await self._db.execute(state, sql.SET_STATE, kid, state, detail, owner, self._db.channel)
+            await self._db.execute(state, sql.SET_STATE, kid, state, detail, owner, self._db.channel, evidence)
         finally:
             self._waiters.wake(kid)
 
-    async def quarantine(self, kid: str, owner: str | None, detail: str) -> None:
-        await self._set_state(kid, owner, EntryState.UNKNOWN, detail)
+    async def quarantine(self, kid: str, owner: str | None, detail: str, evidence: dict | None = None) -> None:
+        await self._set_state(kid, owner, EntryState.UNKNOWN, detail, evidence)
 
     async def mark_unrecordable(self, kid: str, owner: str, detail: str) -> None:
         await self._set_state(kid, owner, EntryState.UNRECORDABLE, detail)
@@ -235,6 +242,9 @@ class PostgresJournal:
 
     async def kids(self, prefix: str, limit: int) -> list[str]:
         return [row[0] for row in await self._db.fetch("kids", sql.KIDS, prefix, prefix + "g", limit)]
+
+    async def count_quarantined(self) -> int:
+        return (await self._db.fetchrow("count_quarantined", sql.COUNT_QUARANTINED, time.time()))[0]
 
     async def delete_run(self, namespace: str, run: str) -> int:
         return (await self._db.fetchrow("delete_journal", sql.DELETE_JOURNAL, namespace, run))[0]

@@ -58,6 +58,19 @@ CREATE TYPE claim_row AS (
     expires_at DOUBLE PRECISION, namespace TEXT);
 CREATE TYPE record_row AS (
     kid TEXT, owner TEXT, status INTEGER, headers TEXT, body BYTEA, streamed BOOLEAN, timing TEXT);
+"""), (7, """
+-- what an operator needs to decide a quarantined call (Entry.evidence), and quarantined
+-- entries counted for /metrics without a scan
+ALTER TABLE journal ADD COLUMN evidence JSONB;
+CREATE INDEX journal_quarantined ON journal (expires_at) WHERE state = 'unknown';
+-- operator actions (SPEC §16), kept for the journal's retention
+CREATE TABLE actions (
+    id BIGSERIAL PRIMARY KEY, at DOUBLE PRECISION NOT NULL, who TEXT NOT NULL, action TEXT NOT NULL,
+    namespace TEXT, run TEXT, kid TEXT, detail JSONB NOT NULL DEFAULT '{}',
+    expires_at DOUBLE PRECISION NOT NULL);
+CREATE INDEX actions_by_kid ON actions (kid);
+CREATE INDEX actions_by_run ON actions (namespace, run);
+CREATE INDEX actions_by_expiry ON actions (expires_at);
 """)]
 
 

@@ -8,7 +8,7 @@ each statement.
 
 from __future__ import annotations
 
-from ..base import RUN_LOST, EntryState, RunState
+from ..base import ANSWERED_BY_OPERATOR, RUN_LOST, EntryState, RunState
 
 ENTRY_COLUMNS = ("kid, tenant, run, epoch, upstream, key, fingerprint, state, owner, lease_until, "
                  "created_at, completed_at, expires_at, replays, detail, method, path, namespace")
@@ -41,7 +41,7 @@ c AS (
 live AS (
     SELECT j.* FROM c, LATERAL (
         SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing FROM journal
-        WHERE journal.kid = c.kid AND journal.expires_at > $2
+        WHERE journal.kid = c.kid AND journal.expires_at > $2 AND journal.state <> '{EntryState.RETRIED}'
           AND NOT ($3 AND journal.state = '{EntryState.IN_FLIGHT}' AND journal.lease_until <= $2
                    AND journal.fingerprint = c.fingerprint)
         LIMIT 1) AS j),
@@ -65,9 +65,10 @@ claimed AS (
         state = excluded.state, owner = excluded.owner, lease_until = excluded.lease_until,
         created_at = excluded.created_at, expires_at = excluded.expires_at, status = NULL,
         headers = NULL, body = NULL, streamed = false, timing = NULL, detail = NULL,
-        completed_at = NULL, replays = 0, replayed = NULL
-    -- an expired entry runs as new; a dead proxy's claim is taken over under "retry"
-    WHERE journal.expires_at <= $2 OR ($3 AND journal.state = '{EntryState.IN_FLIGHT}'
+        completed_at = NULL, replays = 0, replayed = NULL, evidence = NULL
+    -- an expired entry runs as new, as does one an operator retried; a dead proxy's claim is
+    -- taken over under "retry"
+    WHERE journal.expires_at <= $2 OR journal.state = '{EntryState.RETRIED}' OR ($3 AND journal.state = '{EntryState.IN_FLIGHT}'
           AND journal.lease_until <= $2 AND journal.fingerprint = excluded.fingerprint)
     RETURNING kid),
 -- a new claim, or a takeover: bytes a dead call left behind must not be joined
@@ -116,20 +117,25 @@ WHERE gone.key LIKE 'derived:%' AND o.tenant = gone.namespace AND o.run = gone.r
   AND o.epoch = gone.epoch AND o.fingerprint = gone.tenant || ' ' || gone.fingerprint
   AND o.n = substring(gone.key from ':([0-9]+)$')::bigint + 1"""
 
-# $1 kid, $2 state, $3 detail, $4 owner (NULL: whoever holds it), $5 channel
+# $1 kid, $2 state, $3 detail, $4 owner (NULL: whoever holds it), $5 channel, $6 evidence
 SET_STATE = """
 WITH changed AS (
-    UPDATE journal SET state = $2, owner = NULL, detail = $3
+    UPDATE journal SET state = $2, owner = NULL, detail = $3, evidence = $6
     WHERE kid = $1 AND ($4::text IS NULL OR owner = $4)
     RETURNING pg_notify($5, kid))
 DELETE FROM partials WHERE kid = $1"""
 
-# $1 kid, $2 channel
-RESOLVE_AS_RETRY = f"DELETE FROM journal WHERE kid = $1 AND state = '{EntryState.UNKNOWN}' RETURNING pg_notify($2, kid)"
+# $1 kid, $2 channel: kept, findable; the next claim of its key takes it over (CLAIM_MANY)
+RESOLVE_AS_RETRY = f"""
+WITH changed AS (
+    UPDATE journal SET state = '{EntryState.RETRIED}' WHERE kid = $1 AND state = '{EntryState.UNKNOWN}'
+    RETURNING pg_notify($2, kid)),
+dropped AS (DELETE FROM partials WHERE kid = $1)
+SELECT * FROM changed"""
 # $1 kid, $2 status, $3 headers, $4 body, $5 now, $6 channel
 RESOLVE_WITH_ANSWER = f"""
 UPDATE journal SET state = '{EntryState.COMPLETE}', status = $2, headers = $3, body = $4, streamed = false,
-    completed_at = $5, detail = 'resolved by operator'
+    completed_at = $5, detail = '{ANSWERED_BY_OPERATOR}'
 WHERE kid = $1 AND state = '{EntryState.UNKNOWN}' RETURNING pg_notify($6, kid)"""
 
 # $1 kid, $2 seq, $3 data, $4 channel
@@ -155,6 +161,15 @@ g AS (INSERT INTO cache_generation (id, generation) VALUES (0, 1)
       ON CONFLICT (id) DO UPDATE SET generation = cache_generation.generation + 1)
 SELECT count(*) FROM j"""
 GENERATION = "SELECT generation FROM cache_generation"
+
+# -- operator actions (audit.py) ------------------------------------------------------------
+ACTION_COLUMNS = "at, who, action, namespace, run, kid, detail"
+# $1..$7 ACTION_COLUMNS, $8 expires_at
+NOTE_ACTION = f"INSERT INTO actions ({ACTION_COLUMNS}, expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"
+ACTIONS_OF_ENTRY = f"SELECT {ACTION_COLUMNS} FROM actions WHERE kid = $1 AND expires_at > $2 ORDER BY at, id"
+ACTIONS_OF_RUN = (f"SELECT {ACTION_COLUMNS} FROM actions WHERE namespace = $1 AND run = $2 AND expires_at > $3 "
+                  "ORDER BY at, id")
+PURGE_ACTIONS = "DELETE FROM actions WHERE expires_at <= $1"
 
 # $1..$19: the columns of RUN_COLUMNS, in order
 UPSERT_RUN = f"""
@@ -200,7 +215,7 @@ GROUP BY j.namespace, j.run"""
 # probe per kid: LIMIT 1 keeps the planner from turning the lookups into a join that
 # reads every live entry (by journal_by_expiry).
 GET_MANY = (f"SELECT j.* FROM unnest($1::text[]) AS wanted(kid), LATERAL ("
-            f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing FROM journal "
+            f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing, evidence FROM journal "
             "WHERE journal.kid = wanted.kid AND expires_at > $2 LIMIT 1) AS j")
 # The no-op update makes RETURNING give the value that was there first.
 SECRET = ("INSERT INTO secrets (name, value) VALUES ($1, $2) "
@@ -245,6 +260,8 @@ SEARCH = (f"SELECT {ENTRY_COLUMNS}, status, replayed FROM journal WHERE expires_
           "AND ($2::text IS NULL OR state = $2) AND ($3::text IS NULL OR key = $3) "
           "AND ($4::text IS NULL OR tenant = $4) AND ($5::text IS NULL OR run = $5) "
           "ORDER BY created_at DESC LIMIT $6")
+# $1 now; as written, so that the partial index journal_quarantined serves it
+COUNT_QUARANTINED = "SELECT count(*) FROM journal WHERE state = 'unknown' AND expires_at > $1"
 # the primary key's range: "g" sorts after every hex digit (kids and prefixes are lowercase hex)
 KIDS = "SELECT kid FROM journal WHERE kid >= $1 AND kid < $2 ORDER BY kid LIMIT $3"
 GET_RUN = f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = $2 AND ($1::text IS NULL OR tenant = $1)"

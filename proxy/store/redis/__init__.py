@@ -17,18 +17,23 @@ unambiguous whatever the namespace holds. The layout::
     runs-idle          zset   rk -> max(last_seen, ended_at): runs purge() deletes
     secret:{name}      string
     generation         string the journal's invalidation generation (Journal.generation)
+    quarantined        zset   kid -> expiry (ms) of entries whose outcome is unknown (counted)
+    actions:entry:{kid}, actions:run:{rk}
+                       list   operator actions (JSON), expiring a retention after the last
     channel {prefix}changed   pub/sub: a kid whose entry changed, to wake waiters
 
 - :mod:`.connection`: the client, its scripts, pipelines and the pub/sub reader, shared by
   the journal and the runs; every Redis error becomes StoreUnavailable there. Durability
   is Redis's own (:func:`.connection.durability_of`).
 - :mod:`.scripts`: the Lua scripts, one per change, so each is atomic.
-- :mod:`.journal`, :mod:`.runs`: the two halves of the store contract over the connection.
+- :mod:`.journal`, :mod:`.runs`: the two halves of the store contract over the connection;
+  :mod:`.audit`: operator actions.
 """
 
 from __future__ import annotations
 
 from ...config import mask_url
+from .audit import RedisAudit
 from .connection import RedisConnection
 from .journal import RedisJournal
 from .runs import RedisRuns
@@ -43,6 +48,7 @@ class RedisStore:
         self.connection = RedisConnection(url, timeout)
         self.journal = RedisJournal(self.connection)
         self.runs = RedisRuns(self.connection)
+        self.audit = RedisAudit(self.connection)
 
     def __repr__(self) -> str:
         return f"RedisStore({mask_url(self.connection.url)!r}, prefix={self.connection.prefix!r})"

@@ -14,7 +14,7 @@ from typing import Any, Awaitable
 
 import orjson
 
-from ..base import Claim, ClaimResult, Entry, EntryState, Recorded, counted, replayed_from
+from ..base import ANSWERED_BY_OPERATOR, Claim, ClaimResult, Entry, EntryState, Recorded, counted, replayed_from
 from ..batching import Batches, GiveBack
 from ..purging import paced
 from .connection import RedisConnection, field, maybe, run_ref, text
@@ -31,7 +31,7 @@ def _entry(values: list[bytes | None]) -> Entry:
     """An entry from its hash's values in READ_FIELDS order (a shorter list: no response body)."""
     (kid, tenant, run, epoch, upstream, key, fingerprint, state, owner, lease_until, created_at,
      completed_at, expires_at, replays, detail, method, path, namespace, status, headers, body,
-     streamed, timing) = (*values, *[None] * (len(READ_FIELDS) - len(values)))
+     streamed, timing, evidence) = (*values, *[None] * (len(READ_FIELDS) - len(values)))
     entry = Entry(kid.decode(), tenant.decode(), text(run), maybe(int, epoch), upstream.decode(),
                   key.decode(), fingerprint.decode(), state.decode(), text(owner), float(lease_until),
                   float(created_at), maybe(float, completed_at), float(expires_at), int(replays or 0),
@@ -40,6 +40,8 @@ def _entry(values: list[bytes | None]) -> Entry:
         entry.response = Recorded(int(status), [tuple(h) for h in orjson.loads(headers or b"[]")],
                                   body or b"", streamed == b"1",
                                   [tuple(t) for t in orjson.loads(timing or b"[]")])
+    if evidence:
+        entry.evidence = orjson.loads(evidence)
     return entry
 
 
@@ -106,7 +108,7 @@ class RedisJournal:
         fenced = scope.run is not None and claim.epoch is not None
         reply = await self._pipelined_script(
             "claim", [key("entry", kid), key("partial", kid), key("run", rk), key("steps", rk),
-                      key("steps-expiry")],
+                      key("steps-expiry"), key("quarantined")],
             [field(now), claim.epoch if fenced else "", claim.fingerprint, claim.owner, claim.on_expired,
              int(entry.expires_at * 1000), kid, f"{kid} {rk}" if rk else "", orjson.dumps(fields)],
             claim)
@@ -159,15 +161,18 @@ class RedisJournal:
         finally:
             self._waiters.wake(kid)
 
-    async def _set_state(self, kid: str, owner: str | None, state: str, detail: str) -> None:
+    async def _set_state(self, kid: str, owner: str | None, state: str, detail: str,
+                         evidence: dict | None = None) -> None:
+        key = self._db.key
         try:
-            await self._db.script("set_state", [self._db.key("entry", kid), self._db.key("partial", kid)],
-                                  [owner or "", state, detail, self._db.channel, kid])
+            await self._db.script("set_state", [key("entry", kid), key("partial", kid), key("quarantined")],
+                                  [owner or "", state, detail, self._db.channel, kid,
+                                   b"" if evidence is None else orjson.dumps(evidence)])
         finally:
             self._waiters.wake(kid)
 
-    async def quarantine(self, kid: str, owner: str | None, detail: str) -> None:
-        await self._set_state(kid, owner, EntryState.UNKNOWN, detail)
+    async def quarantine(self, kid: str, owner: str | None, detail: str, evidence: dict | None = None) -> None:
+        await self._set_state(kid, owner, EntryState.UNKNOWN, detail, evidence)
 
     async def mark_unrecordable(self, kid: str, owner: str, detail: str) -> None:
         await self._set_state(kid, owner, EntryState.UNRECORDABLE, detail)
@@ -176,9 +181,10 @@ class RedisJournal:
         answer = []
         if recorded is not None:
             answer = _flat({**_response_fields(recorded, time.time()), "streamed": 0, "timing": "[]",
-                            "detail": "resolved by operator"})
+                            "detail": ANSWERED_BY_OPERATOR})
         try:
-            return await self._db.script("resolve", [self._db.key("entry", kid), self._db.key("steps-expiry")],
+            return await self._db.script("resolve", [self._db.key("entry", kid), self._db.key("steps-expiry"),
+                                                     self._db.key("quarantined")],
                                          [self._db.channel, kid, self._db.prefix, *answer]) == 1
         finally:
             self._waiters.wake(kid)
@@ -206,7 +212,10 @@ class RedisJournal:
             seen, gone = await self._db.script("purge", [self._db.key("steps-expiry")],
                                                [int(now * 1000), batch, self._db.prefix])
             return gone, seen == batch and gone > 0
-        return await paced(step)
+        purged = await paced(step)
+        # quarantined entries expired, or taken over after they expired (count_quarantined)
+        await self._db.do(self._db.client.zremrangebyscore(self._db.key("quarantined"), "-inf", int(now * 1000)))
+        return purged
 
     async def entries(self, namespace: str, run: str) -> list[Entry]:
         client = self._db.client
@@ -255,8 +264,14 @@ class RedisJournal:
     async def delete_run(self, namespace: str, run: str) -> int:
         rk = run_ref(namespace, run)
         return await self._db.script("delete_journal", [self._db.key("steps", rk), self._db.key("occ", rk),
-                                                        self._db.key("steps-expiry"), self._db.key("generation")],
+                                                        self._db.key("steps-expiry"), self._db.key("generation"),
+                                                        self._db.key("quarantined")],
                                      [self._db.prefix, rk])
+
+    async def count_quarantined(self) -> int:
+        # by their expiry (ms): one quarantined past its retention is not counted, before the purge
+        return await self._db.do(self._db.client.zcount(self._db.key("quarantined"), f"({int(time.time() * 1000)}",
+                                                        "+inf"))
 
     async def generation(self) -> int:
         return int(await self._db.do(self._db.client.get(self._db.key("generation"))) or 0)

@@ -14,12 +14,12 @@ ENTRY_FIELDS = ("kid", "tenant", "run", "epoch", "upstream", "key", "fingerprint
                 "lease_until", "created_at", "completed_at", "expires_at", "replays", "detail",
                 "method", "path", "namespace")  # an Entry's hash fields, besides its response
 # What a read returns, in this order: a list of values parses faster than a hash's pairs.
-READ_FIELDS = (*ENTRY_FIELDS, "status", "headers", "body", "streamed", "timing")
+READ_FIELDS = (*ENTRY_FIELDS, "status", "headers", "body", "streamed", "timing", "evidence")
 
 # -- the journal --------------------------------------------------------------------------
 
 CLAIM = """
--- KEYS: entry, partial, run, steps, steps-expiry. Returns {'won'}, {'stale', epoch} or
+-- KEYS: entry, partial, run, steps, steps-expiry, quarantined. Returns {'won'}, {'stale', epoch} or
 -- {'taken', the entry's READ_FIELDS}
 -- ARGV: now, epoch ('' = unfenced), fingerprint, owner, on_expired, expires_ms, kid, index member,
 --       the new entry's fields (a JSON object of strings: one argument packs faster than forty)
@@ -28,7 +28,7 @@ if ARGV[2] ~= '' then  -- a superseded attempt must not claim (checked here, ato
   if epoch and tonumber(epoch) > tonumber(ARGV[2]) then return {'stale', epoch} end
 end
 local e = redis.call('HMGET', KEYS[1], 'state', 'lease_until', 'fingerprint', 'owner')
-if e[1] then
+if e[1] and e[1] ~= 'retried' then  -- an entry an operator retried is taken over: the call goes upstream
   -- this very claim, sent again after its reply was lost: it is ours
   if e[1] == 'in_flight' and e[4] == ARGV[4] then return {'won'} end
   if e[1] ~= 'in_flight' or tonumber(e[2]) > tonumber(ARGV[1]) or e[3] ~= ARGV[3] then
@@ -39,6 +39,7 @@ if e[1] then
     redis.call('HSET', KEYS[1], 'state', 'unknown', 'detail', 'the proxy holding the claim stopped mid-call')
     redis.call('HDEL', KEYS[1], 'owner')
     redis.call('DEL', KEYS[2])
+    redis.call('ZADD', KEYS[6], math.floor(tonumber(redis.call('HGET', KEYS[1], 'expires_at')) * 1000), ARGV[7])
     return {'taken', redis.call('HMGET', KEYS[1], READ_FIELDS)}
   end
 end
@@ -134,29 +135,31 @@ redis.call('PUBLISH', ARGV[2], ARGV[3])
 """
 
 SET_STATE = """
--- KEYS: entry, partial; ARGV: owner ('' = whoever holds it), state, detail, channel, kid
+-- KEYS: entry, partial, quarantined; ARGV: owner ('' = whoever holds it), state, detail,
+-- channel, kid, evidence (JSON, or '')
 local owner = redis.call('HGET', KEYS[1], 'owner')
 if redis.call('EXISTS', KEYS[1]) == 1 and (ARGV[1] == '' or owner == ARGV[1]) then
   redis.call('HSET', KEYS[1], 'state', ARGV[2], 'detail', ARGV[3])
   redis.call('HDEL', KEYS[1], 'owner')
   redis.call('DEL', KEYS[2])
+  if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'evidence', ARGV[6]) end
+  if ARGV[2] == 'unknown' then  -- counted until resolved or expired (its score)
+    redis.call('ZADD', KEYS[3], math.floor(tonumber(redis.call('HGET', KEYS[1], 'expires_at')) * 1000), ARGV[5])
+  end
 end
 redis.call('PUBLISH', ARGV[4], ARGV[5])
 """
 
 RESOLVE = """
--- KEYS: entry, steps-expiry; ARGV: channel, kid, prefix, then the answer's fields (none = retry)
+-- KEYS: entry, steps-expiry, quarantined; ARGV: channel, kid, prefix, then the answer's
+-- fields (none = retry)
 if redis.call('HGET', KEYS[1], 'state') ~= 'unknown' then return 0 end
-if #ARGV == 3 then  -- retry: forget the key, so the next request goes upstream
-  local rk = redis.call('HGET', KEYS[1], 'rk')
-  redis.call('DEL', KEYS[1])
-  if rk then
-    redis.call('ZREM', ARGV[3] .. 'steps:' .. rk, ARGV[2])
-    redis.call('ZREM', KEYS[2], ARGV[2] .. ' ' .. rk)
-  end
+if #ARGV == 3 then  -- retry: kept, findable; the next claim takes it over and goes upstream
+  redis.call('HSET', KEYS[1], 'state', 'retried')
 else
   redis.call('HSET', KEYS[1], unpack(ARGV, 4))
 end
+redis.call('ZREM', KEYS[3], ARGV[2])
 redis.call('PUBLISH', ARGV[1], ARGV[2])
 return 1
 """
@@ -230,10 +233,11 @@ return {#due, gone}
 """
 
 DELETE_JOURNAL = """
--- KEYS: steps, occ, steps-expiry, generation; ARGV: prefix, rk
+-- KEYS: steps, occ, steps-expiry, generation, quarantined; ARGV: prefix, rk
 local deleted = 0
 for _, kid in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   deleted = deleted + redis.call('DEL', ARGV[1] .. 'entry:' .. kid)
+  redis.call('ZREM', KEYS[5], kid)
   redis.call('DEL', ARGV[1] .. 'partial:' .. kid)
   redis.call('ZREM', KEYS[3], kid .. ' ' .. ARGV[2])
 end

@@ -6,11 +6,13 @@ Durability: WAL with ``synchronous=FULL``, so a commit is fsynced before it retu
   a thread of its own, :mod:`.disk`), shared by the journal and the runs; sqlite3's errors
   become StoreUnavailable.
 - :mod:`.schema`: the tables, and the upgrades of an older file, run at open.
-- :mod:`.journal`, :mod:`.runs`: the two halves of the store contract over that connection.
+- :mod:`.journal`, :mod:`.runs`: the two halves of the store contract over that connection;
+  :mod:`.audit`: operator actions.
 """
 
 from __future__ import annotations
 
+from .audit import SQLiteAudit
 from .connection import SQLiteConnection
 from .journal import SQLiteJournal
 from .runs import SQLiteRuns
@@ -26,6 +28,7 @@ class SQLiteStore:
         self.connection = SQLiteConnection(path, timeout)
         self.journal = SQLiteJournal(self.connection)
         self.runs = SQLiteRuns(self.connection)
+        self.audit = SQLiteAudit(self.connection)
 
     def __repr__(self) -> str:
         return f"SQLiteStore({self.path!r})"

@@ -11,7 +11,8 @@ import time
 
 import orjson
 
-from ..base import Claim, ClaimResult, Entry, EntryState, Recorded, counted, replayed_from, tallied
+from ..base import (ANSWERED_BY_OPERATOR, Claim, ClaimResult, Entry, EntryState, Recorded, counted,
+                    replayed_from, tallied)
 from ..purging import paced
 from .connection import SQLiteConnection
 
@@ -21,7 +22,7 @@ CLAIM_COLUMNS = ("(kid, tenant, run, epoch, upstream, key, fingerprint, method, 
                  "lease_until, created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
 CLAIM_NEW = f"INSERT INTO journal {CLAIM_COLUMNS} ON CONFLICT (kid) DO NOTHING"
 CLAIM_OVER = f"INSERT OR REPLACE INTO journal {CLAIM_COLUMNS}"
-GET = (f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing FROM journal "
+GET = (f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing, evidence FROM journal "
        "WHERE kid = ? AND expires_at > ?")
 NEXT_OCCURRENCE = ("INSERT INTO occurrences (tenant, run, epoch, fingerprint, n, expires_at) "
                    "VALUES (?, ?, ?, ?, 1, ?) ON CONFLICT DO UPDATE SET n = n + 1, "
@@ -74,7 +75,11 @@ class SQLiteJournal:
 
     async def get(self, kid: str) -> Entry | None:
         rows = await self._read(GET, (kid, time.time()))
-        return _entry(rows[0], _recorded(rows[0])) if rows else None
+        if not rows:
+            return None
+        entry = _entry(rows[0], _recorded(rows[0]))
+        entry.evidence = orjson.loads(rows[0]["evidence"]) if rows[0]["evidence"] else None
+        return entry
 
     async def claim(self, claim: Claim) -> ClaimResult:
         scope = claim.scope
@@ -95,7 +100,8 @@ class SQLiteJournal:
                 return ClaimResult(True, claim.entry(now))
             row = c.execute(f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing "
                             "FROM journal WHERE kid = ?", (kid,)).fetchone()
-            if row is not None and row["expires_at"] > now:
+            # a live entry answers, unless an operator retried it: the next claim takes it over
+            if row is not None and row["expires_at"] > now and row["state"] != EntryState.RETRIED:
                 existing = _entry(row, _recorded(row))
                 if (existing.state != EntryState.IN_FLIGHT or existing.lease_until > now
                         or existing.fingerprint != claim.fingerprint):
@@ -188,33 +194,36 @@ class SQLiteJournal:
         finally:
             self._waiters.wake(kid)
 
-    async def _set_state(self, kid: str, owner: str | None, state: str, detail: str) -> None:
+    async def _set_state(self, kid: str, owner: str | None, state: str, detail: str,
+                         evidence: dict | None = None) -> None:
+        kept = None if evidence is None else orjson.dumps(evidence)
+
         def op(c):
-            c.execute("UPDATE journal SET state = ?, owner = NULL, detail = ? WHERE kid = ? "
-                      "AND (? IS NULL OR owner = ?)", (state, detail, kid, owner, owner))
+            c.execute("UPDATE journal SET state = ?, owner = NULL, detail = ?, evidence = ? WHERE kid = ? "
+                      "AND (? IS NULL OR owner = ?)", (state, detail, kept, kid, owner, owner))
             c.execute(DROP_PARTIALS, (kid,))
         try:
             await self._db.write(op)
         finally:
             self._waiters.wake(kid)
 
-    async def quarantine(self, kid: str, owner: str | None, detail: str) -> None:
-        await self._set_state(kid, owner, EntryState.UNKNOWN, detail)
+    async def quarantine(self, kid: str, owner: str | None, detail: str, evidence: dict | None = None) -> None:
+        await self._set_state(kid, owner, EntryState.UNKNOWN, detail, evidence)
 
     async def mark_unrecordable(self, kid: str, owner: str, detail: str) -> None:
         await self._set_state(kid, owner, EntryState.UNRECORDABLE, detail)
 
     async def resolve(self, kid: str, recorded: Recorded | None) -> bool:
         def op(c):
-            if recorded is None:
+            if recorded is None:  # kept, findable: the next claim of its key takes it over
                 c.execute(DROP_PARTIALS, (kid,))
-                return c.execute("DELETE FROM journal WHERE kid = ? AND state = ?",
-                                 (kid, EntryState.UNKNOWN)).rowcount == 1
+                return c.execute("UPDATE journal SET state = ? WHERE kid = ? AND state = ?",
+                                 (EntryState.RETRIED, kid, EntryState.UNKNOWN)).rowcount == 1
             return c.execute(
                 "UPDATE journal SET state = ?, status = ?, headers = ?, body = ?, streamed = 0, "
-                "completed_at = ?, detail = 'resolved by operator' WHERE kid = ? AND state = ?",
+                "completed_at = ?, detail = ? WHERE kid = ? AND state = ?",
                 (EntryState.COMPLETE, recorded.status, orjson.dumps(recorded.headers), recorded.body,
-                 time.time(), kid, EntryState.UNKNOWN)).rowcount == 1
+                 time.time(), ANSWERED_BY_OPERATOR, kid, EntryState.UNKNOWN)).rowcount == 1
         try:
             return await self._db.write(op)
         finally:
@@ -285,6 +294,12 @@ class SQLiteJournal:
         rows = await self._read("SELECT kid FROM journal WHERE kid >= ? AND kid < ? ORDER BY kid LIMIT ?",
                                 (prefix, prefix + "g", limit))
         return [row[0] for row in rows]
+
+    async def count_quarantined(self) -> int:
+        # as written, so that the partial index journal_quarantined serves it
+        rows = await self._read("SELECT count(*) FROM journal WHERE state = 'unknown' AND expires_at > ?",
+                                (time.time(),))
+        return rows[0][0]
 
     async def delete_run(self, namespace: str, run: str) -> int:
         def op(c):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS journal (
     kid TEXT PRIMARY KEY, tenant TEXT NOT NULL, run TEXT, epoch INTEGER,
@@ -13,9 +13,10 @@ CREATE TABLE IF NOT EXISTS journal (
     state TEXT NOT NULL, owner TEXT, lease_until REAL NOT NULL DEFAULT 0,
     status INTEGER, headers BLOB, body BLOB, streamed INTEGER NOT NULL DEFAULT 0, timing BLOB,
     detail TEXT, created_at REAL NOT NULL, completed_at REAL, expires_at REAL NOT NULL,
-    replays INTEGER NOT NULL DEFAULT 0, replayed BLOB);
+    replays INTEGER NOT NULL DEFAULT 0, replayed BLOB, evidence BLOB);
 CREATE INDEX IF NOT EXISTS journal_by_run ON journal (namespace, run, created_at);
 CREATE INDEX IF NOT EXISTS journal_by_expiry ON journal (expires_at);
+CREATE INDEX IF NOT EXISTS journal_quarantined ON journal (expires_at) WHERE state = 'unknown';
 CREATE TABLE IF NOT EXISTS partials (
     kid TEXT NOT NULL, seq INTEGER NOT NULL, data BLOB NOT NULL, PRIMARY KEY (kid, seq));
 CREATE TABLE IF NOT EXISTS occurrences (
@@ -32,6 +33,12 @@ CREATE INDEX IF NOT EXISTS runs_by_state ON runs (state, last_seen);
 CREATE TABLE IF NOT EXISTS secrets (name TEXT PRIMARY KEY, value BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS cache_generation (
     id INTEGER PRIMARY KEY CHECK (id = 0), generation INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS actions (
+    at REAL NOT NULL, who TEXT NOT NULL, action TEXT NOT NULL, namespace TEXT, run TEXT, kid TEXT,
+    detail BLOB, expires_at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS actions_by_kid ON actions (kid);
+CREATE INDEX IF NOT EXISTS actions_by_run ON actions (namespace, run);
+CREATE INDEX IF NOT EXISTS actions_by_expiry ON actions (expires_at);
 """
 # What takes a file made by version N-1 to version N (SCHEMA above is already the latest).
 UPGRADES = {2: "ALTER TABLE runs ADD COLUMN restart_times BLOB",
@@ -40,7 +47,15 @@ UPGRADES = {2: "ALTER TABLE runs ADD COLUMN restart_times BLOB",
             4: "ALTER TABLE journal ADD COLUMN replayed BLOB",  # replays by epoch (Entry.replayed)
             # the journal's invalidation generation (Journal.generation): no row reads as 0
             5: "CREATE TABLE IF NOT EXISTS cache_generation ("
-               "id INTEGER PRIMARY KEY CHECK (id = 0), generation INTEGER NOT NULL)"}
+               "id INTEGER PRIMARY KEY CHECK (id = 0), generation INTEGER NOT NULL)",
+            # a quarantined call's evidence; operator actions (the audit); quarantined entries counted
+            6: "ALTER TABLE journal ADD COLUMN evidence BLOB; "
+               "CREATE INDEX IF NOT EXISTS journal_quarantined ON journal (expires_at) WHERE state = 'unknown'; "
+               "CREATE TABLE IF NOT EXISTS actions (at REAL NOT NULL, who TEXT NOT NULL, action TEXT NOT NULL, "
+               "namespace TEXT, run TEXT, kid TEXT, detail BLOB, expires_at REAL NOT NULL); "
+               "CREATE INDEX IF NOT EXISTS actions_by_kid ON actions (kid); "
+               "CREATE INDEX IF NOT EXISTS actions_by_run ON actions (namespace, run); "
+               "CREATE INDEX IF NOT EXISTS actions_by_expiry ON actions (expires_at)"}
 
 
 def migrate(conn: sqlite3.Connection) -> None:
