@@ -28,7 +28,7 @@ from .forwarded import Forwarding
 from .freshness import Freshness
 from .heartbeats import Heartbeats
 from .identity import Identity, TenantResolver, parse_epoch, parse_key, parse_policy, parse_run
-from .mcp import McpUpstreams, ToolAnswer
+from .mcp import McpUpstreams, ToolAnswer, journaled_path
 from .metrics import Metrics
 from .outcomes import Outcome
 from .policy import OnAmbiguous, Policy
@@ -375,7 +375,8 @@ class Proxy:
         store = self.settings.store
         result = await self.store.journal.claim(Claim(
             scope=scope, fingerprint=fp, owner=f"{self._owner}{next(self._claims)}", lease_s=store.lease,
-            retention_s=store.retention, method=request.method, path=route.path, epoch=ident.epoch,
+            retention_s=store.retention, method=request.method, path=journaled_path(request, route.path),
+            epoch=ident.epoch,
             on_expired=self.on_ambiguous[route.upstream.name], namespace=ident.namespace))
         if result.stale_epoch is not None:  # a restart moved the run on since the fence
             raise Problem("stale-epoch", f"run {ident.run} is at epoch {result.stale_epoch}",

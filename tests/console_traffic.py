@@ -76,3 +76,19 @@ async def buried(http, proxy) -> None:
 async def quarantined_kid(proxy) -> str:
     [entry] = await proxy.store.journal.search(key="key:" + QUARANTINED_KEY)
     return entry.kid
+
+
+MCP_RUN, MCP_TOOL = "mcp-mailer", "send_email"
+
+
+async def mcp_tool_call(http, proxy) -> None:
+    """A run whose one step is an MCP tools/call (to examples/mcp_tool_server.py), journaled
+    under a key derived from what it means."""
+    body = {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+            "params": {"name": MCP_TOOL, "arguments": {"to": "ann@example.com", "subject": "invoice 43"}}}
+    headers = {"Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2026-07-28",
+               "Mcp-Method": "tools/call", "Mcp-Name": MCP_TOOL}
+    body["params"]["_meta"] = {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                               "io.modelcontextprotocol/clientCapabilities": {}}
+    async with http.post(f"{proxy.url}/runs/{MCP_RUN}/epochs/0/mcp/mcp", json=body, headers=headers) as resp:
+        await _ok(resp)

@@ -4,8 +4,11 @@ and resumed, a quarantined tool call, a dead run).
 
 It logs in, opens every page, resolves the quarantined call and revives the dead run
 through the pages (and checks the store changed), and saves a 1280x800 screenshot of each
-page. The screenshots' folder is printed (``pytest -s``) and kept under pytest's temporary
-directory, or under ``$IDEMPROXY_SCREENSHOTS`` when set.
+page; then what an operator needs besides (issue 26 item 8): a completed run's quarantined
+call marked and decided from its timeline, the navigation's count, an MCP step by its tool,
+the journal searched by key, runs by namespace, and every page in dark mode. The
+screenshots are kept in tests/artifacts/console/<test> (gitignored), or under
+``$IDEMPROXY_SCREENSHOTS`` when set; the folder is printed (``pytest -s``).
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
-from console_traffic import DEAD_RUN, RUN, buried, crashed_and_resumed, hook_sections, quarantined_kid
+from console_traffic import (DEAD_RUN, MCP_RUN, MCP_TOOL, QUARANTINED_KEY, RUN, buried, crashed_and_resumed,
+                             hook_sections, mcp_tool_call, quarantined_kid)
 from idemproxy.proxy.store.base import EntryState, RunState
+from test_mcp import ToolServer
 
 pytestmark = pytest.mark.slow  # a browser process and a dozen page loads
 
@@ -31,9 +36,13 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 
 
+ARTIFACTS = Path(__file__).resolve().parent / "artifacts" / "console"
+
+
 @pytest.fixture
-def screenshots(tmp_path_factory) -> Path:
-    folder = Path(os.environ.get("IDEMPROXY_SCREENSHOTS") or tmp_path_factory.mktemp("console-screenshots"))
+def screenshots(request) -> Path:
+    folder = Path(os.environ.get("IDEMPROXY_SCREENSHOTS") or ARTIFACTS) / request.node.name
+    shutil.rmtree(folder, ignore_errors=True)  # this run's screenshots only
     folder.mkdir(parents=True, exist_ok=True)
     print(f"\nconsole screenshots: {folder}")
     return folder
@@ -181,3 +190,80 @@ async def test_the_console_in_a_real_browser(make_proxy, sqlite_url, http, chrom
     await page.open("/ui/runs")
     assert page.path.startswith("/ui/login")  # logged out
     assert len(list(screenshots.glob("*.png"))) == 11
+
+
+async def test_what_an_operator_needs_in_a_real_browser_light_and_dark(make_proxy, sqlite_url, http, chromium,
+                                                                     screenshots, tmp_path):
+    tools = ToolServer(json_response=True)
+    await tools.start()
+    try:
+        proxy = await make_proxy(sqlite_url, **hook_sections(tmp_path), upstreams__mcp={"url": tools.url, "kind": "mcp"},
+                                 upstreams__openai={"prices": {"gpt-4o-mini": [0.15, 0.60]}})
+        await crashed_and_resumed(http, proxy)
+        await buried(http, proxy)
+        await mcp_tool_call(http, proxy)
+        async with http.post(f"{proxy.url}/runs/{RUN}/complete") as resp:  # done, one call still unknown
+            assert resp.status == 200
+        page = Page(chromium, proxy.url, screenshots)
+        await page.open("/ui/login")
+        await page.type("#token", "test-admin-token")
+        await page.submit("button.primary")
+
+        assert (await page.do(lambda: chromium.find_element(By.ID, "nav-quarantine").text)).split() == ["Quarantine", "2"]
+        row = await page.do(lambda: chromium.find_element(
+            By.XPATH, f"//tr[td/a[text()='{RUN}']]").text)
+        assert "completed" in row and "1 quarantined" in row
+        await page.shot("01-runs-marked")
+
+        await page.open(f"/ui/runs/{RUN}?namespace=default")
+        assert "1 quarantined" in await page.do(lambda: chromium.find_element(By.TAG_NAME, "h1").text)
+        times = await page.do(chromium.execute_script, """return [...document.querySelectorAll('.attempt')[1]
+            .querySelectorAll('tr[data-at]')].map(r => parseFloat(r.dataset.at))""")
+        assert len(times) == 7 and times == sorted(times)
+        await page.do(chromium.execute_script, "document.querySelector('tr.decide').scrollIntoView({block: 'center'})")
+        decide = await page.do(lambda: chromium.find_element(By.CSS_SELECTOR, "tr.decide").text)
+        assert "upstream answered 503" in decide and "Retry" in decide
+        await page.shot("02-run-quarantined-step")
+        await page.click("tr.decide details summary")
+        await page.type("tr.decide textarea[name=body]", '{"sent": true}')
+        await page.submit("tr.decide form.respond button.primary")
+        assert page.path == f"/ui/runs/{RUN}?namespace=default&done=responded"
+        assert (await proxy.store.journal.get(await quarantined_kid(proxy))).state == EntryState.COMPLETE
+        assert (await page.do(lambda: chromium.find_element(By.ID, "nav-quarantine").text)).split() == ["Quarantine", "1"]
+
+        await page.open(f"/ui/runs/{MCP_RUN}?namespace=default")
+        assert f"tools/call {MCP_TOOL}" in await page.do(lambda: chromium.find_element(By.CSS_SELECTOR, "td.path").text)
+        await page.shot("03-mcp-step")
+
+        await page.open("/ui/journal")
+        await page.type("input[name=key]", QUARANTINED_KEY)
+        await page.submit("form.filters button")
+        found = await page.do(lambda: chromium.find_element(By.ID, "journal-entries").text)
+        assert QUARANTINED_KEY in found and len(found.splitlines()) == 2
+        await page.shot("04-journal-by-key")
+
+        await page.open("/ui/runs")
+        await page.type("input[name=namespace]", "default")
+        await page.do(lambda: chromium.find_element(By.CSS_SELECTOR, "select[name=since] option[value='1h']").click())
+        await page.submit("form.filters button")
+        assert "namespace=default" in page.path and "since=1h" in page.path
+        assert DEAD_RUN in await page.text()
+
+        await page.open(f"/ui/runs/{DEAD_RUN}?namespace=default")
+        assert "the run is dead" in await page.text()
+        await page.submit("form.inline button.primary")  # revive
+        restarts = await page.do(lambda: chromium.find_element(By.ID, "restarts").text)
+        assert restarts.startswith("0 of 0 allowed") and "1 in all" in restarts
+
+        await page.do(chromium.execute_cdp_cmd, "Emulation.setEmulatedMedia",
+                      {"features": [{"name": "prefers-color-scheme", "value": "dark"}]})
+        for name, path in (("05-dark-runs", "/ui/runs"), ("06-dark-run", f"/ui/runs/{RUN}?namespace=default"),
+                           ("07-dark-journal", "/ui/journal"), ("08-dark-quarantine", "/ui/quarantine")):
+            await page.open(path)
+            background = await page.do(chromium.execute_script,
+                                       "return getComputedStyle(document.documentElement).backgroundColor")
+            assert background == "rgb(15, 19, 27)", (path, background)
+            await page.shot(name)
+        assert len(list(screenshots.glob("*.png"))) == 8
+    finally:
+        await tools.stop()

@@ -7,7 +7,7 @@ built with Node.
 - :mod:`.site` — the sub-application: sessions or the login page, HTML errors, headers;
 - :mod:`.sessions` — signed session cookies and CSRF tokens;
 - :mod:`.pages` (GET) and :mod:`.actions` (POST) — the handlers;
-- :mod:`.timeline` — a run's attempts side by side, from its journal and history;
+- :mod:`.timeline` — a run's attempts one after the other, from its journal and history;
 - :mod:`.ledger` — tokens and cost per recorded answer, what replays saved;
 - :mod:`.charts` — inline SVG; :mod:`.formats` — times, money and counts as shown.
 """
@@ -28,6 +28,7 @@ ROUTES = [
     ("GET", "/runs/{run_id}", pages.run_page, "run"),
     ("GET", "/runs/{run_id}/log/{index}", pages.attempt_log, "log"),
     ("POST", "/runs/{run_id}/revive", actions.revive, "revive"),
+    ("GET", "/journal", pages.journal_page, "journal"),
     ("GET", "/journal/{kid}", pages.entry_page, "entry"),
     ("POST", "/journal/{kid}/resolve", actions.resolve, "resolve"),
     ("GET", "/quarantine", pages.quarantine_page, "quarantine"),

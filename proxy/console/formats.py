@@ -78,3 +78,14 @@ def header_text(value: str) -> str:
 @_filter
 def short(kid: str | None) -> str:
     return (kid or "")[:12]
+
+
+@_filter
+def tool(path: str) -> str:
+    """The MCP tool a journaled ``tools/call`` named (its path is ``/mcp#send_email``), or ''."""
+    return path.partition("#")[2]
+
+
+@_filter
+def bare_path(path: str) -> str:
+    return path.partition("#")[0]

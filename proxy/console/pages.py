@@ -4,11 +4,13 @@ savings, and the attempt logs hooks wrote. Every read goes through the runs serv
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
+from urllib.parse import urlencode
 
 from aiohttp import web
 
-from ..appkeys import RUNS
+from ..appkeys import RUNS, SETTINGS
 from ..problems import Problem
 from ..runs.api import run_id
 from ..runs.bodies import readable
@@ -20,8 +22,10 @@ from .ledger import Saved
 from .site import console, render
 from .timeline import attempts
 
-RUNS_SHOWN = 100  # rows on the runs page
-RUNS_SEARCHED = 2000  # runs a search by id looks through
+RUNS_SHOWN = 100  # rows on a page of runs
+RUNS_SEARCHED = 2000  # runs a filtered listing looks through (by id, namespace, time), newest first
+SINCE = {"1h": 3600, "24h": 86400, "7d": 7 * 86400}  # "seen in the last ..." filter
+ENTRIES_SHOWN = 200  # rows on the journal page
 SAVINGS_RUNS = 500  # the newest runs the savings page adds up
 LOG_TAIL_BYTES = 1 << 20
 DONE = {"retried": "Resolved: the next call with this key goes upstream again.",
@@ -34,16 +38,42 @@ async def home(request: web.Request) -> web.Response:
 
 
 async def runs_page(request: web.Request) -> web.Response:
-    service = request.config_dict[RUNS]
-    state = request.query.get("state") or None
+    """Runs, newest first, a page at a time: by state, id, namespace and last sign of life."""
+    service, query = request.config_dict[RUNS], request.query
+    state = query.get("state") or None
     if state is not None and state not in RUN_STATES:
         raise Problem("invalid-request", f"state must be one of {', '.join(RUN_STATES)}")
-    search = request.query.get("q", "").strip()
-    runs, steps = await service.listing(state, RUNS_SEARCHED if search else RUNS_SHOWN)
+    search, namespace = query.get("q", "").strip(), query.get("namespace", "").strip()
+    since = query.get("since") or None
+    if since is not None and since not in SINCE:
+        raise Problem("invalid-request", f"since must be one of {', '.join(SINCE)}")
+    try:
+        page = max(1, int(query.get("page") or 1))
+    except ValueError:
+        raise Problem("invalid-request", "page must be a number") from None
+    filtered = bool(search or namespace or since)
+    wanted = page * RUNS_SHOWN + 1  # one more than this page: is there a next one?
+    runs, steps = await service.listing(state, max(wanted, RUNS_SEARCHED) if filtered else wanted)
+    namespaces = sorted({r.namespace for r in runs})
+    scanned_all = len(runs) < max(wanted, RUNS_SEARCHED)
     if search:
-        runs = [r for r in runs if search.lower() in r.run_id.lower()][:RUNS_SHOWN]
-    saved = await _saved(request, runs)
+        runs = [r for r in runs if search.lower() in r.run_id.lower()]
+    if namespace:
+        runs = [r for r in runs if r.namespace == namespace]
+    if since:
+        runs = [r for r in runs if r.last_seen >= time.time() - SINCE[since]]
+    more = len(runs) > page * RUNS_SHOWN
+    runs = runs[(page - 1) * RUNS_SHOWN:page * RUNS_SHOWN]
+    journals = await _journals(request, runs)
+    saved = await _saved(request, runs, journals)
+    here = {k: v for k, v in (("state", state), ("q", search), ("namespace", namespace), ("since", since)) if v}
+    link = "/ui/runs?{}".format
     return render(request, "runs.html", runs=runs, steps=steps, saved=saved, state=state, search=search,
+                  namespace=namespace, namespaces=namespaces, since=since, sinces=list(SINCE), page=page,
+                  first=(page - 1) * RUNS_SHOWN + 1, scanned_all=scanned_all or not filtered,
+                  searched=RUNS_SEARCHED, quarantined=_quarantined(runs, journals),
+                  newer=link(urlencode({**here, "page": page - 1})) if page > 1 else None,
+                  older=link(urlencode({**here, "page": page + 1})) if more else None,
                   states=RUN_STATES, total=_total(saved.values()))
 
 
@@ -53,9 +83,35 @@ async def run_page(request: web.Request) -> web.Response:
     entries = await service.journal(run)
     ledger = console(request).ledger(request)
     spends = await ledger.spends(entries)
+    window = request.config_dict[SETTINGS].runs.restart_window_s
     return render(request, "run.html", run=run, attempts=attempts(run, entries, spends),
                   saved=await ledger.saved(entries), agent_key=agent_key, entries=len(entries),
+                  quarantined=sum(1 for e in entries if e.state == EntryState.UNKNOWN),
+                  counted=sum(1 for t in run.restart_times if t > time.time() - window), window=window,
                   done=DONE.get(request.query.get("done", "")))
+
+
+async def journal_page(request: web.Request) -> web.Response:
+    """The journal of every run: by the agent's Idempotency-Key, the start of a kid, state,
+    run or tenant, newest first."""
+    service, query = request.config_dict[RUNS], request.query
+    key, kid = query.get("key", "").strip(), query.get("kid", "").strip()
+    run, tenant = query.get("run", "").strip() or None, query.get("tenant", "").strip() or None
+    state = query.get("state") or None
+    if state is not None and state not in tuple(EntryState):
+        raise Problem("invalid-request", f"state must be one of {', '.join(EntryState)}")
+    if kid:  # an entry named by its kid, as tables show it: straight to it
+        return web.Response(status=303, headers={"Location": f"/ui/journal/{await service.kid(kid)}"})
+    if key:
+        found = await service.find_key(key, tenant=tenant, run=run, limit=ENTRIES_SHOWN)
+        found = [e for e in found if state is None or e.state == state]
+    else:
+        if tenant is not None and ":" not in tenant and tenant != "anonymous":
+            tenant = "t:" + tenant  # as find_key takes it
+        found = await service.entries(state, ENTRIES_SHOWN, run=run, tenant=tenant)
+    return render(request, "journal.html", entries=found, key=key, run=run or "", tenant=query.get("tenant", ""),
+                  state=state, states=list(EntryState), agent_key=agent_key, limit=ENTRIES_SHOWN,
+                  filtered=bool(key or run or tenant or state))
 
 
 async def entry_page(request: web.Request) -> web.Response:
@@ -133,11 +189,20 @@ async def unknown(request: web.Request) -> web.Response:
     raise Problem("not-found", f"no console page {request.path}")
 
 
-async def _saved(request: web.Request, runs: list[Run]) -> dict[tuple[str, str], Saved]:
+async def _journals(request: web.Request, runs: list[Run]) -> list[list]:
     service = request.config_dict[RUNS]
+    return list(await asyncio.gather(*(service.journal(r) for r in runs)))
+
+
+async def _saved(request: web.Request, runs: list[Run], journals: list[list]) -> dict[tuple[str, str], Saved]:
     ledger = console(request).ledger(request)
-    journals = await asyncio.gather(*(service.journal(r) for r in runs))
     return {(r.namespace, r.run_id): await ledger.saved(entries) for r, entries in zip(runs, journals)}
+
+
+def _quarantined(runs: list[Run], journals: list[list]) -> dict[tuple[str, str], int]:
+    """Each run's entries whose outcome is unknown: a completed run may still hold some."""
+    return {(r.namespace, r.run_id): sum(1 for e in entries if e.state == EntryState.UNKNOWN)
+            for r, entries in zip(runs, journals)}
 
 
 def _total(each) -> Saved:

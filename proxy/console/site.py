@@ -22,6 +22,7 @@ from aiohttp import web
 
 from ..appkeys import RUNS, SETTINGS, STORE
 from ..problems import Problem
+from ..store.base import EntryState, RunState
 from .formats import FILTERS
 from .ledger import Ledger
 from .sessions import COOKIE, Session, Sessions, check_csrf
@@ -34,6 +35,7 @@ HEADERS = {
     "Cache-Control": "no-store",
 }
 OPEN_ROUTES = frozenset({"login", "login-submit"})  # reachable without a session
+COUNTED = 500  # quarantined entries and dead runs the navigation counts, at most
 
 
 @dataclass
@@ -57,6 +59,8 @@ class Console:
 
 CONSOLE = web.AppKey("console", Console)
 SESSION = web.RequestKey("session", Session)
+# what waits for an operator, shown in the navigation: (quarantined entries, dead runs)
+WAITING = web.RequestKey("waiting", tuple)
 
 
 def console_app(routes: list[tuple[str, str, Any, str | None]]) -> web.Application:
@@ -75,7 +79,8 @@ def console_app(routes: list[tuple[str, str, Any, str | None]]) -> web.Applicati
 def render(request: web.Request, template: str, status: int = 200, **context: Any) -> web.Response:
     session = request.get(SESSION)
     page = request.app[CONSOLE].pages.get_template(template).render(
-        csrf=session.csrf if session else "", here=request.path, query=request.query, **context)
+        csrf=session.csrf if session else "", here=request.path, query=request.query,
+        waiting=request.get(WAITING, (0, 0)), **context)
     return web.Response(text=page, status=status, content_type="text/html", headers=HEADERS)
 
 
@@ -110,7 +115,17 @@ async def _gate(request: web.Request, handler) -> web.StreamResponse:
             return web.Response(status=303, headers={"Location": "/ui/login?next=" + quote(request.path_qs, safe="")})
         if request.method == "POST":
             check_csrf(session.csrf, (await request.post()).get("csrf"))
+        else:
+            request[WAITING] = await _waiting(request)
         request[SESSION] = session
     response = await handler(request)
     response.headers.update(HEADERS)
     return response
+
+
+async def _waiting(request: web.Request) -> tuple[int, int]:
+    """Quarantined entries and dead runs, for the navigation's count (up to COUNTED each)."""
+    service = request.config_dict[RUNS]
+    quarantined = await service.entries(EntryState.UNKNOWN, COUNTED)
+    dead = (await request.config_dict[STORE].runs.count()).get(RunState.DEAD, 0)
+    return len(quarantined), dead

@@ -1,10 +1,12 @@
-"""A run's attempts side by side: which steps went live, which were replayed, where it
-stopped. Built from what the store keeps, at view time:
+"""A run's attempts, one after the other: which steps went live, which were replayed, where
+it stopped. Built from what the store keeps, at view time:
 
 - a step went *live* in the epoch its entry was claimed in (``Entry.epoch``), at
   ``created_at``, taking ``completed_at - created_at`` (claim to durable record);
 - it was *replayed* in every epoch its replays were tallied under (``Entry.replayed``,
-  counted in the background within a second of the replay, so its time is that close);
+  counted in the background within a second of the replay, so that time is an upper bound;
+  as the agent replays in journal order, so is the time of the next step: a replayed step
+  shows the earlier of the two, marked ``≤``, and an attempt's times never run backwards);
 - a *quarantined* step is an entry whose outcome is unknown, *in flight* one still claimed;
 - an attempt starts with its history event (restart, admin-restart, attempt, revive) and
   ends where the next one starts, or with the run (completed, failed, dead); how it ended
@@ -14,7 +16,9 @@ stopped. Built from what the store keeps, at view time:
 Steps are in journal order (the order the calls were first made): a resumed agent asks
 again in that order, so an attempt's replayed prefix comes first and its live steps follow.
 Joined requests (duplicates that shared a call in flight) are not stored, so no step shows
-them; ``idemproxy_requests_total{outcome="joined"}`` counts them.
+them; ``idemproxy_requests_total{outcome="joined"}`` counts them. Neither are refusals (409
+conflict, 412 superseded epoch, 422 no credential, 502 outcome unknown on a quarantined key):
+they are answered without a write, so the page says where they are counted instead.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from .ledger import NOTHING, Spend
 
 STARTS = {"restart": "restarted by the supervisor", "admin-restart": "restarted by an operator",
           "attempt": "new attempt started by the agent", "revive": "revived by an operator"}
+RUN_ENDED = {RunState.COMPLETED: "the run completed", RunState.FAILED: "the run failed",
+             RunState.DEAD: "the run is dead"}
 OUTCOMES = {EntryState.COMPLETE: "live", EntryState.UNKNOWN: "quarantined",
             EntryState.IN_FLIGHT: "in flight", EntryState.UNRECORDABLE: "live, not kept"}
 
@@ -40,6 +46,7 @@ class Step:
     latency_s: float | None
     spend: Spend
     replays_here: int = 0  # a live step replayed in its own attempt (the agent retried its key)
+    at_most: bool = False  # ``at`` is an upper bound (a replay's time, see the module's docstring)
 
 
 @dataclass(slots=True)
@@ -94,6 +101,17 @@ def _place(found: dict[int | None, Attempt], entry: Entry, spent: Spend) -> None
             found[epoch].steps.append(Step(entry, "replayed", first_seen, None, spent))
 
 
+def _bound_replay_times(steps: list[Step]) -> None:
+    """A replayed step happened before the step after it: its time is at most that one's."""
+    later = None
+    for step in reversed(steps):
+        if step.outcome == "replayed":
+            step.at_most = True
+            if later is not None and later < step.at:
+                step.at = later
+        later = step.at
+
+
 def _ends(run: Run, ordered: list[Attempt]) -> None:
     numbered = [a for a in ordered if a.epoch is not None]
     for attempt, following in zip(numbered, numbered[1:]):
@@ -101,8 +119,9 @@ def _ends(run: Run, ordered: list[Attempt]) -> None:
         attempt.cut_short = True
     for attempt in ordered:
         attempt.steps.sort(key=lambda s: s.entry.created_at)
+        _bound_replay_times(attempt.steps)
     if run.state in ENDED and numbered:
-        numbered[-1].ended = f"the run {run.state}"
+        numbered[-1].ended = RUN_ENDED[run.state]
         numbered[-1].cut_short = run.state == RunState.DEAD
     recorded = endings(run.history)
     for attempt, following in zip(numbered, numbered[1:] + [None]):

@@ -12,6 +12,6 @@ passed through.
 """
 
 from .outcome import ToolAnswer
-from .upstream import McpUpstreams
+from .upstream import McpUpstreams, journaled_path
 
-__all__ = ["McpUpstreams", "ToolAnswer"]
+__all__ = ["McpUpstreams", "ToolAnswer", "journaled_path"]

@@ -23,6 +23,19 @@ from .occurrences import Occurrences, Site
 from .readdress import Cuts, Readdress
 
 
+# The tool a tools/call names, for its journal entry's path (:func:`journaled_path`)
+TOOL = web.RequestKey("mcp_tool", str)
+MAX_TOOL_SHOWN = 128  # characters of a tool's name kept (MCP's own limit for names)
+
+
+def journaled_path(request: web.Request, path: str) -> str:
+    """The path a journal entry shows: a tools/call's names its tool after ``#``
+    (``/mcp#send_email``), so operators see which tool a step called. A fragment is never
+    sent, so this names no other resource; nothing else reads an entry's path."""
+    tool = request.get(TOOL)
+    return path if tool is None else f"{path}#{tool}"
+
+
 @dataclass(eq=False, slots=True)
 class Plan:
     """What the proxy does with one MCP request: pass it through (``call`` None, maybe
@@ -82,6 +95,7 @@ class McpUpstreams:
             ident = Identity(key=key, run=ident.run, epoch=ident.epoch, policy=ident.policy,
                              namespace=ident.namespace)
         site = (whose, ident.namespace, ident.run, ident.epoch, fp) if key is None and ident.run else None
+        request[TOOL] = message.name[:MAX_TOOL_SHOWN]
         return Plan(ident, message, fp=fp, site=site)
 
     async def occurrence(self, plan: Plan, count: Callable[[], Awaitable[int]]) -> int:

@@ -289,10 +289,11 @@ class RunsService:
             raise Problem("not-found", f"no journal entry {kid}")
         return entry
 
-    async def entries(self, state: EntryState | None = None, limit: int = 100) -> list[Entry]:
-        """Journal entries of every run, newest first, without bodies (``journal list``, the
-        console's quarantine)."""
-        return await self.store.journal.search(state=state, limit=limit)
+    async def entries(self, state: EntryState | None = None, limit: int = 100, *, run: str | None = None,
+                      tenant: str | None = None) -> list[Entry]:
+        """Journal entries of every run (or of ``run``, or ``tenant``), newest first, without
+        bodies (``journal list``, the console's quarantine and journal pages)."""
+        return await self.store.journal.search(state=state, run=run, tenant=tenant, limit=limit)
 
     async def find_key(self, key: str, *, tenant: str | None = None, run: str | None = None,
                        limit: int = 100) -> list[Entry]:
