@@ -242,16 +242,20 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def _count_runs(app: web.Application) -> None:
-    """Runs by state, counted in the store when scraped: every process that answers
-    /metrics shows them (every worker, with or without the supervisor)."""
+    """Runs by state, and quarantined journal entries, counted in the store when scraped:
+    every process that answers /metrics shows them (every worker, with or without the
+    supervisor)."""
     m = app[METRICS]
     now = time.monotonic()
     if now - m.runs_counted_at < RUNS_COUNT_TTL_S:
         return
     m.runs_counted_at = now
+    store, timeout = app[STORE], app[SETTINGS].store.timeout
     try:
-        counts = await asyncio.wait_for(app[STORE].runs.count(), app[SETTINGS].store.timeout)
+        counts = await asyncio.wait_for(store.runs.count(), timeout)
+        quarantined = await asyncio.wait_for(store.journal.count_quarantined(), timeout)
     except (StoreUnavailable, asyncio.TimeoutError) as exc:  # the other metrics still answer
         log.warning("runs not counted for /metrics: %s", exc)
         return
     m.set_runs(counts)
+    m.quarantined.set(quarantined)

@@ -28,6 +28,7 @@ from typing import Protocol
 import orjson
 
 from .config import UpstreamSettings
+from .evidence import evidence
 from .forward import failure_slug, is_stream, never_sent, response_headers, storable_headers
 from .policy import OnAmbiguous, Verdict, verdict
 from .store import Store, StoreUnavailable
@@ -91,6 +92,10 @@ class Call:
     max_record_bytes: int
     reader: AnswerReader | None = None  # None: the HTTP status decides (SPEC §4)
     max_record_seconds: float = float("inf")
+    # what a quarantine keeps for the operator (evidence.py): bytes of the request's body and
+    # of the answer's, each; the configured credential headers, masked with ours
+    max_evidence_bytes: int = 0
+    credential_headers: tuple[str, ...] = ()
     status: int = 0
     headers: list[tuple[str, str]] = field(default_factory=list)
     streamed: bool = False
@@ -115,6 +120,9 @@ class Call:
     _line_start: bytes = b""  # the unfinished last line passed so far, while it is short
     _sharing: asyncio.Event | None = None  # streams: set when copying to the store must stop
     _length: tuple[str, str] | None = None  # a HEAD answer's Content-Length (_storable)
+    _sent: tuple[list[tuple[str, str]], bytes] = ((), b"")  # the request, for a quarantine's evidence
+    _first_bytes: bytearray = field(default_factory=bytearray)  # of the answer, up to max_evidence_bytes
+    _answer_bytes: int = 0  # of the answer, read so far (for a quarantine's evidence)
 
     @property
     def gave_back(self) -> bool:
@@ -182,6 +190,8 @@ class Call:
                    heartbeat) -> CallResult:
         sent = time.perf_counter()
         self._record_until = sent + self.max_record_seconds
+        if self.on_ambiguous is OnAmbiguous.QUARANTINE:
+            self._sent = (headers, body)
         try:
             resp = await pool.request(method, target, headers, body, tenant=tenant)  # never resent
             try:
@@ -233,6 +243,10 @@ class Call:
 
     def _keep(self, chunk: bytes) -> None:
         """Add to the record, up to ``max_record_bytes``: past that the answer is unrecordable."""
+        if self.on_ambiguous is OnAmbiguous.QUARANTINE:
+            self._answer_bytes += len(chunk)
+            if len(self._first_bytes) < self.max_evidence_bytes:
+                self._first_bytes += chunk[:self.max_evidence_bytes - len(self._first_bytes)]
         if self._too_large:
             return
         now = time.perf_counter()
@@ -338,12 +352,20 @@ class Call:
     async def _ambiguous(self, store: Store, slug: str | None, detail: str) -> CallResult:
         """The upstream may have acted: retry releases the key, quarantine keeps it unknown."""
         if self.on_ambiguous is OnAmbiguous.QUARANTINE:
-            await store.journal.quarantine(self.kid, self.owner, detail)
+            await store.journal.quarantine(self.kid, self.owner, detail, self._evidence())
             fate = Fate.QUARANTINED
         else:
             await store.journal.release(self.kid, self.owner)
             fate = Fate.AMBIGUOUS
         return CallResult(fate, (slug, detail) if slug else None)
+
+    def _evidence(self) -> dict | None:
+        """What the operator decides on (evidence.py); the answer's bytes as far as they came."""
+        if not self.max_evidence_bytes:
+            return None
+        headers, body = self._sent
+        return evidence(self.upstream, self.max_evidence_bytes, list(headers), body, self.status,
+                        self.headers, bytes(self._first_bytes), self.credential_headers, self._answer_bytes)
 
     def _start_sharing(self, store: Store) -> asyncio.Task | None:
         if not self.streamed:

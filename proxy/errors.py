@@ -53,8 +53,10 @@ def problem_middleware(metrics: Metrics, admit: Callable[[web.Request], None] | 
                 admit(request)
             return await handler(request)
         except Problem as problem:
+            metrics.problem(problem.slug)
             return answer(request, problem)
         except StoreUnavailable as exc:
+            metrics.problem("store-unavailable")
             log.error("store unavailable: %s", exc)
             detail = "the journal store did not answer"
             if STARTED in request:  # a record request fails closed (docs/guarantees.md)

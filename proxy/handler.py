@@ -435,6 +435,8 @@ class Proxy:
                     on_ambiguous=self.on_ambiguous[upstream.name],
                     max_record_bytes=self.settings.server.max_record_bytes,
                     max_record_seconds=self.settings.server.max_record_seconds,
+                    max_evidence_bytes=self.settings.server.max_evidence_bytes,
+                    credential_headers=self.settings.tenants.credential_headers,
                     reader=ToolAnswer() if upstream.kind == "mcp" else None)
         headers = request_headers(request.headers, upstream, self.settings.tenants.header,
                                   forwarded_key(entry.kid) if upstream.idempotency_header else None,

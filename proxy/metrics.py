@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 from .config import UpstreamSettings
 from .outcomes import Outcome
 from .pricing import cost_usd
+from .problems import PROBLEMS
 from .store.base import RUN_STATES, Recorded
 
 BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -55,6 +56,12 @@ class Metrics:
         self.replayed_from_memory = 0  # replays answered from an attempt's preloaded journal
         self.replayed_from_cache = 0  # replays answered from entries held here (answercache.py)
         self.runs = Gauge("idemproxy_runs", "Runs by state", ["state"], registry=r)
+        # counted in the store when scraped, like the runs: every replica shows the same number
+        self.quarantined = Gauge("idemproxy_journal_quarantined", "Journal entries whose outcome is "
+                                 "unknown, waiting for an operator to resolve them", registry=r)
+        # problem+json answers by type: store-unavailable and upstream-timeout are alerted on
+        # (config/alerts.yaml); every type starts at 0, so a rate has a series from the start
+        self.problems: dict[str, int] = dict.fromkeys(PROBLEMS, 0)
         self.runs_counted_at = float("-inf")  # time.monotonic() of the last count (app.metrics)
         self.restarts = Counter("idemproxy_restarts_total", "Runs restarted by the supervisor",
                                 registry=r)
@@ -141,6 +148,10 @@ class Metrics:
         if cost:
             self._cost_saved[upstream.name, model] = self._cost_saved.get((upstream.name, model), 0.0) + cost * replays
 
+    def problem(self, slug: str) -> None:
+        """One problem+json answer of type ``slug`` (errors.problem_middleware)."""
+        self.problems[slug] = self.problems.get(slug, 0) + 1
+
     def set_runs(self, counts: dict[str, int]) -> None:
         """The runs gauge from the store's count by state (a state with no run shows 0)."""
         for state in RUN_STATES:
@@ -226,6 +237,11 @@ class _RequestCollector(Collector):
         for labels, usd in sorted(m._cost_saved.items()):
             cost.add_metric(list(labels), usd)
         yield cost
+        problems = CounterMetricFamily("idemproxy_problems", "Refusals and failures answered as "
+                                       "problem+json, by type (proxy/problems.py)", labels=["type"])
+        for slug, n in sorted(m.problems.items()):
+            problems.add_metric([slug], n)
+        yield problems
         yield CounterMetricFamily("idemproxy_replays_from_memory", "Replays answered from a restarted "
                                   "attempt's journal, loaded in one read", value=m.replayed_from_memory)
         yield CounterMetricFamily("idemproxy_replays_from_answer_cache", "Replays answered from complete "

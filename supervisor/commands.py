@@ -20,11 +20,13 @@ from typing import Any, Awaitable, Callable
 
 import orjson
 
+from ..proxy.evidence import decoded
 from ..proxy.store import open_store
 from ..proxy.config import Settings
 from ..proxy.problems import Problem
 from ..proxy.runs import RunsService
 from ..proxy.runs.bodies import readable
+from ..proxy.runs.operators import cli_operator
 from ..proxy.runs.options import JOURNAL_STATES, journal_state, resolution
 from ..proxy.runs.views import agent_key, entry_json, iso_times, listing_json, run_json, step_json
 from ..proxy.eventloop import run
@@ -156,6 +158,7 @@ def cmd_runs_show(settings: Settings, args) -> int:
         found = await service.find(args.run_id, args.namespace)
         body = run_json(found, settings.proxy_url, history=True)
         body["steps"] = [step_json(e) for e in await service.journal(found)]
+        body["actions"] = [a.as_json() for a in await service.actions(found)]
         if args.json:
             _print_json(body)
         else:
@@ -172,11 +175,14 @@ def cmd_runs_revive(settings: Settings, args) -> int:
     return _new_attempt(settings, args, "revived", lambda service: service.revive)
 
 
+# the CLI's operator actions are kept with its user and host (proxy/runs/operators.py)
+
+
 def _new_attempt(settings: Settings, args, done: str,
-                 action: Callable[[RunsService], Callable[[str, str | None], Awaitable[Run]]]) -> int:
+                 action: Callable[[RunsService], Callable[..., Awaitable[Run]]]) -> int:
     """An operator's new attempt of a run (``action`` of the service), reported."""
     async def work(service: RunsService) -> int:
-        new = await action(service)(args.run_id, args.namespace)
+        new = await action(service)(args.run_id, args.namespace, by=cli_operator())
         return _report(args, run_json(new, settings.proxy_url, history=True),
                        f"run {new.run_id}: {done} at epoch {new.epoch} (restart {new.restarts}); "
                        f"hook {new.hook or '-'}")
@@ -186,7 +192,7 @@ def _new_attempt(settings: Settings, args, done: str,
 def cmd_runs_complete(settings: Settings, args) -> int:
     async def work(service: RunsService) -> int:
         found = await service.find(args.run_id, args.namespace)
-        ended = await service.end(found.namespace, found.run_id, RunState.COMPLETED, by="operator")
+        ended = await service.end(found.namespace, found.run_id, RunState.COMPLETED, by=cli_operator())
         return _report(args, run_json(ended, settings.proxy_url, history=True),
                        f"run {ended.run_id}: completed")
     return _with_runs(settings, work)
@@ -212,6 +218,8 @@ def cmd_journal_show(settings: Settings, args) -> int:
     async def work(service: RunsService) -> int:
         entry = await service.entry(await service.kid(args.kid))
         body = entry_json(entry)
+        body["evidence"] = entry.evidence
+        body["actions"] = [a.as_json() for a in await service.entry_actions(entry.kid)]
         if args.json:
             if entry.response is not None:
                 body["headers"] = entry.response.headers
@@ -241,7 +249,7 @@ def cmd_journal_resolve(settings: Settings, args) -> int:
 
     async def work(service: RunsService) -> int:
         kid = await service.kid(args.kid)
-        await service.resolve(kid, recorded)
+        await service.resolve(kid, recorded, by=cli_operator())
         then = "the next call goes upstream" if recorded is None else f"calls replay {recorded.status}"
         print(f"{kid}: resolved; {then}")
         return 0
@@ -307,6 +315,7 @@ def describe(body: dict[str, Any], now: float) -> str:
               " ".join(f"{k}={v}" for k, v in e.items() if k not in ("at", "epoch", "event", "log_tail"))]
              for e in body["history"]])]
     lines += describe_attempts(body["attempts"], now)
+    lines += describe_actions(body.get("actions", []), now, kids=True)
     steps = body["steps"]
     lines += ["", f"journal ({len(steps)} entries):"]
     if steps:
@@ -336,6 +345,34 @@ def describe_attempts(attempts: list[dict[str, Any]], now: float) -> list[str]:
     return lines
 
 
+def describe_actions(actions: list[dict[str, Any]], now: float, kids: bool = False) -> list[str]:
+    """Operator actions, oldest first (proxy/runs/operators.py): who did what, when."""
+    if not actions:
+        return []
+    header = ["WHEN", "BY", "ACTION"] + (["KID"] if kids else []) + ["DETAIL"]
+    return ["", "operator actions:", table(header, [
+        [ago(a["at"], now), a["by"], a["action"]] + ([(a["kid"] or "-")[:KID_SHOWN]] if kids else [])
+        + [" ".join(f"{k}={v}" for k, v in a["detail"].items() if v is not None) or "-"] for a in actions])]
+
+
+def describe_evidence(evidence: dict[str, Any] | None) -> list[str]:
+    """What a quarantined call sent, and what came back before it failed (proxy/evidence.py)."""
+    if not evidence:
+        return []
+    lines = []
+    for name, part in (("request", evidence.get("request")), ("answer", evidence.get("answer"))):
+        if part is None:
+            lines += ["", f"{name}: none" + (" (the upstream sent no answer)" if name == "answer" else "")]
+            continue
+        kept = decoded(part)
+        kind, shown = readable(Recorded(part.get("status", 0), [tuple(h) for h in part["headers"]], kept))
+        cut = f", the first {len(kept)} kept" if part.get("truncated") else ""
+        lines += ["", f"{name} as sent" if name == "request" else f"answer: {part['status']} (before the "
+                  "outcome became unknown)", *(f"  {k}: {v}" for k, v in part["headers"]),
+                  f"  body ({kind}, {part['bytes']} bytes{cut}):", *(f"  {line}" for line in shown)]
+    return lines
+
+
 def describe_entry(body: dict[str, Any], response: Recorded | None, now: float) -> str:
     """``journal show``: the entry's facts, then its recorded response, body made readable."""
     key = f"{body['agent_key']} (the agent's Idempotency-Key)" if body["agent_key"] is not None else \
@@ -351,6 +388,10 @@ def describe_entry(body: dict[str, Any], response: Recorded | None, now: float) 
     lines = [f"{k.ljust(width)}  {'-' if v is None else v}" for k, v in facts]
     if body["state"] == EntryState.UNKNOWN:
         lines += ["", f"quarantined: idemproxy journal resolve {body['kid']} --retry | --status N --body TEXT"]
+    elif body["state"] == EntryState.RETRIED:
+        lines += ["", "retried by an operator: the next call with this key goes upstream"]
+    lines += describe_evidence(body.get("evidence"))
+    lines += describe_actions(body.get("actions", []), now)
     if response is not None:
         kind, shown = readable(response)
         lines += ["", f"response: {response.status}", *(f"  {k}: {v}" for k, v in response.headers),

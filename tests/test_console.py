@@ -137,7 +137,8 @@ async def test_the_run_page_shows_each_attempt_live_replayed_and_where_it_stoppe
     outcomes = [re.findall(r'<span class="tag (\w+)">', s.split("<tbody>")[1]) for s in (first, second)]
     assert outcomes[0] == ["live"] * 4
     assert outcomes[1] == ["replayed"] * 4 + ["live"] * 2 + ["quarantined"]  # the replayed prefix first
-    assert "Stopped after step 4" in text(first) and "restarted by an operator" in text(first)
+    assert "Stopped after step 4" in text(first)
+    assert "restarted by admin:token:" in text(first)  # the operator, by their token's fingerprint
     assert "attempt log" in page and "hook-exit" in page
     assert "gpt-4o-mini" in second and "from journal" in second and "$0.0000" in second
     assert QUARANTINED_KEY in second and "email-invoice-41" in second

@@ -72,6 +72,9 @@ class ServerSettings:
     workers: int = 1
     max_request_bytes: int = 10 * 1024 * 1024
     max_record_bytes: int = 32 * 1024 * 1024
+    # Of a quarantined call, what the operator decides on: the request body, and the first
+    # bytes of the upstream's partial or error answer, each kept up to this (0: neither)
+    max_evidence_bytes: int = 64 * 1024
     # A recorded call still streaming this long after it was sent is unrecordable; it goes
     # on only while an agent listens (an hour covers the longest model answers).
     max_record_seconds: float = 3600.0
@@ -256,6 +259,9 @@ class AdminSettings:
     # The bearer token of /admin/ and the console's login: 16 characters or more, never a
     # placeholder (validation.py); unset, both are off.
     token: Secret | None = None
+    # Who the token acts as in the audit trail of operator actions (empty: "token:" and the
+    # first 8 hex digits of its SHA-256, never the token)
+    operator: str = ""
     # Wrong tokens one client may send within failure_window before it gets 429 (with
     # Retry-After) until the window has passed; past max_failures_total from every client
     # together, each client that sent a wrong one waits too. A client with none never does.

@@ -98,6 +98,8 @@ def _check_ranges(s: Settings) -> None:
     for name in ("max_request_bytes", "max_record_bytes"):
         if getattr(s.server, name) < 1:
             raise ConfigError(f"server.{name} must be at least 1")
+    if s.server.max_evidence_bytes < 0:
+        raise ConfigError("server.max_evidence_bytes must be 0 or more")
     for section, names in (("store", ("timeout", "lease", "retention", "purge_interval")),
                            ("runs", ("timeout_s", "min_timeout_s")), ("supervisor", ("interval_s",)),
                            ("admin", ("failure_window",))):

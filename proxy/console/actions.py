@@ -13,9 +13,10 @@ from ..appkeys import AUTH, CLIENTS, RUNS, SETTINGS
 from ..ratelimit import same_token
 from ..problems import Problem
 from ..runs.api import run_id
+from ..runs.operators import console_operator
 from ..runs.options import resolution
 from .sessions import COOKIE, LOGIN_COOKIE, LOGIN_FORM_S, SESSION_S, drop_cookie, login_token, set_cookie
-from .site import console, render
+from .site import SESSION, console, render
 
 
 async def login_form(request: web.Request) -> web.Response:
@@ -57,16 +58,22 @@ async def resolve(request: web.Request) -> web.Response:
             raise Problem("invalid-body", "status must be an HTTP status from 200 to 599") from None
         body["headers"] = [list(_header(line)) for line in str(form.get("headers", "")).splitlines() if line.strip()]
         body["body"] = str(form.get("body", ""))
-    await request.config_dict[RUNS].resolve(kid, resolution(body))
+    await request.config_dict[RUNS].resolve(kid, resolution(body), by=_operator(request))
     done = "retried" if action == "retry" else "responded"
     return see_other(_with_done(_back(form.get("back"), f"/ui/journal/{kid}"), done))
 
 
 async def revive(request: web.Request) -> web.Response:
     form = await request.post()
-    new = await request.config_dict[RUNS].revive(run_id(request), str(form.get("namespace", "")) or None)
+    new = await request.config_dict[RUNS].revive(run_id(request), str(form.get("namespace", "")) or None,
+                                                 by=_operator(request))
     default = f"/ui/runs/{new.run_id}?namespace={new.namespace}"
     return see_other(_with_done(_back(form.get("back"), default), "revived"))
+
+
+def _operator(request: web.Request) -> str:
+    """Who acts: the admin token's name, and this session (the audit keeps it)."""
+    return console_operator(request.config_dict[SETTINGS].admin, request[SESSION].sid)
 
 
 def _login(request: web.Request, error: str, status: int) -> web.Response:

@@ -19,6 +19,7 @@ from ..store.base import RUN_STATES, EntryState, Run, RunState
 from . import charts
 from .formats import num, usd
 from .ledger import Saved
+from .operators import evidence_parts
 from .site import console, render
 from .timeline import attempts
 
@@ -88,7 +89,7 @@ async def run_page(request: web.Request) -> web.Response:
                   saved=await ledger.saved(entries), agent_key=agent_key, entries=len(entries),
                   quarantined=sum(1 for e in entries if e.state == EntryState.UNKNOWN),
                   counted=sum(1 for t in run.restart_times if t > time.time() - window), window=window,
-                  done=DONE.get(request.query.get("done", "")))
+                  done=DONE.get(request.query.get("done", "")), actions=await service.actions(run))
 
 
 async def journal_page(request: web.Request) -> web.Response:
@@ -126,7 +127,8 @@ async def entry_page(request: web.Request) -> web.Response:
     kind, lines = readable(entry.response) if entry.response is not None else ("none", [])
     spent = (await console(request).ledger(request).spends([entry]))[entry.kid]
     return render(request, "entry.html", entry=entry, key=agent_key(entry), kind=kind, lines=lines,
-                  spent=spent, done=DONE.get(request.query.get("done", "")))
+                  spent=spent, done=DONE.get(request.query.get("done", "")),
+                  evidence=evidence_parts(entry.evidence), actions=await service.entry_actions(entry.kid))
 
 
 async def quarantine_page(request: web.Request) -> web.Response:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..runs.endings import How, endings
-from ..store.base import ENDED, Entry, EntryState, Run, RunState
+from ..store.base import ANSWERED_BY_OPERATOR, ENDED, Entry, EntryState, Run, RunState
 from .ledger import NOTHING, Spend
 
 STARTS = {"restart": "restarted by the supervisor", "admin-restart": "restarted by an operator",
@@ -35,7 +35,10 @@ STARTS = {"restart": "restarted by the supervisor", "admin-restart": "restarted 
 RUN_ENDED = {RunState.COMPLETED: "the run completed", RunState.FAILED: "the run failed",
              RunState.DEAD: "the run is dead"}
 OUTCOMES = {EntryState.COMPLETE: "live", EntryState.UNKNOWN: "quarantined",
-            EntryState.IN_FLIGHT: "in flight", EntryState.UNRECORDABLE: "live, not kept"}
+            EntryState.IN_FLIGHT: "in flight", EntryState.UNRECORDABLE: "live, not kept",
+            EntryState.RETRIED: "retried by an operator"}
+# an entry an operator answered: its answer and its time are the operator's, not the upstream's
+ANSWERED = "answered by an operator"
 
 
 @dataclass(slots=True)
@@ -94,8 +97,10 @@ def attempts(run: Run, entries: list[Entry], spends: dict[str, Spend]) -> list[A
 def _place(found: dict[int | None, Attempt], entry: Entry, spent: Spend) -> None:
     latency = entry.completed_at - entry.created_at if entry.completed_at else None
     own = entry.replayed.get(entry.epoch, (0, 0.0))[0] if entry.epoch is not None else 0
-    found[entry.epoch].steps.append(Step(entry, OUTCOMES.get(entry.state, entry.state), entry.created_at,
-                                         latency, spent, own))
+    outcome = OUTCOMES.get(entry.state, entry.state)
+    if entry.state == EntryState.COMPLETE and entry.detail == ANSWERED_BY_OPERATOR:
+        outcome, latency = ANSWERED, None
+    found[entry.epoch].steps.append(Step(entry, outcome, entry.created_at, latency, spent, own))
     for epoch, (_, first_seen) in entry.replayed.items():
         if epoch != entry.epoch:
             found[epoch].steps.append(Step(entry, "replayed", first_seen, None, spent))

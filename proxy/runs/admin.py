@@ -6,7 +6,7 @@ the API is off (always 401), never open::
     GET    /admin/runs?state=&limit=        {"runs": [run JSON + history + steps (a count)]}
     GET    /admin/runs/{id}[?namespace=][&bodies=1]
                                             run JSON + history + steps (the journal entries;
-                                            bodies in base64 with bodies=1)
+                                            bodies in base64 with bodies=1) + actions
     POST   /admin/runs/{id}[?namespace=]    register as the runs API does, for any namespace,
                                             and arm any hook (201 new, 200 updated)
     POST   /admin/runs/{id}/restart         a new attempt now, its hook fired
@@ -17,11 +17,17 @@ the API is off (always 401), never open::
                                             {"entries": [entry JSON]}, newest first; ``key`` is
                                             the agent's own Idempotency-Key, ``state`` may be
                                             "quarantined"
-    GET    /admin/journal/{kid}             entry JSON + headers + body_base64
+    GET    /admin/journal/{kid}             entry JSON + headers + body_base64 + evidence (a
+                                            quarantined call's request and partial answer,
+                                            proxy/evidence.py) + actions
     POST   /admin/journal/{kid}/resolve     {"action": "retry"} or {"action": "respond",
                                             "status", "headers": [[name, value]], "body" |
                                             "body_base64"}
     POST   /admin/purge                     {"purged": journal entries, "runs": runs} deleted
+
+Every action (restart, revive, complete, journal delete, resolve) is kept in the audit with
+the operator's name (proxy/runs/operators.py): ``actions`` on the run and the entry, each
+``{"at", "by", "action", "namespace", "run", "kid", "detail"}``.
 
 A run id found in several namespaces needs ``?namespace=`` (409 ``ambiguous-run``), as does
 registering a run that exists in none.
@@ -40,6 +46,7 @@ from ..problems import Problem
 from ..store.base import RUN_STATES, RunState
 from ..wire import as_text
 from .api import answer, json_response, proxy_url, read_json, run_id
+from .operators import token_operator
 from .options import journal_state, json_object, resolution, run_options
 from .views import entry_json, listing_json, run_json, step_json
 
@@ -101,6 +108,7 @@ async def show_run(request: web.Request) -> web.Response:
             step["headers"] = [(k, as_text(v)) for k, v in entry.response.headers]
             step["body_base64"] = base64.b64encode(entry.response.body).decode()
         body["steps"].append(step)
+    body["actions"] = [a.as_json() for a in await service.actions(run)]
     return json_response(body)
 
 
@@ -118,13 +126,15 @@ async def register(request: web.Request) -> web.Response:
 
 
 async def restart(request: web.Request) -> web.Response:
-    new = await request.config_dict[RUNS].restart_now(run_id(request), request.query.get("namespace"))
+    new = await request.config_dict[RUNS].restart_now(run_id(request), request.query.get("namespace"),
+                                                      by=_operator(request))
     request.config_dict[METRICS].restarts.inc()
     return answer(request, new, history=True)
 
 
 async def revive(request: web.Request) -> web.Response:
-    new = await request.config_dict[RUNS].revive(run_id(request), request.query.get("namespace"))
+    new = await request.config_dict[RUNS].revive(run_id(request), request.query.get("namespace"),
+                                                 by=_operator(request))
     request.config_dict[METRICS].restarts.inc()
     return answer(request, new, history=True)
 
@@ -132,14 +142,14 @@ async def revive(request: web.Request) -> web.Response:
 async def complete(request: web.Request) -> web.Response:
     service = request.config_dict[RUNS]
     run = await service.find(run_id(request), request.query.get("namespace"))
-    return answer(request, await service.end(run.namespace, run.run_id, RunState.COMPLETED, by="operator"),
-                  history=True)
+    return answer(request, await service.end(run.namespace, run.run_id, RunState.COMPLETED,
+                                             by=_operator(request)), history=True)
 
 
 async def delete_journal(request: web.Request) -> web.Response:
     service = request.config_dict[RUNS]
     run = await service.find(run_id(request), request.query.get("namespace"))
-    deleted = await service.delete_journal(run)
+    deleted = await service.delete_journal(run, by=_operator(request))
     return json_response({"deleted": deleted, "namespace": run.namespace, "run_id": run.run_id})
 
 
@@ -158,24 +168,32 @@ async def list_journal(request: web.Request) -> web.Response:
 
 
 async def show_entry(request: web.Request) -> web.Response:
-    entry = await request.config_dict[RUNS].entry(request.match_info["kid"])
+    service = request.config_dict[RUNS]
+    entry = await service.entry(request.match_info["kid"])
     body = entry_json(entry)
     if entry.response is not None:
         body["headers"] = [(k, as_text(v)) for k, v in entry.response.headers]
         body["body_base64"] = base64.b64encode(entry.response.body).decode()
+    body["evidence"] = entry.evidence
+    body["actions"] = [a.as_json() for a in await service.entry_actions(entry.kid)]
     return json_response(body)
 
 
 async def resolve(request: web.Request) -> web.Response:
     kid = request.match_info["kid"]
     recorded = resolution(json_object(await read_json(request)))
-    await request.config_dict[RUNS].resolve(kid, recorded)
+    await request.config_dict[RUNS].resolve(kid, recorded, by=_operator(request))
     return json_response({"resolved": True, "kid": kid, "action": "retry" if recorded is None else "respond"})
 
 
 async def purge(request: web.Request) -> web.Response:
     entries, runs = await request.config_dict[RUNS].purge()
     return json_response({"purged": entries, "runs": runs})
+
+
+def _operator(request: web.Request) -> str:
+    """Who is acting: the token's configured name or fingerprint (the token checked it)."""
+    return token_operator(request.config_dict[SETTINGS].admin)
 
 
 def _limit(request: web.Request) -> int:

@@ -20,8 +20,9 @@ from ..forward import NEVER_STORED, NOT_FORWARDED, storable_headers
 from ..problems import Problem
 from ..ratelimit import Window, too_many
 from ..store import Store
-from ..store.base import ENDED, Entry, EntryState, Recorded, Run, RunState, Scope
+from ..store.base import ENDED, Action, Entry, EntryState, Recorded, Run, RunState, Scope
 from .endings import end_ending, operator_ending, superseded_ending, with_log_tail
+from .operators import body_digest
 
 log = logging.getLogger("idemproxy.supervisor")
 
@@ -91,8 +92,8 @@ class RunsService:
 
     async def end(self, namespace: str, run_id: str, state: RunState, epoch: int | None = None, *,
                   by: str | None = None) -> Run:
-        """End the run as ``state``, atomically fenced by ``epoch``; idempotent. ``by``: who,
-        when not the agent (its attempt's ending says so)."""
+        """End the run as ``state``, atomically fenced by ``epoch``; idempotent. ``by``: the
+        operator, when not the agent (its attempt's ending says so, and the audit keeps it)."""
         runs = await self.store.runs.find(namespace, run_id)
         ending = await with_log_tail(runs[0], end_ending(state, by)) if runs else None
         ended = await self.store.runs.end(namespace, run_id, state, time.time(), epoch, ending)
@@ -101,6 +102,8 @@ class RunsService:
         _not_superseded(ended, epoch)
         if ended.state != state:
             raise Problem("run-ended", f"run {run_id} already ended as {ended.state}", state=ended.state)
+        if by is not None:
+            await self._noted(by, str(state), ended, epoch=ended.epoch)
         return ended
 
     async def new_attempt(self, namespace: str, run_id: str, client: str | None = None) -> Run:
@@ -204,46 +207,67 @@ class RunsService:
         await self.launcher.fire(new.hook, RESTART, new)
         return new
 
-    async def restart_now(self, run_id: str, namespace: str | None = None, *, by: str | None = None) -> Run:
+    async def restart_now(self, run_id: str, namespace: str | None = None, *, by: str = "operator") -> Run:
         """An operator's restart: a new attempt at once, its hook fired. A dead run is revived.
-        ``by``: the operator, as the attempt's ending names them."""
+        ``by``: the operator, as the attempt's ending and the audit name them."""
         run = await self.find(run_id, namespace)
         if run.state == RunState.DEAD:
-            return await self._revive(run)
+            return await self._revive(run, by)
         if run.state in ENDED:
             raise Problem("run-ended", f"run {run.run_id} has ended ({run.state})", state=run.state)
         new = await self.restart(run, ended=await with_log_tail(run, operator_ending(by)))
         if new is None:
             raise Problem("run-ended", f"run {run.run_id} ended meanwhile")
+        await self._noted(by, "restart", new, epoch=new.epoch)
         return new
 
-    async def revive(self, run_id: str, namespace: str | None = None) -> Run:
+    async def revive(self, run_id: str, namespace: str | None = None, *, by: str = "operator") -> Run:
         """An operator's second chance for a dead run: a new attempt with its restarts
         forgotten (``max_restarts`` counts from here), its hook fired."""
         run = await self.find(run_id, namespace)
         if run.state != RunState.DEAD:
             raise Problem("not-dead", f"run {run.run_id} is {run.state}; only a dead run is revived",
                           state=run.state)
-        return await self._revive(run)
+        return await self._revive(run, by)
 
-    async def _revive(self, run: Run) -> Run:
+    async def _revive(self, run: Run, by: str) -> Run:
         new = await self.store.runs.revive(run.namespace, run.run_id, time.time())
         if new is None:
             raise Problem("not-dead", f"run {run.run_id} was revived or changed meanwhile")
-        log.info("run %s/%s revived: epoch %d, restart %d", new.namespace, new.run_id, new.epoch, new.restarts)
+        log.info("run %s/%s revived by %s: epoch %d, restart %d", new.namespace, new.run_id, by, new.epoch,
+                 new.restarts)
+        await self._noted(by, "revive", new, epoch=new.epoch)
         await self.launcher.fire(new.hook, RESTART, new)
         return new
+
+    async def _noted(self, by: str, action: str, run: Run | None = None, entry: Entry | None = None,
+                     **detail) -> None:
+        """Keep an operator's action, once it is done (proxy/runs/operators.py)."""
+        namespace, run_id = (run.namespace, run.run_id) if run is not None else \
+            (entry.namespace if entry.run is not None else None, entry.run)
+        await self.store.audit.note(Action(time.time(), by, action, namespace, run_id,
+                                           entry.kid if entry is not None else None, detail),
+                                    self.settings.store.retention)
+
+    async def actions(self, run: Run) -> list[Action]:
+        """The operator actions on ``run`` and its entries, oldest first."""
+        return await self.store.audit.of_run(run.namespace, run.run_id)
+
+    async def entry_actions(self, kid: str) -> list[Action]:
+        """The operator actions on entry ``kid``, oldest first."""
+        return await self.store.audit.of_entry(kid)
 
     async def listing(self, state: RunState | None, limit: int) -> tuple[list[Run], dict[tuple[str, str], int]]:
         """The newest runs (of ``state``), and how many journal entries each has."""
         runs = await self.store.runs.list(state, limit)
         return runs, await self.store.journal.count_steps([(r.namespace, r.run_id) for r in runs])
 
-    async def delete_journal(self, run: Run) -> int:
+    async def delete_journal(self, run: Run, *, by: str = "operator") -> int:
         """Delete the run's journal; answer once no process can replay it from memory: the
         delete raised the journal's generation, and every process's memory answers only
-        within ``cache_lease`` of a look at it (proxy/freshness.py)."""
+        within ``cache_lease`` of a look at it (proxy/freshness.py). The audit keeps who."""
         deleted = await self.store.journal.delete_run(run.namespace, run.run_id)
+        await self._noted(by, "delete-journal", run, deleted=deleted)
         await asyncio.sleep(self.settings.store.cache_lease)
         return deleted
 
@@ -252,6 +276,7 @@ class RunsService:
         (entries, runs) deleted."""
         now = time.time()
         entries = await self.store.journal.purge(now)
+        await self.store.audit.purge(now)
         return entries, await self.store.runs.purge(now - self.settings.store.retention)
 
     async def journal(self, run: Run, *, bodies: bool = False) -> list[Entry]:
@@ -305,10 +330,11 @@ class RunsService:
         return await self.store.journal.search(key=Scope.agent_key(key), tenant=tenant,
                                                run=run, limit=limit)
 
-    async def resolve(self, kid: str, recorded: Recorded | None) -> Entry:
-        """Settle an outcome-unknown entry: None retries it, else ``recorded`` is replayed.
-        The answer's headers are kept as the proxy keeps an upstream's: no hop-by-hop or
-        framing headers, no cookies, none of its upstream's ``redact_headers``."""
+    async def resolve(self, kid: str, recorded: Recorded | None, *, by: str = "operator") -> Entry:
+        """Settle an outcome-unknown entry: None retries it (kept as ``retried``, the next call
+        goes upstream), else ``recorded`` is replayed. The answer's headers are kept as the
+        proxy keeps an upstream's: no hop-by-hop or framing headers, no cookies, none of its
+        upstream's ``redact_headers``. The audit keeps who, the status and the body's digest."""
         entry = await self.store.journal.get(kid)
         if entry is None:
             raise Problem("not-found", f"no journal entry {kid}")
@@ -316,6 +342,12 @@ class RunsService:
             if recorded is not None:
                 recorded.headers = self._storable(entry.upstream, recorded.headers)
             if await self.store.journal.resolve(kid, recorded):
+                if recorded is None:
+                    await self._noted(by, "resolve-retry", entry=entry, why=entry.detail)
+                else:
+                    await self._noted(by, "resolve-respond", entry=entry, why=entry.detail,
+                                      status=recorded.status, body_bytes=len(recorded.body),
+                                      body_digest=body_digest(recorded.body))
                 return entry
         raise Problem("not-quarantined", f"entry {kid} is {entry.state}, not quarantined", state=entry.state)
 
