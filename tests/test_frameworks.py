@@ -78,7 +78,8 @@ async def run_recipe(provider, tmp_path: Path, recipe: str, hook: str, *, run_id
     base_env.update({"PATH": os.path.dirname(python) + os.pathsep + os.environ.get("PATH", ""),
                      "OPENAI_API_KEY": "sk-recipe-test", "PYTHONUNBUFFERED": "1", **(env or {})})
     overrides = {"upstreams.openai.url": provider.url, "upstreams.tools.url": f"{provider.url}/tools",
-                 f"hooks.{hook}.log_dir": str(logs), "admin.token": ADMIN, **(sets or {})}
+                 f"hooks.{hook}.log_dir": str(logs), "admin.token": ADMIN,
+                 **(sets or {})}
     argv = [sys.executable, "-m", "idemproxy.proxy.cli", "serve", "--config", str(CONFIG), "--port", str(port),
             "--store", f"sqlite:///{tmp_path / 'journal.db'}"]
     for option, value in overrides.items():
@@ -137,14 +138,20 @@ def check_resumed(outcome: Outcome, proxy_log: Path, tool_results: int = 3) -> s
 
 # -- OpenAI Agents SDK ----------------------------------------------------------------------
 
+# On Chat Completions the SDK's instructions are the first message: the rule for its timestamp there
+CHAT_INSTRUCTIONS = '[{ match = "POST /v1/chat/completions", fields = ["messages.0.content"] }]'
+
+
 @pytest.mark.parametrize("api", ["responses", "chat_completions"])
 async def test_openai_agents_sdk_resumes_paying_and_charging_once(api, provider, tmp_path):
     """Both model APIs of the SDK, each process with its own PYTHONHASHSEED: the Responses
     `include` list comes in another order after the restart, and ``ignore_order`` (in the
-    recipe's config) still finds the journal."""
+    recipe's config) still finds the journal; the timestamped instructions are left out of
+    the fingerprint by ``ignore_fields``."""
     outcome, proxy_log = await run_recipe(
         provider, tmp_path, "openai_agents_agent.py", "openai_agents", run_id=f"agents-{api}",
-        env={"AGENT_OPENAI_API": api, "PYTHONHASHSEED": "1"}, first_env={"PYTHONHASHSEED": "0"})
+        env={"AGENT_OPENAI_API": api, "PYTHONHASHSEED": "1"}, first_env={"PYTHONHASHSEED": "0"},
+        sets={"upstreams.openai.ignore_fields": CHAT_INSTRUCTIONS} if api == "chat_completions" else None)
     again = check_resumed(outcome, proxy_log)
     why = outcome.explain(proxy_log)
     assert outcome.served(again) == [("send_email", "replayed"), ("charge_card", "replayed"),
@@ -159,13 +166,14 @@ async def test_openai_agents_sdk_resumes_paying_and_charging_once(api, provider,
         assert includes[0] != includes[2] and sorted(includes[0]) == sorted(includes[2])  # the hazard, met
 
 
-async def test_openai_agents_sdk_without_ignore_order_pays_again(provider, tmp_path):
-    """The control: the same run without the rule. The restarted attempt's first model calls
-    miss the journal and are paid again (the tools' explicit keys still hold)."""
+@pytest.mark.parametrize("rule", ["ignore_order", "ignore_fields"])
+async def test_openai_agents_sdk_without_either_rule_pays_again(rule, provider, tmp_path):
+    """The controls: the same run without one of the rules. The restarted attempt's first
+    model calls miss the journal and are paid again (the tools' explicit keys still hold)."""
     outcome, proxy_log = await run_recipe(
-        provider, tmp_path, "openai_agents_agent.py", "openai_agents", run_id="agents-unordered",
+        provider, tmp_path, "openai_agents_agent.py", "openai_agents", run_id=f"agents-no-{rule}",
         env={"PYTHONHASHSEED": "1"}, first_env={"PYTHONHASHSEED": "0"},
-        sets={"upstreams.openai.ignore_order": "[]"})
+        sets={f"upstreams.openai.{rule}": "[]"})
     check_resumed(outcome, proxy_log)
     assert provider.calls["responses"] == 6, outcome.explain(proxy_log)
     assert {k: provider.calls[k] for k in SIDE_EFFECTS} == SIDE_EFFECTS

@@ -120,7 +120,7 @@ async def fulfil_order(run: Run, crash_after: str | None) -> str:
 
 def main() -> int:
     args = parse_args()
-    with Run(hook="agent_framework") as run:  # idemproxy
+    with Run(hook="agent_framework", attach=True) as run:  # idemproxy
         output = asyncio.run(fulfil_order(run, args.crash_after))
     print(f"done: {output}", flush=True)
     return 0

@@ -103,7 +103,7 @@ def build_crew(run: Run, crash_after: str | None) -> Crew:
 
 def main() -> int:
     args = parse_args()
-    with Run(hook="crewai") as run:  # idemproxy
+    with Run(hook="crewai", attach=True) as run:  # idemproxy
         print(f"run {run.run_id} epoch {run.epoch}", flush=True)
         result = build_crew(run, args.crash_after).kickoff()
     print(f"done: {result.raw}", flush=True)

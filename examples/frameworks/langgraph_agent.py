@@ -104,7 +104,8 @@ def build_graph(run: Run, crash_after: str | None, checkpointer: SqliteSaver):
 
 def main() -> int:
     args = parse_args()
-    with Run(hook="langgraph") as run, SqliteSaver.from_conn_string(CHECKPOINTS) as checkpointer:  # idemproxy
+    with (Run(hook="langgraph", attach=True) as run,  # idemproxy
+          SqliteSaver.from_conn_string(CHECKPOINTS) as checkpointer):
         app = build_graph(run, args.crash_after, checkpointer)
         thread = {"configurable": {"thread_id": run.run_id}}
         pending = app.get_state(thread).next

@@ -75,7 +75,7 @@ async def fulfil(run: Run, crash_after: str | None) -> str:
 
 def main() -> int:
     args = parse_args()
-    with Run(hook="mcp_stdio") as run:  # idemproxy
+    with Run(hook="mcp_stdio", attach=True) as run:  # idemproxy
         print(f"run {run.run_id} epoch {run.epoch}", flush=True)
         set_default_openai_client(AsyncOpenAI(base_url=run.url("openai", "/v1"),  # idemproxy
                                               api_key=os.environ.get("OPENAI_API_KEY") or "idemproxy-injected"))

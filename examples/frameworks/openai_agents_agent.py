@@ -11,6 +11,8 @@ card, send a receipt). What makes it crash-safe, marked ``# idemproxy`` below:
 4. the SDK's traces sent through the proxy too (passthrough, never recorded) — or leave them
    on their default, OpenAI's endpoint, which the journal does not need.
 
+The instructions are dynamic, with the time in them, as the SDK's docs show: every attempt's
+differ, so the recipe's configuration leaves them out of the fingerprint (``ignore_fields``).
 The SDK's own retries stay at their defaults (the OpenAI client retries 408, 409, 429 and 5xx,
 and the proxy records none of those), and so does tracing.
 
@@ -29,6 +31,7 @@ import json
 import os
 import signal
 import sys
+from datetime import datetime, timezone
 
 from agents import (Agent, ModelSettings, Runner, function_tool, set_default_openai_api,
                     set_default_openai_client, set_trace_processors)
@@ -43,6 +46,12 @@ PLAN = [{"tool": "send_email", "args": {"to": ORDER["email"], "subject": "Order 
         {"tool": "charge_card", "args": {"order": ORDER["order"], "amount_cents": ORDER["amount_cents"]}},
         {"tool": "send_receipt", "args": {"to": ORDER["email"], "order": ORDER["order"]}}]
 INSTRUCTIONS = "You fulfil orders: email the customer, charge the card, send the receipt."
+
+
+def instructions(context, agent: Agent) -> str:
+    """Dynamic instructions with a timestamp: a new fingerprint every second, unless the
+    configuration ignores the field (examples/frameworks/config.toml, ``ignore_fields``)."""
+    return f"{INSTRUCTIONS} It is {datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC."
 
 
 def parse_args() -> argparse.Namespace:
@@ -83,7 +92,7 @@ def build_agent(run: Run, crash_after: str | None) -> Agent:
         """Send the receipt of an order."""
         return f"receipt {call('send_receipt', {'to': to, 'order': order}, order)['n']} sent"
 
-    return Agent(name="orders", instructions=INSTRUCTIONS, model="gpt-4o-mini",
+    return Agent(name="orders", instructions=instructions, model="gpt-4o-mini",
                  tools=[send_email, charge_card, send_receipt],
                  # A stateless (store=False) agent keeps its reasoning and asks for logprobs:
                  # two `include` values, which the SDK sends in set order (docs/recipes.md).
@@ -93,7 +102,7 @@ def build_agent(run: Run, crash_after: str | None) -> Agent:
 
 def main() -> int:
     args = parse_args()
-    with Run(hook="openai_agents") as run:  # idemproxy
+    with Run(hook="openai_agents", attach=True) as run:  # idemproxy
         print(f"run {run.run_id} epoch {run.epoch}: {args.api}", flush=True)
         base_url = run.url("openai", "/v1")  # idemproxy
         # The credential decides the journal's tenant: every attempt sends the same one.

@@ -86,7 +86,7 @@ def build_agent(run: Run, crash_after: str | None) -> Agent:
 
 def main() -> int:
     args = parse_args()
-    with Run(hook="strands") as run:  # idemproxy
+    with Run(hook="strands", attach=True) as run:  # idemproxy
         print(f"run {run.run_id} epoch {run.epoch}", flush=True)
         prompt = f"Fulfil order {ORDER['order']} for {ORDER['email']}.\nPLAN: {json.dumps(PLAN)}"
         result = build_agent(run, args.crash_after)(prompt)
