@@ -215,6 +215,21 @@ async def test_what_an_operator_needs_in_a_real_browser_light_and_dark(make_prox
         assert "completed" in row and "1 quarantined" in row
         await page.shot("01-runs-marked")
 
+        # dark mode while there is something to decide: the system's preference, as Chromium emulates it
+        await page.do(chromium.execute_cdp_cmd, "Emulation.setEmulatedMedia",
+                      {"features": [{"name": "prefers-color-scheme", "value": "dark"}]})
+        for name, path in (("05-dark-runs", "/ui/runs"), ("06-dark-run", f"/ui/runs/{RUN}?namespace=default"),
+                           ("07-dark-journal", "/ui/journal"), ("08-dark-quarantine", "/ui/quarantine")):
+            await page.open(path)
+            background = await page.do(chromium.execute_script,
+                                       "return getComputedStyle(document.documentElement).backgroundColor")
+            assert background == "rgb(15, 19, 27)", (path, background)
+            if name == "06-dark-run":
+                await page.do(chromium.execute_script,
+                              "document.querySelector('tr.decide').scrollIntoView({block: 'center'})")
+            await page.shot(name)
+        await page.do(chromium.execute_cdp_cmd, "Emulation.setEmulatedMedia", {"features": []})
+
         await page.open(f"/ui/runs/{RUN}?namespace=default")
         assert "1 quarantined" in await page.do(lambda: chromium.find_element(By.TAG_NAME, "h1").text)
         times = await page.do(chromium.execute_script, """return [...document.querySelectorAll('.attempt')[1]
@@ -255,15 +270,9 @@ async def test_what_an_operator_needs_in_a_real_browser_light_and_dark(make_prox
         restarts = await page.do(lambda: chromium.find_element(By.ID, "restarts").text)
         assert restarts.startswith("0 of 0 allowed") and "1 in all" in restarts
 
-        await page.do(chromium.execute_cdp_cmd, "Emulation.setEmulatedMedia",
-                      {"features": [{"name": "prefers-color-scheme", "value": "dark"}]})
-        for name, path in (("05-dark-runs", "/ui/runs"), ("06-dark-run", f"/ui/runs/{RUN}?namespace=default"),
-                           ("07-dark-journal", "/ui/journal"), ("08-dark-quarantine", "/ui/quarantine")):
-            await page.open(path)
-            background = await page.do(chromium.execute_script,
-                                       "return getComputedStyle(document.documentElement).backgroundColor")
-            assert background == "rgb(15, 19, 27)", (path, background)
-            await page.shot(name)
+        light = await page.do(chromium.execute_script,
+                              "return getComputedStyle(document.documentElement).backgroundColor")
+        assert light == "rgb(246, 247, 249)"  # and light again, as the system asks
         assert len(list(screenshots.glob("*.png"))) == 8
     finally:
         await tools.stop()
