@@ -6,12 +6,16 @@ their expressions name is looked for in what a real proxy exports at /metrics.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import yaml
 
+from conftest import backend_url
 from idemproxy.proxy.appkeys import METRICS
+from relay import Relay
 
 ADMIN = {"Authorization": "Bearer test-admin-token"}
 RULES = Path(__file__).parent.parent / "config" / "alerts.yaml"
@@ -68,6 +72,33 @@ async def test_quarantined_entries_are_counted_from_the_store_when_scraped(make_
         assert resp.status == 200
     proxy.app[METRICS].runs_counted_at = float("-inf")
     assert _value(await _scrape(http, proxy), "idemproxy_journal_quarantined") == 1
+
+
+async def test_upstream_timeouts_are_counted_by_problem_type(make_proxy, sqlite_url, http):
+    proxy = await make_proxy(sqlite_url, upstreams__tools={"read_timeout": "0.2s"})
+    async with http.post(f"{proxy.url}/runs/r/tools/send", json={"to": "ann"},
+                         headers={"Idempotency-Key": "slow", "X-Fake-Delay": "1"}) as resp:
+        assert resp.status == 504
+    exposition = await _scrape(http, proxy)
+    assert 'idemproxy_problems_total{type="upstream-timeout"} 1.0' in exposition
+    assert 'idemproxy_problems_total{type="store-unavailable"} 0.0' in exposition
+    assert _value(exposition, "idemproxy_journal_quarantined") == 1  # a tool: the timeout is quarantined
+
+
+async def test_a_store_that_does_not_answer_is_counted(make_proxy, http, tmp_path):
+    url, cleanup = backend_url("redis", tmp_path)
+    relay = await Relay(urlsplit(url).port).up()  # the store, reached through a relay we take away
+    try:
+        proxy = await make_proxy(url.replace(f":{urlsplit(url).port}", f":{relay.port}", 1), store={"timeout": "0.5s"})
+        await relay.down()
+        async with http.post(f"{proxy.url}/runs/r/tools/send", json={"to": "ann"},
+                             headers={"Idempotency-Key": "k"}) as resp:
+            assert resp.status == 503
+        exposition = await _scrape(http, proxy)
+        assert 'idemproxy_problems_total{type="store-unavailable"} 1.0' in exposition
+    finally:
+        await relay.down()
+        await asyncio.to_thread(cleanup)
 
 
 async def test_every_alert_names_metrics_the_proxy_exports(make_proxy, sqlite_url, http):
