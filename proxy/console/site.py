@@ -22,7 +22,7 @@ from aiohttp import web
 
 from ..appkeys import RUNS, SETTINGS, STORE
 from ..problems import Problem
-from ..store.base import EntryState, RunState
+from ..store.base import RunState
 from .formats import FILTERS
 from .ledger import Ledger
 from .sessions import COOKIE, Session, Sessions, check_csrf
@@ -35,7 +35,6 @@ HEADERS = {
     "Cache-Control": "no-store",
 }
 OPEN_ROUTES = frozenset({"login", "login-submit"})  # reachable without a session
-COUNTED = 500  # quarantined entries and dead runs the navigation counts, at most
 
 
 @dataclass
@@ -124,8 +123,7 @@ async def _gate(request: web.Request, handler) -> web.StreamResponse:
 
 
 async def _waiting(request: web.Request) -> tuple[int, int]:
-    """Quarantined entries and dead runs, for the navigation's count (up to COUNTED each)."""
-    service = request.config_dict[RUNS]
-    quarantined = await service.entries(EntryState.UNKNOWN, COUNTED)
-    dead = (await request.config_dict[STORE].runs.count()).get(RunState.DEAD, 0)
-    return len(quarantined), dead
+    """Quarantined entries and dead runs, for the navigation's count: both counted by index,
+    as the metrics count them, since every page (and its auto-refresh) asks."""
+    store = request.config_dict[STORE]
+    return await store.journal.count_quarantined(), (await store.runs.count()).get(RunState.DEAD, 0)
