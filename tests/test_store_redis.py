@@ -321,3 +321,22 @@ async def test_a_new_key_costs_two_scripts_and_a_replay_from_the_store_one(priva
         assert provider.calls["chat"] == 2
     finally:
         await calls.aclose()
+
+
+async def test_entries_quarantined_before_the_upgrade_are_counted_after_a_migrating_open(open_store, shared_url):
+    """The quarantined zset came with the audit release: a migrating open indexes the entries
+    that older proxies quarantined (once: its marker), so the gauge counts them too."""
+    url, prefix = shared_url
+    store = await open_store(url)
+    for key in ("old-1", "old-2"):
+        await store.journal.claim(claim(key))
+        await store.journal.quarantine(claim(key).scope.kid, "a", "upstream answered 502")
+    raw = redis_asyncio.Redis.from_url(redis_url())
+    try:
+        await raw.delete(f"{prefix}quarantined", f"{prefix}layout:quarantined")  # as an older release left it
+        assert await store.journal.count_quarantined() == 0
+        reopened = await open_store(url)
+        assert await reopened.journal.count_quarantined() == 2
+        assert await raw.get(f"{prefix}layout:quarantined") == b"1"
+    finally:
+        await raw.aclose()

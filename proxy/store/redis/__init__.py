@@ -18,6 +18,7 @@ unambiguous whatever the namespace holds. The layout::
     secret:{name}      string
     generation         string the journal's invalidation generation (Journal.generation)
     quarantined        zset   kid -> expiry (ms) of entries whose outcome is unknown (counted)
+    layout:quarantined string set once entries quarantined before that zset was kept are in it
     actions:entry:{kid}, actions:run:{rk}
                        list   operator actions (JSON), expiring a retention after the last
     channel {prefix}changed   pub/sub: a kid whose entry changed, to wake waiters
@@ -59,6 +60,8 @@ class RedisStore:
 
     async def open(self, *, migrate: bool = True) -> None:
         await self.connection.open(migrate)
+        if migrate:
+            await self.journal.index_quarantined()
 
     async def aclose(self) -> None:
         await self.journal.aclose()

@@ -268,6 +268,28 @@ class RedisJournal:
                                                         self._db.key("quarantined")],
                                      [self._db.prefix, rk])
 
+    async def index_quarantined(self) -> None:
+        """Index the quarantined entries made before the ``quarantined`` zset was kept (once per
+        key prefix, at a migrating open): it SCANs every entry, so its marker is set after it."""
+        client, marker = self._db.client, self._db.key("layout", "quarantined")
+        if await self._db.do(client.exists(marker)):
+            return
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self._db.prefix) + "entry:*"
+        start, cursor = len(self._db.key("entry", "").encode()), 0
+        while True:
+            cursor, names = await self._db.do(client.scan(cursor, match=pattern, count=1000))
+            pipe = client.pipeline(transaction=False)
+            for name in names:
+                pipe.hmget(name, ("state", "expires_at"))
+            rows = await self._db.do(pipe.execute()) if names else []
+            found = {name[start:].decode(): int(float(expires) * 1000)
+                     for name, (state, expires) in zip(names, rows) if state == b"unknown" and expires}
+            if found:
+                await self._db.do(client.zadd(self._db.key("quarantined"), found))
+            if cursor == 0:
+                break
+        await self._db.do(client.set(marker, b"1"))
+
     async def count_quarantined(self) -> int:
         # by their expiry (ms): one quarantined past its retention is not counted, before the purge
         return await self._db.do(self._db.client.zcount(self._db.key("quarantined"), f"({int(time.time() * 1000)}",
