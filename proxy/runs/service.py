@@ -207,7 +207,7 @@ class RunsService:
         await self.launcher.fire(new.hook, RESTART, new)
         return new
 
-    async def restart_now(self, run_id: str, namespace: str | None = None, *, by: str = "operator") -> Run:
+    async def restart_now(self, run_id: str, namespace: str | None = None, *, by: str) -> Run:
         """An operator's restart: a new attempt at once, its hook fired. A dead run is revived.
         ``by``: the operator, as the attempt's ending and the audit name them."""
         run = await self.find(run_id, namespace)
@@ -221,7 +221,7 @@ class RunsService:
         await self._noted(by, "restart", new, epoch=new.epoch)
         return new
 
-    async def revive(self, run_id: str, namespace: str | None = None, *, by: str = "operator") -> Run:
+    async def revive(self, run_id: str, namespace: str | None = None, *, by: str) -> Run:
         """An operator's second chance for a dead run: a new attempt with its restarts
         forgotten (``max_restarts`` counts from here), its hook fired."""
         run = await self.find(run_id, namespace)
@@ -262,7 +262,7 @@ class RunsService:
         runs = await self.store.runs.list(state, limit)
         return runs, await self.store.journal.count_steps([(r.namespace, r.run_id) for r in runs])
 
-    async def delete_journal(self, run: Run, *, by: str = "operator") -> int:
+    async def delete_journal(self, run: Run, *, by: str) -> int:
         """Delete the run's journal; answer once no process can replay it from memory: the
         delete raised the journal's generation, and every process's memory answers only
         within ``cache_lease`` of a look at it (proxy/freshness.py). The audit keeps who."""
@@ -330,7 +330,7 @@ class RunsService:
         return await self.store.journal.search(key=Scope.agent_key(key), tenant=tenant,
                                                run=run, limit=limit)
 
-    async def resolve(self, kid: str, recorded: Recorded | None, *, by: str = "operator") -> Entry:
+    async def resolve(self, kid: str, recorded: Recorded | None, *, by: str) -> Entry:
         """Settle an outcome-unknown entry: None retries it (kept as ``retried``, the next call
         goes upstream), else ``recorded`` is replayed. The answer's headers are kept as the
         proxy keeps an upstream's: no hop-by-hop or framing headers, no cookies, none of its
