@@ -41,6 +41,7 @@ from ..proxy.runs.endings import supervisor_ending, with_log_tail
 from ..proxy.runs.service import RESTART, RunsService
 from ..proxy.store import StoreUnavailable
 from ..proxy.store.base import Run, RunState
+from .credentials import missing_credentials
 
 log = logging.getLogger("idemproxy.supervisor")
 DEFERRED = "deferred"  # a restart left for a later tick: this supervisor is at its bounds
@@ -60,6 +61,8 @@ class Supervisor:
         """Tick every ``interval_s`` until ``stop`` is set."""
         interval = self.settings.supervisor.interval_s
         log.info("supervisor watching %r every %.2fs", self.store, interval)
+        for warning in missing_credentials(self.settings):  # as `idemproxy check` says, at start
+            log.warning("%s", warning)
         self.runs.launcher.keep_standbys()  # hooks' processes started ahead live as long as we do
         try:
             while not stop.is_set():

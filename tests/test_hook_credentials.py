@@ -9,9 +9,12 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+import services
 
 from idemproxy.proxy.config import load_settings
 from idemproxy.supervisor.credentials import missing_credentials
@@ -55,6 +58,28 @@ def test_the_tutorials_proxy_gives_its_hooks_the_keys_and_check_says_when_it_wou
     openai = next(w for w in warnings if "OPENAI_API_KEY" in w)
     assert "[upstreams.openai]" in openai and "plain_agent" in openai and "openai_agent" in openai
     assert "Traceback" not in agent_shell_only.stderr
+
+
+@pytest.mark.slow  # a proxy process
+def test_serve_says_so_at_start_too(tmp_path):
+    """Whoever starts the proxy without `check` reads the same warning in its log."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("IDEMPROXY_") and k not in KEYS}
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "idemproxy.proxy.cli", "serve", "--config", str(EXAMPLES),
+                                 "--port", str(services.free_port()), "--store", f"sqlite:///{tmp_path}/j.db"],
+                                cwd=ROOT, env=base, stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + 30
+        while "supervisor watching" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.05)
+        time.sleep(0.2)
+        warned = [line for line in log.read_text().splitlines() if "WARNING" in line and "will not have" in line]
+        assert len(warned) == 2 and "OPENAI_API_KEY" in warned[0] + warned[1], log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(15)
 
 
 def test_pass_env_env_and_set_headers_decide_what_a_hooks_agent_lacks(tmp_path):
