@@ -15,6 +15,7 @@ import hashlib
 import json
 import re
 import sys
+from html import unescape
 import time
 
 import aiohttp
@@ -161,6 +162,10 @@ async def test_the_console_shows_the_evidence_and_keeps_its_session_as_who(make_
         assert "charge-order-7" in page and "4200" in page and "fake 503" in page  # request and answer
         assert SECRET not in page and "***" in page
         assert "No operator has acted on this yet." in page
+        async with browser.get(f"{proxy.url}/ui/quarantine") as resp:
+            page = await resp.text()
+        assert '"order": "charge-order-7"' in unescape(page) and "fake 503" in page  # to decide from the list
+        assert SECRET not in page
         async with browser.post(f"{proxy.url}/ui/journal/{kid}/resolve",
                                 data={"csrf": csrf, "action": "retry", "back": f"/ui/journal/{kid}"}) as resp:
             assert resp.status == 200

@@ -3,11 +3,42 @@
 
 from __future__ import annotations
 
+import asyncio
+import re
 from typing import Any
 
 from ..evidence import decoded
 from ..runs.bodies import readable
-from ..store.base import Recorded
+from ..problems import Problem
+from ..store.base import Entry, Recorded
+
+PREVIEW_CHARS = 160  # of a body, on the quarantine page
+PREVIEWED = 100  # quarantined entries whose evidence the quarantine page reads
+
+
+async def previews(service, entries: list[Entry]) -> dict[str, dict[str, Any]]:
+    """What the newest quarantined calls sent and got, in a line each, by kid: listings read no
+    evidence, so each entry is read (the first PREVIEWED, at once)."""
+    async def one(entry: Entry) -> Entry | None:
+        try:
+            return await service.entry(entry.kid)
+        except Problem:  # resolved or expired meanwhile
+            return None
+    full = await asyncio.gather(*(one(e) for e in entries[:PREVIEWED]))
+    return {e.kid: preview(e.evidence) for e in full if e is not None and e.evidence}
+
+
+def preview(evidence: dict[str, Any]) -> dict[str, Any]:
+    """{"sent": the request's body, "status": the answer's status or None, "got": its body}, each
+    body as one line of text, cut at PREVIEW_CHARS."""
+    answer = evidence.get("answer")
+    return {"sent": _line(decoded(evidence.get("request"))), "status": answer["status"] if answer else None,
+            "got": _line(decoded(answer)) if answer else ""}
+
+
+def _line(body: bytes) -> str:
+    text = re.sub(r"\s+", " ", body.decode("utf-8", errors="replace")).strip()
+    return text if len(text) <= PREVIEW_CHARS else text[:PREVIEW_CHARS] + "…"
 
 
 def evidence_parts(evidence: dict[str, Any] | None) -> list[dict[str, Any]]:

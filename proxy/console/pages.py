@@ -19,7 +19,7 @@ from ..store.base import RUN_STATES, EntryState, Run, RunState
 from . import charts
 from .formats import num, usd
 from .ledger import Saved
-from .operators import evidence_parts
+from .operators import evidence_parts, previews
 from .site import console, render
 from .timeline import attempts
 
@@ -136,7 +136,7 @@ async def quarantine_page(request: web.Request) -> web.Response:
     quarantined = await service.entries(EntryState.UNKNOWN, 500)
     dead, _ = await service.listing(RunState.DEAD, 500)
     return render(request, "quarantine.html", entries=quarantined, dead=dead, agent_key=agent_key,
-                  done=DONE.get(request.query.get("done", "")))
+                  done=DONE.get(request.query.get("done", "")), previews=await previews(service, quarantined))
 
 
 async def savings_page(request: web.Request) -> web.Response:
