@@ -10,6 +10,7 @@ runs in the proxy at ``interval_s = 0.2``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import re
@@ -33,6 +34,8 @@ from idemproxy.supervisor.hooks import Hooks
 from idemproxy.supervisor.loop import Supervisor
 
 ADMIN = {"Authorization": "Bearer test-admin-token"}
+# who the test proxies' admin token acts as, in attempt endings and the audit
+OPERATOR = "admin:token:" + hashlib.sha256(b"test-admin-token").hexdigest()[:8]
 # An agent: notes (epoch, pid) in argv[1], writes 30 numbered lines to its log, then does what
 # argv[2] says for its epoch: "crash" (a traceback, exit 1), "sleep" (until killed), "complete".
 AGENT = """
@@ -117,7 +120,7 @@ async def test_an_exit_with_code_1_is_told_with_its_log_everywhere(make_proxy, s
     assert (run.state, run.epoch) == ("completed", 2)
     ended = _endings(run)
     assert {e: (ended[e]["how"], ended[e]["detail"]) for e in ended} == {
-        0: ("operator", "restarted by an operator"), 1: ("exited", "exited with code 1"),
+        0: ("operator", f"restarted by {OPERATOR}"), 1: ("exited", "exited with code 1"),
         2: ("completed", "completed by the agent")}
     crash = ended[1]
     assert (crash["code"], crash["signal"], Path(crash["log"]).name) == (1, None, "default.r.1.log")
@@ -236,7 +239,7 @@ async def test_the_agents_own_ends_and_attempts(make_proxy, store_url, http):
         assert resp.status == 201
     async with http.post(f"{proxy.url}/admin/runs/r2/complete", headers=ADMIN) as resp:
         ending = (await resp.json())["attempts"][0]["ended"]
-    assert (ending["how"], ending["detail"], ending["by"]) == ("completed", "completed by an operator", "operator")
+    assert (ending["how"], ending["detail"], ending["by"]) == ("completed", f"completed by {OPERATOR}", OPERATOR)
 
 
 def test_a_log_tail_is_its_last_lines_within_its_last_bytes(tmp_path):

@@ -216,6 +216,8 @@ async def test_the_cli_shows_evidence_and_actions_and_keeps_its_user(make_proxy,
     code, out, err = await _cli(config, "journal", "show", kid[:12])
     assert "state        retried" in out or re.search(r"state\s+retried", out)
     assert "operator actions:" in out and "resolve-retry" in out and "cli:" in out
+    code, out, err = await _cli(config, "runs", "show", "orders")
+    assert code == 0 and "operator actions:" in out and kid[:12] in out.split("operator actions:")[1]
     code, out, err = await _cli(config, "runs", "show", "orders", "--json")
     (action,) = json.loads(out)["actions"]
     assert action["by"].startswith("cli:") and action["kid"] == kid
