@@ -387,9 +387,10 @@ async def test_a_sqlite_journal_from_before_restart_times_is_upgraded(sqlite_url
 
     path = sqlite_url.removeprefix("sqlite:///")
     with contextlib.closing(sqlite3.connect(path)) as old:  # version 1: runs without restart_times
-        # (and a journal without replays by epoch, version 4's)
+        # (and a journal without replays by epoch, version 4's, or evidence, version 6's)
         old.executescript(sqlite_store.SCHEMA.replace(", restart_times BLOB", "").replace(
             ", lost_epoch INTEGER, attachments INTEGER NOT NULL DEFAULT 0", "").replace(", replayed BLOB", "")
+            .replace(", evidence BLOB", "")
             + "PRAGMA user_version=1;")
         old.execute("INSERT INTO journal (kid, tenant, run, epoch, upstream, key, fingerprint, namespace, state, "
                     "status, created_at, expires_at, replays) VALUES "
@@ -409,6 +410,7 @@ async def test_a_sqlite_journal_from_before_restart_times_is_upgraded(sqlite_url
         await store.journal.count_replays({"k1": 2})
         (entry,) = await store.journal.entries("default", "old")
         assert (entry.replays, entry.replayed[3][0]) == (3, 2)
+        assert (await store.journal.get("k1")).evidence is None and await store.journal.count_quarantined() == 0
     finally:
         await store.aclose()
     store = await open_store(settings)  # opened again: nothing left to upgrade, nothing lost
