@@ -262,10 +262,11 @@ class Proxy:
             resp.release()
 
     def _connection_tenant(self, request: web.Request, namespace: str) -> str:
-        """Whose upstream connections the request may use: its tenant's (SPEC §15), so that
-        nothing an upstream sends on a connection can reach another tenant."""
+        """Whose upstream connections the request may use: its tenant's (docs/guarantees.md, the
+        upstream boundary), so that nothing an upstream sends on a connection can reach another
+        tenant. A passthrough outside a run has no namespace: its credential itself keys them."""
         return self.tenants.tenant(request.headers, namespace) if namespace else \
-            self.tenants.of_credential(request.headers)
+            self.tenants.connection_key(request.headers)
 
     # -- record and replay ----------------------------------------------------------------
 

@@ -246,6 +246,14 @@ class TenantResolver:
                       f"share records with anonymous = \"shared\" under [upstreams.{upstream}] or [tenants]",
                       headers=CHALLENGE)
 
+    def connection_key(self, headers: CIMultiDictProxy[str]) -> str:
+        """What keeps a passthrough outside a run on its own upstream connections: its
+        credential's text, which parts callers as finely as their tenant (its HMAC) would,
+        without an HMAC a passthrough otherwise never computes. Held in memory only, as the
+        request's headers are, and never written anywhere."""
+        material = self._material(headers)
+        return "m:" + material if material else ANONYMOUS
+
     def of_credential(self, headers: CIMultiDictProxy[str]) -> str:
         material = self._material(headers)
         if not material:

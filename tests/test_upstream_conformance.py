@@ -177,3 +177,20 @@ async def test_a_reset_mid_answer_is_an_unknown_outcome_never_a_record(make_prox
     async with http.post(proxy.url + "/evil/cut", headers=headers, data=b"{}") as r:
         await problem(r, "outcome-unknown", 502)
     assert upstream.executed("cut") == 1
+
+
+async def test_passthrough_callers_outside_runs_keep_their_own_connections(make_proxy, store_url, http,
+                                                                           scripted):
+    """No run, no namespace: the credential itself keys the connections (HMAC-free)."""
+    async def twice(request, writer):
+        writer.write(answer("yours"))
+        await writer.drain()
+        await asyncio.sleep(0.08)
+        writer.write(answer("STRAY"))
+    upstream, evil = await scripted({"double": twice, "pay": says("paid")})
+    proxy = await make_proxy(store_url, upstreams__evil=evil)
+    passthrough = {"Idem-Policy": "passthrough"}
+    assert await call(http, "POST", proxy.url + "/evil/double", {**ATTACKER, **passthrough}) == (200, b"yours", None)
+    for _ in range(2):
+        assert await call(http, "POST", proxy.url + "/evil/pay", {**VICTIM, **passthrough}) == (200, b"paid", None)
+    assert upstream.connections == 2
