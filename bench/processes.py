@@ -199,8 +199,9 @@ class Processes:
                           port, lambda s: http("GET", s.url + "/calls", timeout=1)[0] == 200)
 
     def idemproxy(self, name: str, upstream: str, store_url: str, workers: int,
-                  mcp: str | None = None, env: dict[str, str] | None = None) -> Server:
-        """``env``: settings as ``IDEMPROXY_*`` variables, over the generated configuration."""
+                  mcp: str | None = None, env: dict[str, str] | None = None, wrap: list[str] = ()) -> Server:
+        """``env``: settings as ``IDEMPROXY_*`` variables, over the generated configuration;
+        ``wrap``: a command the proxy runs under (valgrind, for bench/instructions.py)."""
         port = free_port()
         config = self.workdir / f"{name}.toml"
         config.write_text(
@@ -210,10 +211,10 @@ class Processes:
             f'[upstreams.openai]\nurl = "{upstream}"\n\n'
             + (f'[upstreams.mcp]\nurl = "{mcp}"\nkind = "mcp"\n\n' if mcp else "")
             + "[supervisor]\nenabled = false\n")
-        argv = [sys.executable, "-m", "idemproxy.proxy.cli", "--log-level", "WARNING", "serve",
+        argv = [*wrap, sys.executable, "-m", "idemproxy.proxy.cli", "--log-level", "WARNING", "serve",
                 "--config", str(config), "--no-supervisor"]
-        server = self.start(name, argv, port,
-                            lambda s: http("GET", s.url + "/readyz", timeout=1)[0] == 200, timeout=60, env=env)
+        server = self.start(name, argv, port, lambda s: http("GET", s.url + "/readyz", timeout=1)[0] == 200,
+                            timeout=600 if wrap else 60, env=env)
         if workers > 1:
             time.sleep(1.0)  # /readyz answered from one worker; give the others their start
         return server
