@@ -36,9 +36,9 @@ import aiohttp
 import orjson
 
 from ..proxy.config import ENV_PREFIX, HookSettings, Settings
+from ..proxy.identity import TenantResolver, tenant_secret
 from ..proxy.runs.endings import log_tail
 from ..proxy.store import Store, StoreUnavailable
-from ..proxy.identity import TenantResolver, tenant_secret
 from ..proxy.store.base import Run
 from .reaper import describe, exit_facts, exited
 from .spawn import SpawnError, spawn_detached
@@ -69,8 +69,8 @@ class HookCall:
     epoch: int
     attempt: int  # the run's restart count after this restart
     proxy_url: str
-
     token: str  # the run's capability: the attempt's traffic is the run's, whatever its credential
+
     @property
     def run_base(self) -> str:
         return f"{self.proxy_url}/runs/{self.run_id}/epochs/{self.epoch}/cap/{self.token}"
@@ -125,9 +125,9 @@ class Hooks:
     :class:`~idemproxy.proxy.runs.Launcher`)."""
 
     def __init__(self, settings: Settings, store: Store):
-        self._hooks = settings.hooks
         self._settings = settings
         self._tenants: TenantResolver | None = None  # mints run tokens, once the secret is read
+        self._hooks = settings.hooks
         # What hooks are told, from configuration only: never from a request's Host header.
         self._proxy_url = settings.proxy_url
         self._store = store
