@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import glob
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,6 +41,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--keep", type=Path, help="copy each scenario's callgrind dump here (callgrind_annotate)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="idem-instr-") as tmp, Processes(Path(tmp)) as procs:
         workdir = Path(tmp)
@@ -48,12 +50,12 @@ def main() -> int:
                                 wrap=["valgrind", "--tool=callgrind", f"--callgrind-out-file={workdir}/cg.%p",
                                           "--dump-instr=no", "--dump-line=no"])
         for name in args.scenarios.split(","):
-            per_request = measure(proxy, name, args.requests, args.warmup, workdir)
+            per_request = measure(proxy, name, args.requests, args.warmup, workdir, args.keep)
             print(f"{name:12s} {per_request:12,.0f} instructions per request", flush=True)
     return 0
 
 
-def measure(proxy, name: str, requests: int, warmup: int, workdir: Path) -> float:
+def measure(proxy, name: str, requests: int, warmup: int, workdir: Path, keep: Path | None = None) -> float:
     def send(n: int, tag: str) -> None:
         for i in range(n):
             headers = {**dict(HEADERS), **SCENARIOS[name]}
@@ -68,6 +70,9 @@ def measure(proxy, name: str, requests: int, warmup: int, workdir: Path) -> floa
     send(requests, "measured")
     subprocess.run(["callgrind_control", "--dump", str(proxy.popen.pid)], check=True, capture_output=True)
     (dump,) = set(glob.glob(f"{workdir}/cg.*")) - before
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        shutil.copy(dump, keep / f"callgrind.{name}")
     return int(TOTALS.search(Path(dump).read_bytes()).group(1)) / requests
 
 
