@@ -33,6 +33,14 @@ async def scripted():
         await upstream.close()
 
 
+async def answers_twice(request, writer):
+    """A broken or malicious upstream: its answer, then another 80 ms later that nobody asked for."""
+    writer.write(answer("yours"))
+    await writer.drain()
+    await asyncio.sleep(0.08)
+    writer.write(answer("STRAY"))
+
+
 async def call(http, method, url, headers=None, data=b"{}"):
     async with http.request(method, url, headers=headers or {}, data=data) as r:
         return r.status, await r.read(), r.headers.get("Idempotent-Replayed")
@@ -60,12 +68,7 @@ async def test_an_answer_to_a_get_body_never_reaches_another_call(make_proxy, st
 @pytest.mark.parametrize("max_connections", [1, 256])
 async def test_a_late_second_answer_never_reaches_another_tenant(make_proxy, store_url, http, scripted,
                                                                  max_connections):
-    async def twice(request, writer):
-        writer.write(answer("yours"))
-        await writer.drain()
-        await asyncio.sleep(0.08)
-        writer.write(answer("STRAY"))
-    upstream, evil = await scripted({"double": twice, "pay": says("paid")})
+    upstream, evil = await scripted({"double": answers_twice, "pay": says("paid")})
     proxy = await make_proxy(store_url, upstreams__evil={**evil, "max_connections": max_connections})
     first = {**ATTACKER, "Idempotency-Key": "double-1"}
     assert await call(http, "POST", proxy.url + "/evil/double", first) == (200, b"yours", "false")
@@ -182,12 +185,7 @@ async def test_a_reset_mid_answer_is_an_unknown_outcome_never_a_record(make_prox
 async def test_passthrough_callers_outside_runs_keep_their_own_connections(make_proxy, store_url, http,
                                                                            scripted):
     """No run, no namespace: the credential itself keys the connections (HMAC-free)."""
-    async def twice(request, writer):
-        writer.write(answer("yours"))
-        await writer.drain()
-        await asyncio.sleep(0.08)
-        writer.write(answer("STRAY"))
-    upstream, evil = await scripted({"double": twice, "pay": says("paid")})
+    upstream, evil = await scripted({"double": answers_twice, "pay": says("paid")})
     proxy = await make_proxy(store_url, upstreams__evil=evil)
     passthrough = {"Idem-Policy": "passthrough"}
     assert await call(http, "POST", proxy.url + "/evil/double", {**ATTACKER, **passthrough}) == (200, b"yours", None)
