@@ -167,7 +167,7 @@ async def test_the_supervisor_runs_at_most_max_hook_processes_at_once(lone_super
         (run,) = await store.runs.find("default", run_id)
         assert (run.epoch, run.restarts, run.restart_times) == (0, 0, [])
     # an operator's restart is held to the same bound: the hook is refused, and recorded so
-    new = await supervisor.runs.restart_now(waiting[0])
+    new = await supervisor.runs.restart_now(waiting[0], by="admin:test")
     (run,) = await store.runs.find("default", new.run_id)
     assert "max_hook_processes" in run.history[-1]["error"]
 
