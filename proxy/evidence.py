@@ -1,4 +1,4 @@
-"""What an operator needs to decide a quarantined call (SPEC §4, §16; issue 26 item 6).
+"""What an operator needs to decide a quarantined call (docs/concepts.md, Quarantine).
 
 Kept with the entry when it is quarantined, shown by ``idemproxy journal show``,
 ``GET /admin/journal/{kid}`` and the console's entry page::

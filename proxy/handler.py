@@ -111,7 +111,7 @@ class Proxy:
                 since = time.perf_counter()
                 attempt = await self._fence_or_preloaded(ident, chosen)
                 facts.timed(since)
-                self.heartbeats.hold(request, ident)  # open, its run is alive (SPEC §16)
+                self.heartbeats.hold(request, ident)  # open, its run is alive (docs/restarts.md)
             if chosen is Policy.PASSTHROUGH:
                 request[OUTCOME] = Outcome.PASSTHROUGH
                 return await self._passthrough(request, route, ident, body, started)

@@ -1,7 +1,7 @@
 """Heartbeats from traffic, coalesced: at most one store write per run per second.
 
 A request is a beat when it arrives, and a run is alive for as long as a request of its
-current attempt is open here (SPEC §16): the handler ``hold``s each request of a run once it
+current attempt is open here (docs/restarts.md): the handler ``hold``s each request of a run once it
 is let through, and every flush beats for the held requests still being answered whose
 client is still connected, however long the upstream takes or a stream idles between
 events. A request answered, or whose client left, beats no more; neither does a proxy that

@@ -159,13 +159,13 @@ async def join_remote(request: web.Request, store: Store, claim: Entry, started:
     the store.
 
     Bytes in the store are not an answer: a proxy killed mid-stream leaves them there until
-    its lease ends, and a replay is the whole recorded answer or nothing (SPEC §15). So the
+    its lease ends, and a replay is the whole recorded answer or nothing (docs/guarantees.md). So the
     head is sent only once the recording proxy shows it is alive, by sharing bytes (or the
     empty piece a quiet stream shares, calls.ALIVE_S) after this request first looked, or
     by completing the record; until then the request waits as for any key in flight, until
     ``deadline`` (then 409 in-flight). None: ``claim`` is no longer in flight (it ended,
     its lease ran out, or its stream has not begun): the caller looks at the key afresh,
-    and an expired claim is then ambiguous (SPEC §4).
+    and an expired claim is then ambiguous (docs/concepts.md).
 
     Once bytes are sent, the answer follows that one claim to its recorded end, or is cut
     short: its proxy died, the stream broke, or another claim took the key over (whose bytes

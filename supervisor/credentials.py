@@ -1,5 +1,5 @@
 """What a command hook's agent will start without: ``idemproxy check`` says so before the
-first restart finds out (issue 26, item 3).
+first restart finds out.
 
 A command hook's agent inherits the supervisor's environment (hooks.py,
 :func:`~.hooks.hook_environment`), not the shell its first attempt was started from. With the

@@ -1,4 +1,4 @@
-"""How an attempt ended (SPEC §16, issue 26 item 4), kept in the run's history.
+"""How an attempt ended (docs/restarts.md), kept in the run's history.
 
 Whatever ends an attempt records one ``ended`` event for it, in the same store change that
 ends it (a new attempt, or the run's end)::

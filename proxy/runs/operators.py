@@ -1,4 +1,4 @@
-"""Who did an operator action, and the trace it leaves (SPEC §16, issue 26 item 5).
+"""Who did an operator action, and the trace it leaves (docs/operations.md).
 
 Every operator action — resolve (retry, or respond with a status and a body digest),
 revive, restart, complete, journal delete — is kept as an :class:`~..store.base.Action`

@@ -145,7 +145,7 @@ ANSWERED_BY_OPERATOR = "resolved by operator"
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    """One operator action, kept for the journal's retention (SPEC §16): ``action`` is
+    """One operator action, kept for the journal's retention: ``action`` is
     resolve-retry, resolve-respond, revive, restart, complete or delete-journal; ``by`` the
     operator (proxy/runs/operators.py); ``kid`` the entry it decided, if any; ``detail`` its
     facts (a respond's status and body digest, entries deleted, the epoch started)."""
@@ -445,7 +445,7 @@ class Journal(Protocol):
 
 @runtime_checkable
 class Audit(Protocol):
-    """Operator actions (SPEC §16): appended, read by entry or by run, gone after ``retention_s``."""
+    """Operator actions: appended, read by entry or by run, gone after ``retention_s``."""
 
     async def note(self, action: Action, retention_s: float) -> None: """Keep ``action``."""
     async def of_entry(self, kid: str) -> list[Action]: """The actions on entry ``kid``, oldest first."""

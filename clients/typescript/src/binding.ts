@@ -1,6 +1,6 @@
 /**
  * What binds a call to its run, in one place: the tenant the run lives under (a trusted
- * tenant's name, sent as `Idem-Tenant`) and the run's token, its capability (SPEC §16).
+ * tenant's name, sent as `Idem-Tenant`) and the run's token, its capability.
  *
  * A proxy that binds runs answers a registration (`POST /runs/{id}`) and a new attempt
  * (`POST /runs/{id}/attempts`) with `"token"`; a supervisor hands it to the process it

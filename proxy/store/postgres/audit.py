@@ -1,4 +1,4 @@
-"""The PostgreSQL store's audit: operator actions in their own table (SPEC §16)."""
+"""The PostgreSQL store's audit: operator actions in their own table."""
 
 from __future__ import annotations
 

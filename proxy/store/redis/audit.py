@@ -1,4 +1,4 @@
-"""The Redis store's audit: operator actions as JSON in two lists, by entry and by run (SPEC §16).
+"""The Redis store's audit: operator actions as JSON in two lists, by entry and by run.
 
 Each list expires one retention after its last action; an action older than its own
 retention is left out when read, and gone with its list.
