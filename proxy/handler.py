@@ -443,8 +443,8 @@ class Proxy:
                                   forwarded_key(entry.kid) if upstream.idempotency_header else None,
                                   self.forwarding.headers(request.headers, request.remote))
         beat = (lambda: self.heartbeats.beat(namespace, entry.run, entry.epoch)) if entry.run else (lambda: None)
-        tenant = self._connection_tenant(request, namespace)
-        task = asyncio.create_task(call.run(self.pools[upstream.name], tenant, self.store, request.method,
+        # the entry's tenant, worked out once for its key (_scope), is whose connections it uses
+        task = asyncio.create_task(call.run(self.pools[upstream.name], entry.tenant, self.store, request.method,
                                             route.path_qs, headers, body, beat))
         self.calls[entry.kid] = call
         self.tasks.add(task)
