@@ -16,6 +16,7 @@ from .config import Settings
 from .heartbeats import Heartbeats
 from .identity import Identity
 from .problems import Problem
+from .runs.endings import superseded_ending
 from .store import Store, StoreUnavailable
 from .store.base import Run
 
@@ -59,7 +60,8 @@ class Fence:
         shared = self._epoch_reads.get(key)
         if shared is None:
             shared = self._epoch_reads[key] = asyncio.ensure_future(self._store.runs.observe_epoch(
-                ident.namespace, ident.run, ident.epoch, self._defaults(ident), time.time()))
+                ident.namespace, ident.run, ident.epoch, self._defaults(ident), time.time(),
+                ended=None if ident.epoch is None else superseded_ending(by_request=ident.epoch)))
             shared.add_done_callback(lambda _: self._epoch_reads.pop(key, None))
         return await asyncio.shield(shared)
 

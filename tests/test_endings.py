@@ -242,6 +242,27 @@ async def test_the_agents_own_ends_and_attempts(make_proxy, store_url, http):
     assert (ending["how"], ending["detail"], ending["by"]) == ("completed", f"completed by {OPERATOR}", OPERATOR)
 
 
+async def test_a_request_of_the_next_epoch_ends_the_attempt_before(make_proxy, store_url, http):
+    """An agent started again elsewhere whose first word is a proxied request carrying the
+    next Idem-Epoch: the attempt it supersedes is ended, once, in the same store change."""
+    proxy = await make_proxy(store_url)
+    async with http.post(f"{proxy.url}/runs/r", json={}) as resp:
+        assert resp.status == 201
+    for _ in range(2):  # the second request of the same attempt raises nothing
+        async with http.post(f"{proxy.url}/runs/r/epochs/1/openai/v1/chat/completions",
+                             json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                             headers={"Authorization": "Bearer sk-a"}) as resp:
+            assert resp.status == 200, await resp.text()
+    run = await _run(proxy.store)
+    ended = _endings(run)
+    assert run.epoch == 1 and list(ended) == [0]
+    assert (ended[0]["how"], ended[0]["detail"], ended[0]["by_request"]) == (
+        "superseded", "a request of epoch 1 started the next attempt", 1)
+    async with http.get(f"{proxy.url}/admin/runs/r", headers=ADMIN) as resp:
+        shown = (await resp.json())["attempts"][0]["ended"]
+    assert shown["detail"] == "a request of epoch 1 started the next attempt"
+
+
 def test_a_log_tail_is_its_last_lines_within_its_last_bytes(tmp_path):
     log = tmp_path / "a.log"
     assert log_tail(log) is None and log_tail(None) is None

@@ -35,7 +35,8 @@ class How(StrEnum):
     OPERATOR = "operator"      # an operator restarted the run (admin API, CLI, console)
     COMPLETED = "completed"    # the run was completed (by the agent, or an operator)
     FAILED = "failed"          # the run was failed (by the agent)
-    SUPERSEDED = "superseded"  # the agent started a new attempt (POST /runs/{id}/attempts)
+    SUPERSEDED = "superseded"  # the agent started a new attempt (POST /runs/{id}/attempts, or a
+                               # request carrying the next Idem-Epoch)
 
 
 def log_tail(path: str | os.PathLike | None) -> str | None:
@@ -112,8 +113,13 @@ def _who(by: str) -> str:
     return {"agent": "the agent", "operator": "an operator"}.get(by, by)
 
 
-def superseded_ending() -> dict[str, Any]:
-    return {"how": How.SUPERSEDED, "detail": "the agent started the next attempt"}
+def superseded_ending(by_request: int | None = None) -> dict[str, Any]:
+    """The agent started the next attempt: through ``POST /runs/{id}/attempts``, or by a
+    request carrying the next attempt's epoch (``by_request``, that epoch)."""
+    if by_request is None:
+        return {"how": How.SUPERSEDED, "detail": "the agent started the next attempt"}
+    return {"how": How.SUPERSEDED, "detail": f"a request of epoch {by_request} started the next attempt",
+            "by_request": by_request}
 
 
 async def with_log_tail(run: Run, ending: dict[str, Any]) -> dict[str, Any]:

@@ -148,7 +148,8 @@ class RunsService:
         connections go on purpose (``/detach``): a drop of any of them then marks nothing."""
         run = await self.get(namespace, run_id)
         if epoch > run.epoch:  # the attempt's first word: its epoch is raised as by any request
-            await self.store.runs.observe_epoch(namespace, run_id, epoch, run, time.time())
+            await self.store.runs.observe_epoch(namespace, run_id, epoch, run, time.time(),
+                                                ended=superseded_ending(by_request=epoch))
         attached = await self.store.runs.attach(namespace, run_id, epoch)
         if attached is None:
             raise _no_such_run(run_id)

@@ -463,11 +463,12 @@ class RunRegistry(Protocol):
         """The run in ``namespace``; with None, the runs of that id in every namespace."""
     async def list(self, state: str | None = None, limit: int = 1000) -> list[Run]: ...
     async def observe_epoch(self, namespace: str, run_id: str, epoch: int | None, defaults: Run,
-                            now: float) -> int:
+                            now: float, ended: dict[str, Any] | None = None) -> int:
         """Create the run if new (from ``defaults``, at ``epoch`` or 0); raise its epoch to
-        ``epoch`` when that is the next one (current + 1); return the epoch afterwards. An
-        ``epoch`` further ahead changes nothing, and creates no run unless it is 0 or 1 (an
-        unknown run counts as one at epoch 0): only new attempts move a run further."""
+        ``epoch`` when that is the next one (current + 1), remembering ``ended`` as how the
+        attempt before ended (:func:`ending_event`) in the same change; return the epoch
+        afterwards. An ``epoch`` further ahead changes nothing, and creates no run unless it
+        is 0 or 1 (an unknown run counts as one at epoch 0): only new attempts move a run further."""
     async def touch(self, beats: dict[tuple[str, str, int | None], float]) -> None:
         """Coalesced heartbeats, {(namespace, run_id, epoch): at}: each as ``heartbeat`` does,
         unless the run is past its epoch (None: unfenced)."""

@@ -43,7 +43,7 @@ class PostgresRuns:
         return [_run(r) for r in rows]
 
     async def observe_epoch(self, namespace: str, run_id: str, epoch: int | None, defaults: Run,
-                            now: float) -> int:
+                            now: float, ended: dict[str, Any] | None = None) -> int:
         row = await self._db.fetchrow("observe_epoch", sql.RUN_EPOCH, namespace, run_id)
         if row and (epoch is None or epoch <= row[0]):
             return row[0]  # the common case: a known run at its current epoch, no write
@@ -51,7 +51,8 @@ class PostgresRuns:
         async def raise_epoch(c: asyncpg.Connection) -> int:
             raised = await c.fetchval(sql.RAISE_EPOCH, namespace, run_id, epoch or 0, now, defaults.timeout_s,
                                       defaults.grace_s, defaults.max_restarts, defaults.hook,
-                                      defaults.metadata)
+                                      defaults.metadata,
+                                      None if ended is None else ending_event(now, (epoch or 0) - 1, ended))
             if raised is not None:
                 return raised
             return await c.fetchval(sql.RUN_EPOCH, namespace, run_id) or 0  # none: counts as epoch 0

@@ -8,7 +8,7 @@ each statement.
 
 from __future__ import annotations
 
-from ..base import ANSWERED_BY_OPERATOR, RUN_LOST, EntryState, RunState
+from ..base import ANSWERED_BY_OPERATOR, HISTORY_LIMIT, RUN_LOST, EntryState, RunState
 
 ENTRY_COLUMNS = ("kid, tenant, run, epoch, upstream, key, fingerprint, state, owner, lease_until, "
                  "created_at, completed_at, expires_at, replays, detail, method, path, namespace")
@@ -180,14 +180,20 @@ ON CONFLICT (tenant, run_id) DO UPDATE SET timeout_s = excluded.timeout_s, grace
 RETURNING {RUN_COLUMNS}"""
 
 # $1 namespace, $2 run_id, $3 epoch, $4 now, then the defaults of a new run: $5 timeout_s,
-# $6 grace_s, $7 max_restarts, $8 hook, $9 metadata. A new run only at epoch 0 or 1; an
-# existing one moves to the next epoch only. Returns nothing when nothing was written.
+# $6 grace_s, $7 max_restarts, $8 hook, $9 metadata; $10 the ended event of the attempt a
+# raise supersedes (NULL: none), appended to the history as base.remembered does. A new run
+# only at epoch 0 or 1; an existing one moves to the next epoch only. Returns nothing when
+# nothing was written.
 RAISE_EPOCH = f"""
 INSERT INTO runs ({RUN_COLUMNS})
 SELECT $1, $2, '{RunState.RUNNING}', $3::bigint, 0, $4, $4, $5, $6, $7, $8, $9, $4, NULL, 0, '[]', '[]', NULL, 0
 WHERE $3::bigint <= 1 OR EXISTS (SELECT 1 FROM runs WHERE tenant = $1 AND run_id = $2)
 ON CONFLICT (tenant, run_id) DO UPDATE SET epoch = excluded.epoch, started_at = excluded.started_at,
-    state = CASE WHEN runs.state = '{RunState.RESTARTING}' THEN '{RunState.RUNNING}' ELSE runs.state END
+    state = CASE WHEN runs.state = '{RunState.RESTARTING}' THEN '{RunState.RUNNING}' ELSE runs.state END,
+    history = CASE WHEN $10::jsonb IS NULL THEN runs.history ELSE (
+        SELECT jsonb_agg(e ORDER BY i) FROM jsonb_array_elements(coalesce(runs.history, '[]') || $10::jsonb)
+        WITH ORDINALITY AS kept(e, i)
+        WHERE i > jsonb_array_length(coalesce(runs.history, '[]') || $10::jsonb) - {HISTORY_LIMIT}) END
 WHERE excluded.epoch = runs.epoch + 1
 RETURNING epoch"""
 

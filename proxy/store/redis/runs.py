@@ -115,7 +115,7 @@ class RedisRuns:
         return min(found, limit)
 
     async def observe_epoch(self, namespace: str, run_id: str, epoch: int | None, defaults: Run,
-                            now: float) -> int:
+                            now: float, ended: dict[str, Any] | None = None) -> int:
         rk = run_ref(namespace, run_id)
         current = await self._db.do(self._db.client.hget(self._db.key("run", rk), "epoch"))
         if current is not None and (epoch is None or epoch <= int(current)):
@@ -123,7 +123,7 @@ class RedisRuns:
         new = Run(namespace, run_id, RunState.RUNNING, epoch or 0, 0, now, now, defaults.timeout_s,
                   defaults.grace_s, defaults.max_restarts, defaults.hook, defaults.metadata, now)
         return int(await self._script("observe_epoch", rk, "" if epoch is None else epoch, field(now),
-                                      orjson.dumps(_new_run_fields(new))))
+                                      orjson.dumps(_new_run_fields(new)), _ending(ended)))
 
     async def touch(self, beats: dict[tuple[str, str, int | None], float]) -> None:
         if beats:  # ARGV: the prefix, then rk, at, epoch ('' = unfenced), rk, at, epoch, ...

@@ -311,13 +311,15 @@ return reply(p, rk)
 """
 
 OBSERVE_EPOCH = RUN_HELPERS + """
--- ARGV[3]: epoch ('' = none), ARGV[4]: now, ARGV[5]: fields of a new run. A new run only at
--- epoch 0 or 1 (an unknown run counts as one at epoch 0); an existing one moves to the next only.
+-- ARGV[3]: epoch ('' = none), ARGV[4]: now, ARGV[5]: fields of a new run, ARGV[6]: how the
+-- attempt a raise supersedes ended (as for ending()). A new run only at epoch 0 or 1 (an unknown
+-- run counts as one at epoch 0); an existing one moves to the next only.
 local current = redis.call('HGET', run, 'epoch')
 if not current then
   if ARGV[3] ~= '' and tonumber(ARGV[3]) > 1 then return 0 end
   write(run, cjson.decode(ARGV[5]))
 elseif ARGV[3] ~= '' and tonumber(ARGV[3]) == tonumber(current) + 1 then
+  ending(p, rk, ARGV[4], current, ARGV[6])
   if redis.call('HGET', run, 'state') == 'restarting' then redis.call('HSET', run, 'state', 'running') end
   redis.call('HSET', run, 'epoch', ARGV[3], 'started_at', ARGV[4])
 else

@@ -71,7 +71,7 @@ class SQLiteRuns:
         return [_run(r) for r in rows]
 
     async def observe_epoch(self, namespace: str, run_id: str, epoch: int | None, defaults: Run,
-                            now: float) -> int:
+                            now: float, ended: dict[str, Any] | None = None) -> int:
         rows = self._db.read("SELECT epoch FROM runs WHERE tenant = ? AND run_id = ?", (namespace, run_id))
         if rows and (epoch is None or epoch <= rows[0][0]):
             return rows[0][0]  # the common case: a known run at its current epoch, no write
@@ -90,9 +90,13 @@ class SQLiteRuns:
                 return epoch or 0
             if epoch != row[0] + 1:
                 return row[0]  # not the next attempt: only new attempts move a run further
-            c.execute("UPDATE runs SET epoch = ?, started_at = ?, "
+            history = orjson.loads(c.execute("SELECT history FROM runs WHERE tenant = ? AND run_id = ?",
+                                             (namespace, run_id)).fetchone()[0] or b"[]")
+            if ended is not None:
+                history = remembered(history, ending_event(now, row[0], ended))
+            c.execute("UPDATE runs SET epoch = ?, started_at = ?, history = ?, "
                       f"state = CASE WHEN state = '{RunState.RESTARTING}' THEN '{RunState.RUNNING}' ELSE state END "
-                      "WHERE tenant = ? AND run_id = ?", (epoch, now, namespace, run_id))
+                      "WHERE tenant = ? AND run_id = ?", (epoch, now, orjson.dumps(history), namespace, run_id))
             return epoch
         return await self._db.write(op)
 
