@@ -33,7 +33,8 @@ from .forward import failure_slug, is_stream, never_sent, response_headers, stor
 from .policy import OnAmbiguous, Verdict, verdict
 from .store import Store, StoreUnavailable
 from .store.base import Recorded
-from .upstream_client import UpstreamPool, UpstreamResponse
+from .upstream.connection import UpstreamResponse
+from .upstream.pool import UpstreamPool
 
 log = logging.getLogger("idemproxy.proxy")
 

@@ -34,7 +34,7 @@ from aiohttp import web
 from .config import ServerSettings
 from .errors import problem_response
 from .problems import Problem
-from .upstream_client import UpstreamResponse
+from .upstream.connection import UpstreamResponse
 
 log = logging.getLogger("idemproxy.access")
 

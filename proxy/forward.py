@@ -13,9 +13,10 @@ from urllib.parse import urlsplit
 from multidict import CIMultiDictProxy
 
 from .config import UpstreamSettings, keepalive_timeout
-from .egress import FROM_ENVIRONMENT, Egress, choose_proxy, tls_context
 from .forwarded import FORWARDING
-from .upstream_client import NotSent, UpstreamPool, UpstreamTimeout
+from .upstream.egress import FROM_ENVIRONMENT, Egress, choose_proxy, tls_context
+from .upstream.errors import NotSent, UpstreamTimeout
+from .upstream.pool import UpstreamPool
 
 log = logging.getLogger("idemproxy.proxy")
 
@@ -100,7 +101,7 @@ def make_pool(upstream: UpstreamSettings, on_request: Callable[[list], list] | N
 
 def make_egress(upstream: UpstreamSettings) -> Egress:
     """How the upstream is reached: its ``proxy`` option or the process environment's
-    HTTP(S)_PROXY and NO_PROXY, read once here; its TLS files (proxy/egress.py)."""
+    HTTP(S)_PROXY and NO_PROXY, read once here; its TLS files (proxy/upstream/egress.py)."""
     https = urlsplit(upstream.url).scheme == "https"
     tls = tls_context(upstream.ca_file, upstream.client_cert, upstream.client_key) if https else None
     egress = Egress(upstream.url, proxy=choose_proxy(upstream.url, upstream.proxy), tls=tls)

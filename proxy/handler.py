@@ -39,8 +39,9 @@ from .replaycache import CachedAttempt, ReplayCache
 from .routing import Route, origin_form, parse_route
 from .store import Store, StoreUnavailable
 from .store.base import Claim, ClaimResult, Entry, EntryState, Scope
-from .upstream_client import UpstreamError, UpstreamPool
-from .wire import Answer
+from .upstream.errors import UpstreamError
+from .upstream.pool import UpstreamPool
+from .upstream.wire import Answer
 
 log = logging.getLogger("idemproxy.proxy")
 

@@ -13,7 +13,7 @@ from .calls import Call
 from .problems import Problem
 from .store import Store
 from .store.base import Entry, EntryState, Recorded
-from .wire import Answer, StreamedAnswer
+from .upstream.wire import Answer, StreamedAnswer
 
 REPLAYED = "Idempotent-Replayed"
 STREAM = web.RequestKey("stream", web.StreamResponse)  # the answer, once its head is sent

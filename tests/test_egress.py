@@ -1,4 +1,4 @@
-"""Reaching upstreams as real networks require (proxy/egress.py, issue 25 items 8-10): which
+"""Reaching upstreams as real networks require (proxy/upstream/egress.py, issue 25 items 8-10): which
 egress proxy the environment names, happy eyeballs between a name's addresses, and TLS per
 upstream (a private CA, mTLS). The egress proxy itself is in test_egress_proxy.py."""
 
@@ -20,7 +20,7 @@ from rawhttp import problem
 
 from idemproxy.proxy.config import ConfigError, load_settings
 from idemproxy.proxy.config_view import effective
-from idemproxy.proxy.egress import Egress, ProxyURL, choose_proxy
+from idemproxy.proxy.upstream.egress import Egress, ProxyURL, choose_proxy
 
 CORP = "http://proxy.corp:3128"
 

@@ -1,4 +1,4 @@
-"""The upstream client (proxy/upstream_client.py) against raw upstreams on real sockets: each
+"""The upstream client (proxy/upstream/) against raw upstreams on real sockets: each
 upstream here answers with the exact bytes a test gives it, so framing, keep-alive and
 failures are seen as a proxy meets them, not as a well-behaved server would send them."""
 
@@ -14,9 +14,10 @@ import time
 
 import pytest
 
-from idemproxy.proxy import upstream_client
-from idemproxy.proxy.upstream_client import (ConnectTimeout, NotSent, UnsendableRequest, UpstreamError,
-                                             UpstreamPool, UpstreamTimeout)
+from idemproxy.proxy.upstream.connection import Connection
+from idemproxy.proxy.upstream.errors import (ConnectTimeout, HeadTooLarge, NotSent, UnsendableRequest, UpstreamError,
+                                             UpstreamTimeout)
+from idemproxy.proxy.upstream.pool import BODYLESS_METHODS, UpstreamPool
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 
@@ -350,16 +351,16 @@ async def test_a_slot_handed_to_a_leaving_waiter_goes_to_the_next(upstream):
 
 async def test_a_connect_cancelled_once_made_frees_its_slot_once(upstream, monkeypatch):
     raw, pool = await upstream(OK, OK, max_connections=1)
-    made = upstream_client._Connection.connection_made
+    made = Connection.connection_made
 
     def made_then_cancelled(conn, transport):  # the cancel lands before create_connection returns
         made(conn, transport)
         task.cancel()
-    monkeypatch.setattr(upstream_client._Connection, "connection_made", made_then_cancelled)
+    monkeypatch.setattr(Connection, "connection_made", made_then_cancelled)
     task = asyncio.create_task(fetch(pool))
     with pytest.raises(asyncio.CancelledError):
         await task
-    monkeypatch.setattr(upstream_client._Connection, "connection_made", made)
+    monkeypatch.setattr(Connection, "connection_made", made)
     await asyncio.sleep(0.05)
     assert pool._open == 0
     assert (await fetch(pool))[2] == b"{}"
@@ -476,7 +477,7 @@ async def test_bytes_on_an_idle_connection_poison_it(upstream):
     assert raw.connections == 2
 
 
-@pytest.mark.parametrize("method", sorted(upstream_client.BODYLESS_METHODS - {"HEAD"}))
+@pytest.mark.parametrize("method", sorted(BODYLESS_METHODS - {"HEAD"}))
 async def test_a_connection_that_carried_a_body_the_upstream_may_ignore_is_not_reused(upstream, method):
     """Issue 25, item 1 (CL.0): an upstream that ignores a GET's body reads it as a request of
     its own; the connection is closed after the GET's answer, so that answer reaches nobody."""
@@ -501,7 +502,7 @@ async def test_an_endless_head_line_is_refused_in_bounded_memory(upstream):
             await writer.drain()
     _, pool = await upstream(endless, max_head_bytes=64 * 1024)
     started = time.monotonic()
-    with pytest.raises(upstream_client.HeadTooLarge, match="over 65536 bytes"):
+    with pytest.raises(HeadTooLarge, match="over 65536 bytes"):
         await fetch(pool)
     assert time.monotonic() - started < 1.5
 
@@ -509,7 +510,7 @@ async def test_an_endless_head_line_is_refused_in_bounded_memory(upstream):
 async def test_a_head_with_too_many_fields_is_refused(upstream):
     fields = b"".join(b"X-F%d: v\r\n" % i for i in range(300))
     _, pool = await upstream(b"HTTP/1.1 200 OK\r\n" + fields + b"Content-Length: 2\r\n\r\n{}")
-    with pytest.raises(upstream_client.HeadTooLarge, match="over 256 fields"):
+    with pytest.raises(HeadTooLarge, match="over 256 fields"):
         await fetch(pool)
 
 

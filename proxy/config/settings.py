@@ -12,7 +12,7 @@ from enum import StrEnum
 from typing import Mapping
 from urllib.parse import urlsplit
 
-from ..egress import FROM_ENVIRONMENT
+from ..upstream.egress import FROM_ENVIRONMENT
 from .masking import Secret, mask_url, repr_masking_urls
 
 ENV_PREFIX = "IDEMPROXY_"
@@ -176,7 +176,7 @@ class UpstreamSettings:
     read_only_tools: str = "passthrough"   # readOnlyHint: true
     idempotent_tools: str = "record"       # idempotentHint: true
     non_destructive_tools: str = "record"  # destructiveHint: false
-    # How it is reached (proxy/egress.py). proxy: "env" reads HTTPS_PROXY (https upstreams),
+    # How it is reached (proxy/upstream/egress.py). proxy: "env" reads HTTPS_PROXY (https upstreams),
     # HTTP_PROXY (http ones) and NO_PROXY, as curl and httpx do; "" goes direct; or an
     # http://[user:pass@]host:port egress proxy, its credentials sent as Proxy-Authorization.
     proxy: str = FROM_ENVIRONMENT

@@ -7,7 +7,7 @@ import os
 import re
 from urllib.parse import urlsplit
 
-from ..egress import FROM_ENVIRONMENT, ProxyURL, tls_context
+from ..upstream.egress import FROM_ENVIRONMENT, ProxyURL, tls_context
 from .settings import (ANONYMOUS_CHOICES, MAX_STANDBY, RESERVED_NAMES, RUNS_PER_CREDENTIAL, RUNS_SHARED,
                        ConfigError, Policy, Settings, UpstreamSettings)
 

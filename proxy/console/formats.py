@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 
-from ..wire import as_text
+from ..upstream.wire import as_text
 
 FILTERS = {}
 

@@ -17,7 +17,7 @@ from ..config import Settings, parse_duration
 from ..identity import EPOCH, parse_epoch
 from ..problems import Problem
 from ..store.base import EntryState, Recorded
-from ..wire import from_text
+from ..upstream.wire import from_text
 
 RUN_OPTIONS = ("timeout_s", "grace_s", "hook", "max_restarts", "metadata")
 HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an RFC 9110 token

@@ -1,7 +1,7 @@
 """Answers whose header values reach the agent as the bytes the upstream sent (docs/guarantees.md).
 
 An upstream's header values are kept as latin-1 text from the moment they are parsed
-(upstream_client.py), through the journal, to the agent: each character U+0000-U+00FF stands
+(connection.py), through the journal, to the agent: each character U+0000-U+00FF stands
 for the byte of that value, so a value is any bytes, obs-text (RFC 9110 §5.5) included, and
 JSON in every store carries it unchanged. aiohttp's server writes every header as UTF-8 (and
 its C writer drops lone surrogates), which would turn a 0xE9 into C3 A9: these responses

@@ -1,7 +1,7 @@
 """How the proxy reaches one upstream origin: directly or through an egress proxy, over TLS
 when the origin is https, and across every address its name has (happy eyeballs).
 
-What the pool needs from here (proxy/upstream_client.py): ``Egress.connect(protocol)``, the
+What the pool needs from here (pool.py): ``Egress.connect(protocol)``, the
 request-target prefix (absolute-form through a proxy) and extra header lines.
 
 - Which proxy: the upstream's ``proxy`` option when set (``""``: direct), else the
