@@ -22,7 +22,8 @@ PROBLEM_TYPE_BASE = "https://idemproxy.dev/problems/"
 class RawResponse:
     status: int
     headers: CIMultiDict
-    body: bytes
+    body: bytes  # unchunked
+    head: bytes  # the status line and header fields as received, through the last field's CRLF
 
     def json(self):
         return orjson.loads(self.body)
@@ -67,7 +68,17 @@ async def raw_request(url: str, head: str, body: bytes = b"", timeout: float = 1
         headers.add(name.strip(), value.strip())
     if headers.get("Transfer-Encoding", "").lower() == "chunked":
         payload = _dechunk(payload)
-    return RawResponse(int(status_line.split()[1]), headers, payload)
+    return RawResponse(int(status_line.split()[1]), headers, payload, header_block + b"\r\n")
+
+
+async def exchange(url: str, method: str, target: str, headers: dict[str, str] | None = None,
+                   body: bytes = b"") -> tuple[bytes, bytes]:
+    """One request on a raw socket; the answer's head as received (see ``RawResponse.head``) and its
+    body, unchunked."""
+    fields = [f"Host: {urlsplit(url).netloc}", f"Content-Length: {len(body)}",
+              *(f"{k}: {v}" for k, v in (headers or {}).items())]
+    answer = await raw_request(url, "\n".join([f"{method} {target} HTTP/1.1", *fields]), body)
+    return answer.head, answer.body
 
 
 def check_problem(status: int, content_type: str, body: bytes, slug: str, expected_status: int) -> dict:

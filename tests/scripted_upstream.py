@@ -1,7 +1,9 @@
-"""A scriptable upstream on a raw socket: what a broken or malicious server sends, byte by byte.
+"""A scriptable upstream on a raw socket: what a broken or malicious server sends, byte by byte,
+and what exactly it received (each request's head and body as bytes).
 
 Each request is answered by the script for its path (``/evil/{name}`` -> ``scripts[name]``), an
-async function given the parsed request and the stream writer. The server itself behaves like
+async function given the parsed request and the stream writer; a path with no script is answered
+by ``default``. The server itself behaves like
 the servers the proxy meets: keep-alive, one request after another on a connection, and, as
 some do, it may ignore a body on GET (the body's bytes are then read as the next request: the
 CL.0 desync) or close connections idle past ``idle_close_s``. It counts what each path
@@ -23,6 +25,7 @@ class Request:
     headers: dict[str, str]  # lower-case names
     body: bytes
     connection: int  # which connection (1, 2, ...) carried it
+    head: bytes  # the request line and header fields as received, through the blank line
 
 
 Script = Callable[[Request, asyncio.StreamWriter], Awaitable[None]]
@@ -41,9 +44,17 @@ def says(text: str) -> Script:
     return script
 
 
+def replying(answer: Callable[[bytes], bytes]) -> Script:
+    """Answer with the bytes ``answer(target)`` gives for the request's raw target."""
+    async def script(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(answer(request.head.split(b" ", 2)[1]))
+    return script
+
+
 @dataclass
 class ScriptedUpstream:
-    scripts: dict[str, Script]
+    scripts: dict[str, Script] = field(default_factory=dict)
+    default: Script | None = None  # for paths with no script; else "no script for {name}"
     ignore_body_on: frozenset[str] = frozenset()  # methods whose body this server does not read
     # A request that arrives on a connection idle longer than this is met by a close, as when
     # a server's idle close (gunicorn 2 s, uvicorn and Node 5 s) crosses the request in flight.
@@ -56,6 +67,10 @@ class ScriptedUpstream:
 
     async def start(self) -> str:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self.url
+
+    @property
+    def url(self) -> str:
         return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
 
     async def close(self) -> None:
@@ -84,7 +99,7 @@ class ScriptedUpstream:
                 self.requests.append(request)
                 name = request.path.split("?")[0].rsplit("/", 1)[-1]
                 self.executions[name] += 1
-                script = self.scripts.get(name, says(f"no script for {name}"))
+                script = self.scripts.get(name) or self.default or says(f"no script for {name}")
                 await script(request, writer)
                 await writer.drain()
                 idle_since = asyncio.get_running_loop().time()
@@ -105,4 +120,4 @@ class ScriptedUpstream:
             if ":" in f:
                 name, _, value = f.partition(":")
                 headers[name.strip().lower()] = value.strip()
-        return Request(method, target, headers, b"", connection)
+        return Request(method, target, headers, b"", connection, head)

@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 from idemproxy.proxy.identity import parse_key
 from idemproxy.proxy.problems import Problem
 from idemproxy.proxy.routing import parse_route
-from raw_upstream import RawUpstream
+from scripted_upstream import ScriptedUpstream, replying
 
 EXAMPLES = int(os.environ.get("IDEMPROXY_FUZZ_EXAMPLES", "150"))
 LIMIT = 32 * 1024  # max_request_bytes of the fuzzed proxy: "huge" bodies stay quick
@@ -413,7 +413,8 @@ def unpacked(body: bytes, codings: list[str]) -> bytes | None:
 @pytest.fixture
 async def packed_upstream(make_proxy, sqlite_url, logged):
     """A proxy whose upstream ``packed`` keeps every request's bytes as it received them."""
-    upstream = await RawUpstream(lambda _target: b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok").start()
+    upstream = ScriptedUpstream(default=replying(lambda _target: b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"))
+    await upstream.start()
     proxy = await make_proxy(sqlite_url, server={"max_request_bytes": LIMIT},
                              upstreams__packed={"url": upstream.url, "kind": "tool"})
     yield proxy, upstream
@@ -445,8 +446,8 @@ async def test_compressed_bodies_go_upstream_as_received_or_are_refused(packed_u
     decodes = unpacked(body, codings)
     if answer.status == 200:
         assert decodes is not None and len(decodes) <= LIMIT and len(body) <= LIMIT, (answer, codings, damage)
-        assert len(forwarded) == 1 and forwarded[0][1] == body
-        assert f"\r\ncontent-encoding: {', '.join(codings)}\r\n".encode() in forwarded[0][0].lower()
+        assert len(forwarded) == 1 and forwarded[0].body == body
+        assert f"\r\ncontent-encoding: {', '.join(codings)}\r\n".encode() in forwarded[0].head.lower()
         return
     assert forwarded == [], answer
     slug = orjson.loads(answer.body)["type"].rsplit("/", 1)[-1]

@@ -9,7 +9,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from raw_upstream import RawUpstream, exchange
+from rawhttp import exchange
+from scripted_upstream import ScriptedUpstream, replying
 
 # obs-text (RFC 9110 §5.5): not UTF-8. Before the fix, recording failed ("surrogates not
 # allowed") and a passthrough lost the bytes.
@@ -36,7 +37,8 @@ def answer(target: bytes) -> bytes:
 
 @pytest.fixture
 async def raw_upstream():
-    upstream = await RawUpstream(answer).start()
+    upstream = ScriptedUpstream(default=replying(answer))
+    await upstream.start()
     yield upstream
     await upstream.close()
 
@@ -48,7 +50,7 @@ def assert_exact(head: bytes, replayed: str) -> None:
     assert b"\r\nIdempotent-Replayed: " + replayed.encode() + b"\r\n" in head, head
 
 
-async def proxy_to(make_proxy, store_url: str, upstream: RawUpstream):
+async def proxy_to(make_proxy, store_url: str, upstream: ScriptedUpstream):
     return await make_proxy(store_url, upstreams__obs={"url": upstream.url, "kind": "tool"})
 
 

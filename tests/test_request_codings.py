@@ -13,8 +13,8 @@ import orjson
 import pytest
 
 from conftest import proxy_sections
-from raw_upstream import RawUpstream, exchange
-from rawhttp import PROBLEM_TYPE_BASE
+from rawhttp import PROBLEM_TYPE_BASE, exchange
+from scripted_upstream import ScriptedUpstream, replying
 
 JSON = {"Content-Type": "application/json"}
 CONTENT = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
@@ -26,7 +26,8 @@ def ok(_target: bytes) -> bytes:
 
 @pytest.fixture
 async def raw_upstream():
-    upstream = await RawUpstream(ok).start()
+    upstream = ScriptedUpstream(default=replying(ok))
+    await upstream.start()
     yield upstream
     await upstream.close()
 
@@ -56,11 +57,11 @@ UNDECODABLE = {"gzip-malformed": ("gzip", b"\x1f\x8bnot gzip at all"),
                "br": ("br", b"\x0b\x02\x80hello\x03"), "zstd": ("gzip, zstd", gzip.compress(CONTENT))}
 
 
-def sent(upstream: RawUpstream, index: int = -1) -> tuple[dict[bytes, bytes], bytes]:
+def sent(upstream: ScriptedUpstream, index: int = -1) -> tuple[dict[bytes, bytes], bytes]:
     """The headers (lower-case names) and body of a request the upstream received."""
-    head, body = upstream.requests[index]
-    lines = head.rstrip(b"\r\n").split(b"\r\n")[1:]
-    return {k.strip().lower(): v.strip() for k, _, v in (line.partition(b":") for line in lines)}, body
+    request = upstream.requests[index]
+    lines = request.head.rstrip(b"\r\n").split(b"\r\n")[1:]
+    return {k.strip().lower(): v.strip() for k, _, v in (line.partition(b":") for line in lines)}, request.body
 
 
 def status_of(head: bytes) -> int:
@@ -73,7 +74,7 @@ def assert_problem(head: bytes, body: bytes, slug: str, status: int) -> None:
     assert orjson.loads(body)["type"] == PROBLEM_TYPE_BASE + slug
 
 
-async def proxy_to(make_proxy, store_url: str, upstream: RawUpstream, **extra):
+async def proxy_to(make_proxy, store_url: str, upstream: ScriptedUpstream, **extra):
     return await make_proxy(store_url, upstreams__packed={"url": upstream.url, "kind": "tool"}, **extra)
 
 
