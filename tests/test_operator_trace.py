@@ -144,6 +144,27 @@ async def test_restart_revive_complete_and_journal_delete_leave_a_trace(make_pro
     assert f"restarted by {TOKEN_OPERATOR}" in endings and f"completed by {TOKEN_OPERATOR}" in endings
 
 
+async def test_an_operators_registration_is_kept_without_its_values(make_proxy, store_url, http):
+    """POST /admin/runs/{id}: the only way to arm a hook a namespace may not arm, so who did it
+    is kept; the options' names are, their values (metadata may hold anything) are not."""
+    proxy = await make_proxy(store_url, hooks__agent={"command": ["true"]})
+    await _json(http, "POST", f"{proxy.url}/runs/armed", json={"timeout_s": 60})
+    status, _ = await _json(http, "POST", f"{proxy.url}/admin/runs/armed", headers=ADMIN,
+                            json={"hook": "agent", "metadata": {"customer": "secret-customer-9"}})
+    assert status == 200
+    status, _ = await _json(http, "POST", f"{proxy.url}/admin/runs/fresh?namespace=team-b", headers=ADMIN,
+                            json={"timeout_s": 90})
+    assert status == 201
+    _, shown = await _json(http, "GET", f"{proxy.url}/admin/runs/armed", headers=ADMIN)
+    (action,) = shown["actions"]
+    assert (action["by"], action["action"], action["namespace"], action["detail"]) == (
+        TOKEN_OPERATOR, "register", "default", {"created": False, "options": ["hook", "metadata"], "hook": "agent"})
+    assert "secret-customer-9" not in json.dumps(shown["actions"])
+    _, fresh = await _json(http, "GET", f"{proxy.url}/admin/runs/fresh", headers=ADMIN)
+    assert [(a["action"], a["namespace"], a["detail"]["created"]) for a in fresh["actions"]] == [
+        ("register", "team-b", True)]
+
+
 async def _login(browser, proxy) -> str:
     async with browser.get(f"{proxy.url}/ui/login") as resp:
         form = re.search(r'name="form" value="([0-9a-f]+)"', await resp.text()).group(1)

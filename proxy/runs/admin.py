@@ -25,7 +25,7 @@ the API is off (always 401), never open::
                                             "body_base64"}
     POST   /admin/purge                     {"purged": journal entries, "runs": runs} deleted
 
-Every action (restart, revive, complete, journal delete, resolve) is kept in the audit with
+Every action (register, restart, revive, complete, journal delete, resolve) is kept in the audit with
 the operator's name (proxy/runs/operators.py): ``actions`` on the run and the entry, each
 ``{"at", "by", "action", "namespace", "run", "kid", "detail"}``.
 
@@ -121,7 +121,7 @@ async def register(request: web.Request) -> web.Response:
         namespace = (await service.find(run_id(request))).namespace  # 404 unless it exists
     elif not TENANT_NAME.fullmatch(namespace):
         raise Problem("invalid-request", "namespace must be 1-128 of [A-Za-z0-9._:@/-]")
-    run, created = await service.register(namespace, run_id(request), options, operator=True)
+    run, created = await service.register(namespace, run_id(request), options, operator=_operator(request))
     return answer(request, run, 201 if created else 200, history=True)
 
 

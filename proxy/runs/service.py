@@ -60,14 +60,14 @@ class RunsService:
     # -- agents: their own runs, in their namespace -------------------------------------------
 
     async def register(self, namespace: str, run_id: str, options: dict, *,
-                       operator: bool = False, client: str | None = None) -> tuple[Run, bool]:
+                       operator: str | None = None, client: str | None = None) -> tuple[Run, bool]:
         """Create the run or update its options; (the run, whether it is new). Only an
-        ``operator`` (the admin API) or a namespace the hook allows may arm a hook; anyone
-        else's new runs are bounded (:meth:`_admit_new_run`)."""
+        ``operator`` (the admin API, naming who; the audit keeps it) or a namespace the hook
+        allows may arm a hook; anyone else's new runs are bounded (:meth:`_admit_new_run`)."""
         existing = await self.store.runs.find(namespace, run_id)
         if not existing and not operator:
             await self._admit_new_run(namespace, client)
-        run = existing[0] if existing else self.new_run(namespace, run_id, time.time(), operator=operator)
+        run = existing[0] if existing else self.new_run(namespace, run_id, time.time(), operator=operator is not None)
         hook = options.get("hook", run.hook)
         if hook not in (None, run.hook) and not operator and not self.settings.may_arm(hook, namespace):
             raise Problem("hook-not-allowed", f"hook {hook!r} is armed only through the admin API or for "
@@ -75,7 +75,11 @@ class RunsService:
                           f"{namespace!r}", hook=hook, namespace=namespace)
         for name, value in options.items():
             setattr(run, name, value)
-        return await self.store.runs.upsert(run), not existing
+        registered = await self.store.runs.upsert(run)
+        if operator:  # which options, never their values: metadata may hold anything
+            await self._noted(operator, "register", registered, created=not existing, options=sorted(options),
+                              hook=registered.hook)
+        return registered, not existing
 
     async def get(self, namespace: str, run_id: str) -> Run:
         runs = await self.store.runs.find(namespace, run_id)
