@@ -25,7 +25,7 @@ from aiohttp.test_utils import TestServer
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import fake_provider  # noqa: E402
 
-from idemproxy.proxy.cli import build_app  # noqa: E402
+from idemproxy.proxy.cli.serving import build_app  # noqa: E402
 from idemproxy.proxy.config import load_settings  # noqa: E402
 
 BODY = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}

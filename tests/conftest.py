@@ -28,7 +28,7 @@ import services  # noqa: E402
 
 from idemproxy.proxy.app import open_front_door  # noqa: E402
 from idemproxy.proxy.appkeys import PROXY, STORE  # noqa: E402
-from idemproxy.proxy.cli import build_app  # noqa: E402
+from idemproxy.proxy.cli.serving import build_app  # noqa: E402
 from idemproxy.proxy.config import Settings, load_settings  # noqa: E402
 
 BACKENDS = [b for b in os.environ.get("IDEMPROXY_TEST_BACKENDS", "sqlite,postgres,redis").split(",") if b]

@@ -14,7 +14,7 @@ import services
 from conftest import proxy_sections, write_config
 from idemproxy.proxy import server
 from idemproxy.proxy.app import open_front_door
-from idemproxy.proxy.cli import build_app
+from idemproxy.proxy.cli.serving import build_app
 from idemproxy.proxy.config import ConfigError, load_settings
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import write_config
-from idemproxy.proxy.commands import check
+from idemproxy.proxy.cli.store import check
 from idemproxy.proxy.config import load_settings, mask_url
 from idemproxy.proxy.store.sqlite import SQLiteStore
 from rawhttp import problem

@@ -13,7 +13,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from idemproxy.proxy.app import goes_straight
-from idemproxy.proxy.cli import build_app
+from idemproxy.proxy.cli.serving import build_app
 from rawhttp import raw_request
 
 CHAT = orjson.dumps({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]})

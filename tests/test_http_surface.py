@@ -15,7 +15,7 @@ import time
 import orjson
 import pytest
 
-from idemproxy.proxy.cli import build_app
+from idemproxy.proxy.cli.serving import build_app
 from idemproxy.proxy.config import load_settings
 from idemproxy.proxy.server import start_serving
 from conftest import proxy_sections, write_config

@@ -107,7 +107,7 @@ def test_tracing_is_off_unless_the_environment_asks():
 @pytest.mark.slow
 def test_a_proxy_without_tracing_never_imports_opentelemetry():
     # this module imports opentelemetry-proto; ask a fresh interpreter instead
-    code = ("import sys; from idemproxy.proxy.cli import build_app; from idemproxy.proxy.config import "
+    code = ("import sys; from idemproxy.proxy.cli.serving import build_app; from idemproxy.proxy.config import "
             "load_settings; build_app(load_settings(env={}), supervise=False); "
             "print(any(m.startswith('opentelemetry') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

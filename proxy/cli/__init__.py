@@ -1,69 +1,28 @@
-"""The idemproxy command, and the composition root: the one place where the proxy and the
-supervisor meet (uvicorn's main.py does the same for its server and supervisors).
+"""The idemproxy command, and the composition root: the one package where the proxy and the
+supervisor meet. Its modules build parts and hand them to each other; no part imports the
+other's package. The runs service (proxy/runs) fires hooks through the supervisor's ``Hooks``,
+and the supervisor's loop runs beside the proxy app in ``serve`` (serving.py).
 
-Everything below builds parts and hands them to each other; no part imports the other's
-package. The runs service (proxy/runs) fires hooks through the supervisor's ``Hooks``,
-and the supervisor's loop runs beside the proxy app in ``serve``.
+    serving.py   serve, supervise        store.py     migrate, check, config
+    runs.py      runs list|show|...      journal.py   journal list|show|find|resolve
+    common.py    exit codes, the runs service for a command; describe.py: tables for people
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import errno
 import logging
 import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
-from typing import AsyncIterator
 
-from aiohttp import web
-
-from ..supervisor import Hooks, Supervisor, commands as supervisor_commands
-from ..supervisor.credentials import missing_credentials
-from . import commands, server
-from .app import create_app
-from .appkeys import METRICS, RUNS, SETTINGS
-from .config import ConfigError, Settings, load_settings, mask_url, unknown_variables
-from .eventloop import run
-from .store import SchemaNotCurrent, StoreError, open_store
+from ..config import ConfigError, Settings, load_settings, mask_url, unknown_variables
+from ..store import SchemaNotCurrent, StoreError
+from . import journal, runs, serving, store
+from .common import CONFIG_ERROR, FAILED, MIGRATE_HINT
 
 log = logging.getLogger("idemproxy")
-
-
-def build_app(settings: Settings, *, supervise: bool) -> web.Application:
-    """The proxy app, its runs service firing the supervisor's hooks; with ``supervise``,
-    the supervisor's loop runs with it (started after the store opens, stopped before)."""
-    app = create_app(settings, launcher=Hooks)
-    if supervise:
-        app.cleanup_ctx.append(_supervisor)
-    return app
-
-
-async def _supervisor(app: web.Application) -> AsyncIterator[None]:
-    stop = asyncio.Event()
-    loop = asyncio.create_task(Supervisor(app[RUNS], app[SETTINGS], app[METRICS]).run(stop))
-    yield
-    stop.set()  # graceful: the tick in progress finishes, claims get their hooks
-    await loop
-
-
-async def serve_app(settings: Settings, *, supervise: bool, reuse_port: bool = False) -> None:
-    await server.serve_until_signalled(build_app(settings, supervise=supervise), settings,
-                                       reuse_port=reuse_port)
-
-
-def serve(settings: Settings, args: argparse.Namespace | None = None) -> int:
-    if settings.server.workers > 1:
-        # Here, once: the schema is made before the workers start, and a store that refuses
-        # the configuration stops the start in one line, not in workers restarted one by one.
-        run(lambda: _migrated(settings))
-    return server.serve(settings, serve_app)
-
-
-async def _migrated(settings: Settings) -> None:
-    store = await open_store(settings)
-    await store.aclose()
 
 
 def common_options() -> argparse.ArgumentParser:
@@ -129,8 +88,11 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--version", action="version", version=f"idemproxy {_version()}")
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = common_options()
-    commands.add_commands(sub, common, serve, advise=missing_credentials)
-    supervisor_commands.add_commands(sub, common)
+    serving.add_serve(sub, common)
+    store.add_commands(sub, common)
+    serving.add_supervise(sub, common)
+    runs.add_commands(sub, common)
+    journal.add_commands(sub, common)
     return top
 
 
@@ -144,25 +106,22 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_from(args)
     except ConfigError as exc:
         print(f"idemproxy: configuration error: {exc}", file=sys.stderr)
-        return commands.CONFIG_ERROR
+        return CONFIG_ERROR
     try:
         return args.handler(settings, args)
     except ConfigError as exc:  # found only when starting (the store URL, OTEL_* variables)
         print(f"idemproxy: configuration error: {exc}", file=sys.stderr)
-        return commands.CONFIG_ERROR
+        return CONFIG_ERROR
     except SchemaNotCurrent as exc:
         print(f"idemproxy: store {mask_url(settings.store.url)}: schema missing or out of date ({exc}): "
-              f"{commands.MIGRATE_HINT}", file=sys.stderr)
-        return commands.FAILED
+              f"{MIGRATE_HINT}", file=sys.stderr)
+        return FAILED
     except StoreError as exc:
         print(f"idemproxy: store {mask_url(settings.store.url)}: {exc}", file=sys.stderr)
-        return commands.FAILED
+        return FAILED
     except OSError as exc:  # the port is taken, or the address is not ours
         where = f"{settings.server.host}:{settings.server.port}"
         reason = "the port is in use" if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc)
         print(f"idemproxy: cannot listen on {where}: {reason}", file=sys.stderr)
-        return commands.FAILED
+        return FAILED
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,5 +1,4 @@
-"""The proxy's commands: ``serve``, ``migrate``, ``check`` and ``config`` (the supervisor's
-are in supervisor/commands.py)."""
+"""The commands about the store and the configuration: ``migrate``, ``check`` and ``config``."""
 
 from __future__ import annotations
 
@@ -8,37 +7,19 @@ import asyncio
 import os
 import sys
 from pathlib import Path
-from typing import Callable
 
 import orjson
 
-from .config_view import effective, to_toml
-from .config import ConfigError, Settings, mask_url
-from .store import SchemaNotCurrent, open_store, sqlite_path
-from .eventloop import run
-
-Command = Callable[[Settings, argparse.Namespace], int]
-
-# Exit codes of every command (documented in the CLI reference)
-OK, FAILED, CONFIG_ERROR = 0, 1, 2  # 2 is also argparse's, for a command line it cannot parse
-MIGRATE_HINT = "run `idemproxy migrate`, or start `idemproxy serve`, which migrates"
+from ...supervisor.credentials import missing_credentials
+from ..config import ConfigError, Settings, mask_url
+from ..config_view import effective, to_toml
+from ..eventloop import run
+from ..store import SchemaNotCurrent, open_store, sqlite_path
+from .common import FAILED, MIGRATE_HINT, OK, command
 
 
-def add_commands(sub, common: argparse.ArgumentParser, serve: Command,
-                 advise: Callable[[Settings], list[str]] | None = None) -> None:
-    """Add ``serve`` (run by ``serve``, which the composition root gives), ``migrate``,
-    ``check`` (printing the warnings ``advise`` gives, from the composition root too) and
-    ``config``."""
-    p = command(sub, common, "serve", "run the proxy (and the supervisor, unless disabled)",
-                "Run the proxy: bring the store's schema up to date, then listen. The supervisor "
-                "runs in the same process unless --no-supervisor or [supervisor] enabled = false. "
-                "A store that is not reachable yet is retried with backoff; one that refuses the "
-                "configuration (no such database or folder) stops the start at once.")
-    p.add_argument("--host", help="address to listen on (default [server] host, 127.0.0.1)")
-    p.add_argument("--port", type=port, help="port to listen on, 0 for any free one (default 8787)")
-    p.add_argument("--workers", type=int, help="processes sharing the port (SO_REUSEPORT)")
-    p.add_argument("--no-supervisor", action="store_true", help="run the proxy alone")
-    p.set_defaults(handler=serve)
+def add_commands(sub, common: argparse.ArgumentParser) -> None:
+    """Add ``migrate``, ``check`` and ``config``."""
     p = command(sub, common, "migrate", "create the store's schema, or bring it up to date",
                 "Create the store's tables (SQLite, PostgreSQL), or apply the migrations an older "
                 "schema lacks; nothing to do on Redis. `serve` and `supervise` do the same at start; "
@@ -52,25 +33,12 @@ def add_commands(sub, common: argparse.ArgumentParser, serve: Command,
                 "Kubernetes exec probes: any non-zero exit is unhealthy). Warnings (a command hook "
                 "whose agents will start without a credential an upstream needs) go to stderr and "
                 "change no exit code.")
-    p.set_defaults(handler=lambda settings, args: check(settings, args, advise))
+    p.set_defaults(handler=check)
     p = command(sub, common, "config", "print the effective configuration (secrets masked)",
                 "Print the settings after the file, IDEMPROXY_* variables and flags, secrets masked. "
                 "Touches no store.")
     p.add_argument("--json", action="store_true", help="print JSON instead of TOML")
     p.set_defaults(handler=show_config)
-
-
-def command(sub, common: argparse.ArgumentParser, name: str, summary: str, description: str):
-    """A subcommand: ``summary`` in ``idemproxy --help``, ``description`` in its own."""
-    return sub.add_parser(name, parents=[common], help=summary, description=description)
-
-
-def port(text: str) -> int:
-    """--port: 0 (any free port) to 65535."""
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a port (0-65535, 0 for any free one)")
-    return value
 
 
 def show_config(settings: Settings, args: argparse.Namespace) -> int:
@@ -83,13 +51,13 @@ def show_config(settings: Settings, args: argparse.Namespace) -> int:
     return OK
 
 
-def check(settings: Settings, args: argparse.Namespace | None = None,
-          advise: Callable[[Settings], list[str]] | None = None) -> int:
+def check(settings: Settings, args: argparse.Namespace | None = None) -> int:
     """Configuration loads and the store answers with a current schema: exit 0; otherwise
-    print why, exit 1. Writes nothing, on any store. ``advise``'s warnings are printed first,
-    on stderr: they change no exit code."""
+    print why, exit 1. Writes nothing, on any store. Warnings (a command hook whose agents will
+    start without a credential an upstream needs) are printed first, on stderr: they change no
+    exit code."""
     where = f"store {mask_url(settings.store.url)}"
-    for warning in advise(settings) if advise is not None else ():
+    for warning in missing_credentials(settings):
         print(f"warning: {warning}", file=sys.stderr)
 
     async def probe() -> int:
