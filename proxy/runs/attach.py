@@ -36,7 +36,7 @@ from .held import Attachments, Ending
 from .process import HEADER, LocalProcess
 from .service import RunsService
 
-log = logging.getLogger("idemproxy.supervisor")
+log = logging.getLogger("idemproxy.runs")
 
 
 def setup(app: web.Application) -> None:

@@ -24,7 +24,7 @@ from ..store.base import ENDED, Action, Entry, EntryState, Recorded, Run, RunSta
 from .endings import end_ending, operator_ending, superseded_ending, with_log_tail
 from .operators import body_digest
 
-log = logging.getLogger("idemproxy.supervisor")
+log = logging.getLogger("idemproxy.runs")
 
 RESTART = "restart"  # the history event of a supervisor's restart
 ADMIN_RESTART = "admin-restart"
