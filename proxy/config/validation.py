@@ -81,7 +81,7 @@ def validate(s: Settings) -> None:
             raise ConfigError(f"server.{name} must be more than 0")
     if s.server.max_connections < 0:
         raise ConfigError("server.max_connections must be 0 (automatic) or more")
-    for name in ("replay_cache_bytes", "answer_cache_bytes", "cache_lease"):
+    for name in ("replay_cache_bytes", "answer_cache_bytes", "cache_lease", "redis_wait_replicas"):
         if getattr(s.store, name) < 0:
             raise ConfigError(f"store.{name} must be 0 (off) or more")
     for cidr in s.server.trusted_proxies:

@@ -30,6 +30,8 @@ BACKENDS = {
     "postgres": ("postgres", "PostgresStore", "postgres"),
     "redis": ("redis", "RedisStore", "redis"),
     "rediss": ("redis", "RedisStore", "redis"),
+    "redis+cluster": ("redis", "RedisStore", "redis"),
+    "rediss+cluster": ("redis", "RedisStore", "redis"),
 }
 
 
@@ -50,9 +52,12 @@ def make_store(settings: StoreSettings) -> Store:
         if not path:
             raise ConfigError("sqlite URL must look like sqlite:///path/to/file.db")
         return cls(path, timeout=settings.timeout)
+    if settings.redis_wait_replicas and package != "redis":
+        raise ConfigError(f"store.redis_wait_replicas is for a Redis store, not {scheme}")
+    options = {"wait_replicas": settings.redis_wait_replicas} if package == "redis" else {}
     try:
-        return cls(settings.url, timeout=settings.timeout)
-    except ValueError as exc:  # our own URL parameters (postgres ?schema=, ?pool_size=)
+        return cls(settings.url, timeout=settings.timeout, **options)
+    except ValueError as exc:  # our own URL parameters (postgres ?schema=, ?pool_size=; cluster seeds)
         raise ConfigError(f"store.url: {exc}") from None
 
 

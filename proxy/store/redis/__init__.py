@@ -1,4 +1,6 @@
-"""Redis store (``redis://host:port/db?prefix=idem:``, ``rediss://`` for TLS).
+"""Redis store (``redis://host:port/db?prefix=idem:``, ``rediss://`` for TLS), or Redis Cluster
+(``redis+cluster://host:port,host:port/?prefix=idem:``, ``rediss+cluster://``: :mod:`.cluster`,
+where every key below starts with ``{prefix}``, the prefix as its hash tag).
 
 Every key starts with ``prefix`` (default ``idem:``), so several deployments, or tests,
 share one database. ``rk`` names a run: ``{len(namespace)}:{namespace}:{run_id}``,
@@ -45,8 +47,8 @@ __all__ = ["RedisStore"]
 class RedisStore:
     """The journal, the runs and the secrets in Redis; see the module docstring."""
 
-    def __init__(self, url: str, timeout: float = 5.0):
-        self.connection = RedisConnection(url, timeout)
+    def __init__(self, url: str, timeout: float = 5.0, wait_replicas: int = 0):
+        self.connection = RedisConnection(url, timeout, wait_replicas)
         self.journal = RedisJournal(self.connection)
         self.runs = RedisRuns(self.connection)
         self.audit = RedisAudit(self.connection)
@@ -60,6 +62,7 @@ class RedisStore:
 
     async def open(self, *, migrate: bool = True) -> None:
         await self.connection.open(migrate)
+        self.journal.opened()
         if migrate:
             await self.journal.index_quarantined()
 

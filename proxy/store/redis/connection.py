@@ -3,7 +3,13 @@
 Every call goes through :meth:`RedisConnection.do` or :meth:`RedisConnection.pipeline`,
 where Redis's errors, and no answer within ``timeout``, become :class:`StoreUnavailable`
 (:class:`translated`). Waiters are woken by pub/sub, with a slow poll in case a message
-is lost; the reader resubscribes by itself after an outage.
+is lost; the reader resubscribes by itself after an outage. On Redis Cluster (:mod:`.cluster`)
+the same, on the one slot the deployment lives in.
+
+With ``wait_replicas`` (``[store] redis_wait_replicas``) a pipeline that wrote a claim or a
+record sends ``WAIT`` on the same link before answering (WAIT counts the writes of the link
+it is sent on): fewer replicas than asked within half the timeout fail those writes with
+:class:`ReplicasBehind`. Reads, and claims that found the key taken (replays), never wait.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from typing import Any, Awaitable
+from typing import Any, Awaitable, Callable
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import hiredis
@@ -22,11 +28,12 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import AuthenticationError, AuthorizationError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import AskError, NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from ...config import mask_url
 from ..base import RUN_LOST, Bell, StoreMisconfigured, StoreUnavailable, Waiters
-from .scripts import SCRIPTS
+from .cluster import cluster_client, hash_tagged, is_cluster, slot_of
+from .scripts import SCRIPTS, sharded
 
 log = logging.getLogger("idemproxy.store")
 
@@ -86,6 +93,11 @@ def maybe(kind: type, value: bytes | None) -> Any:
     return None if value is None else kind(value)
 
 
+class ReplicasBehind(StoreUnavailable):
+    """WAIT heard fewer replicas than ``redis_wait_replicas`` confirm a claim or a record: it
+    is on the master only, and a failover now could lose it, so it is not acknowledged."""
+
+
 def _unavailable(what: str, exc: RedisError | OSError) -> StoreUnavailable:
     return StoreUnavailable(f"{what}: {type(exc).__name__}: {exc}")
 
@@ -104,16 +116,24 @@ class translated:
     def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> None:
         if isinstance(exc, TimeoutError):
             raise StoreUnavailable(f"{self.what} did not answer within {self.timeout}s") from None
-        if isinstance(exc, (RedisError, OSError)):
+        if isinstance(exc, (RedisError, OSError, RedisClusterException)):
             raise _unavailable(self.what, exc) from exc
 
 
 class RedisConnection:
     """One client, its scripts and the notification reader; see the module docstring."""
 
-    def __init__(self, url: str, timeout: float):
+    def __init__(self, url: str, timeout: float, wait_replicas: int = 0):
         self.url, self.prefix = split_url(url)
+        self.cluster = is_cluster(url)
+        if self.cluster:
+            self.prefix = hash_tagged(self.prefix)
         self.timeout = timeout
+        self.wait_replicas = wait_replicas
+        # a key that routes a script that names none, and the cluster slot of every key
+        self.anchor = self.prefix + "generation"
+        self._slot = slot_of(self.anchor)
+        self._stale_map = False  # the cluster's slot map may be out of date: refresh it first
         self.channel = self.prefix + "changed"
         self.durability = "unknown until the store is opened"
         self.waiters = Waiters(POLL_S)
@@ -130,10 +150,13 @@ class RedisConnection:
         """Connect, read the durability, subscribe. Redis keeps no schema: ``migrate`` changes nothing."""
         # One quick retry on a broken connection; timeouts are not retried, since a command
         # that timed out may have run. Every call is also bounded by `timeout` as a whole.
-        client = redis_asyncio.Redis.from_url(
-            self.url, socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
-            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-            decode_responses=False)
+        if self.cluster:
+            client = cluster_client(self.url, self.timeout)
+        else:
+            client = redis_asyncio.Redis.from_url(
+                self.url, socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
+                retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+                decode_responses=False)
         where = f"redis at {mask_url(self.url)}"
         try:
             with translated(where, self.timeout * 2):
@@ -146,21 +169,32 @@ class RedisConnection:
                         # loading its data set) is a ConnectionError, and is.
                         raise StoreMisconfigured(f"{where}: {exc}") from exc
                     appendonly, appendfsync = await self._persistence(client)
-                    self.durability = durability_of(appendonly, appendfsync)
+                    self.durability = durability_of(appendonly, appendfsync) + self._replication()
                     pubsub = await self._subscribe(client)
         except (StoreUnavailable, StoreMisconfigured):
             await client.aclose()
             raise
         self._client = client
-        self._scripts = {name: client.register_script(source) for name, source in SCRIPTS.items()}
+        self._scripts = {name: client.register_script(sharded(source) if self.cluster else source)
+                         for name, source in SCRIPTS.items()}
         self._listener = asyncio.create_task(self._listen(pubsub), name="idemproxy-redis-notifications")
         if (appendonly, appendfsync) != ("yes", "always"):
             log.warning("redis durability: %s", self.durability)
 
-    @staticmethod
-    async def _persistence(client: redis_asyncio.Redis) -> tuple[str | None, str | None]:
-        try:
-            config = await client.config_get("append*")
+    def _replication(self) -> str:
+        """What replication adds to durability: said for a cluster, or when replicas are awaited."""
+        if not (self.cluster or self.wait_replicas):
+            return ""
+        if self.wait_replicas:
+            return (f"; a claim or record is acknowledged once {self.wait_replicas} replica(s) have it "
+                    "(redis_wait_replicas), so a failover keeps it")
+        return ("; replication is asynchronous (redis_wait_replicas = 0): a failover loses the claims and "
+                "records its master acknowledged in the last moments before it died")
+
+    async def _persistence(self, client: Any) -> tuple[str | None, str | None]:
+        try:  # on a cluster, the settings of the master of the deployment's slot
+            where = {"target_nodes": client.get_node_from_key(self.anchor)} if self.cluster else {}
+            config = await client.config_get("append*", **where)
         except ResponseError:  # CONFIG renamed away or refused by an ACL
             return None, None
         config = {text(name): text(value) for name, value in config.items()}
@@ -194,48 +228,60 @@ class RedisConnection:
                 return await awaitable
 
     def script(self, name: str, keys: list[str], args: list[Any]) -> Awaitable[Any]:
+        """A script; one that names no key is routed by :attr:`anchor` (a cluster needs one)."""
         if self._client is None:
             raise StoreUnavailable("store is closed")
-        return self.do(self._scripts[name](keys=keys, args=args))
+        return self.do(self._scripts[name](keys=keys or [self.anchor], args=args))
+
+    async def scan(self, cursor: int, pattern: str) -> tuple[int, list[bytes]]:
+        """One SCAN step over the keys matching ``pattern``; on a cluster, over the master of
+        the deployment's slot, which holds every key of it."""
+        if self.cluster:
+            node = self.client.get_node_from_key(self.anchor)
+            cursors, names = await self.do(self.client.scan(cursor, match=pattern, count=1000, target_nodes=node))
+            return next(iter(cursors.values())), names  # the cluster client answers {node: cursor}
+        return await self.do(self.client.scan(cursor, match=pattern, count=1000))
 
     def evalsha(self, name: str, keys: list[str], args: list[Any]) -> tuple[Any, ...]:
         """The script ``name`` as a command, for :meth:`pipeline`."""
         return ("EVALSHA", self._scripts[name].sha, len(keys), *keys, *args)
 
-    async def pipeline(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+    async def pipeline(self, commands: list[tuple[Any, ...]],
+                       wrote: Callable[[int, Any], bool] | None = None) -> list[Any]:
         """Commands that arrived together, as one pipeline: a result or an error each.
+        ``wrote(i, result)``: whether command ``i``'s result is a write ``wait_replicas`` covers.
 
         Scripts go by their SHA; any the server lost (a restart, SCRIPT FLUSH) are loaded
-        again and only their commands re-sent: a NOSCRIPT reply means nothing ran.
+        again and only their commands re-sent: a NOSCRIPT reply means nothing ran. So does
+        a cluster's MOVED or ASK (the slot moved: a failover): the slot map is refreshed and
+        those commands re-sent, once.
         """
-        results = await self.do(self._send(commands))
+        results = await self.do(self._send(commands, wrote))
         lost = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
         if lost:
             for script in self._scripts.values():
                 await self.do(self.client.script_load(script.script))
-            for i, result in zip(lost, await self.do(self._send([commands[i] for i in lost]))):
+        moved = [i for i, result in enumerate(results) if isinstance(result, AskError)]
+        if moved:
+            self._stale_map = True
+        lost += moved
+        if lost:
+            def wrote_again(j: int, result: Any) -> bool:
+                return wrote is not None and wrote(lost[j], result)
+            for i, result in zip(lost, await self.do(self._send([commands[i] for i in lost], wrote_again))):
                 results[i] = result
         return [_unavailable("redis", r) if isinstance(r, RedisError) else r for r in results]
 
-    async def _send(self, commands: list[tuple[Any, ...]]) -> list[Any]:
-        """Write the commands at once on one pooled connection, then read every reply.
+    async def _send(self, commands: list[tuple[Any, ...]], wrote: Callable[[int, Any], bool] | None) -> list[Any]:
+        """Write the commands at once on one link, read every reply, then WAIT if they wrote.
 
         Packed by hiredis in C: redis-py packs in Python, argument by argument, which was a
         third of a record's store cost (a claim has twenty arguments). Not retried: a
         command whose reply was lost may have run (the pool checks a link before lending it).
         """
-        pool = self.client.connection_pool
-        # The link of the last pipeline, kept out of the pool (batches go one at a time):
-        # the pool's lock and its accounting cost each pipeline as much CPU as the rest of a
-        # replay's store call.
-        conn, self._kept = self._kept, None
-        lent = conn is None  # by the pool, which checked it
-        if lent:
-            conn = await pool.get_connection()
+        conn, node = await self._borrow()
         intact = False
         try:
-            if not lent:  # the check the pool gives a link it lends (redis-py 5.0 and later)
-                await pool.ensure_connection(conn)
             await conn.send_packed_command(b"".join(map(hiredis.pack_command, commands)), check_health=False)
             results = []
             for _ in commands:
@@ -245,23 +291,70 @@ class RedisConnection:
                     results.append(await conn.read_response(timeout=math.inf))
                 except ResponseError as exc:  # the server's error reply to this one command
                     results.append(exc)
+            if self.wait_replicas and wrote is not None:
+                await self._wait_replicas(conn, results, wrote)
             intact = True
             return results
         except BaseException:  # broken, timed out or cancelled: replies may still come; drop the link
             await conn.disconnect()
+            self._stale_map = self.cluster  # a failover, perhaps: ask for the slot map again
             raise
         finally:
-            if intact and self._kept is None and self._client is not None:
-                self._kept = conn
-            else:
-                await pool.release(conn)
+            await self._give_back(conn, node, intact)
+
+    async def _wait_replicas(self, conn: Any, results: list[Any], wrote: Callable[[int, Any], bool]) -> None:
+        """WAIT on the link that wrote; short of replicas, the writes fail as ReplicasBehind."""
+        written = [i for i, result in enumerate(results) if wrote(i, result)]
+        if not written:
+            return
+        wait_ms = max(1, int(self.timeout * 500))  # half the timeout: do() bounds the whole pipeline
+        await conn.send_packed_command(hiredis.pack_command(("WAIT", self.wait_replicas, wait_ms)),
+                                       check_health=False)
+        acked = await conn.read_response(timeout=math.inf)
+        if acked < self.wait_replicas:
+            behind = ReplicasBehind(f"redis WAIT: {acked} of the {self.wait_replicas} replica(s) "
+                                    f"redis_wait_replicas asks for confirmed the write within {wait_ms} ms")
+            for i in written:
+                results[i] = behind
+
+    async def _borrow(self) -> tuple[Any, Any]:
+        """A link for one pipeline, and the cluster node it is of (None on one Redis)."""
+        if self.cluster:
+            client = self.client
+            if self._stale_map:
+                await client.nodes_manager.initialize()
+                self._stale_map = False
+            node = client.nodes_manager.get_node_from_slot(self._slot)
+            return node.acquire_connection(), node
+        pool = self.client.connection_pool
+        # The link of the last pipeline, kept out of the pool (batches go one at a time):
+        # the pool's lock and its accounting cost each pipeline as much CPU as the rest of a
+        # replay's store call.
+        conn, self._kept = self._kept, None
+        if conn is None:
+            return await pool.get_connection(), None  # checked by the pool
+        try:
+            await pool.ensure_connection(conn)  # the check the pool gives a link it lends
+        except BaseException:
+            await pool.release(conn)
+            raise
+        return conn, None
+
+    async def _give_back(self, conn: Any, node: Any, intact: bool) -> None:
+        if node is not None:
+            node.release(conn)
+        elif intact and self._kept is None and self._client is not None:
+            self._kept = conn
+        elif self._client is not None:
+            await self._client.connection_pool.release(conn)
 
     # -- notifications --------------------------------------------------------------------
 
-    async def _subscribe(self, client: redis_asyncio.Redis):
+    async def _subscribe(self, client: Any):
+        """The notification channel's subscription: sharded on a cluster, at the slot's master."""
         pubsub = client.pubsub(ignore_subscribe_messages=True)
         try:
-            await pubsub.subscribe(self.channel)
+            await (pubsub.ssubscribe if self.cluster else pubsub.subscribe)(self.channel)
         except BaseException:
             await pubsub.aclose()
             raise
@@ -279,8 +372,11 @@ class RedisConnection:
                         self.waiters.wake_all()  # changes made meanwhile went unheard
                     delay = RECONNECT_S[0]
                     while True:
-                        message = await pubsub.get_message(timeout=LISTEN_S)
-                        if message is not None and message["type"] == "message":
+                        if self.cluster:
+                            message = await pubsub.get_sharded_message(timeout=LISTEN_S)
+                        else:
+                            message = await pubsub.get_message(timeout=LISTEN_S)
+                        if message is not None and message["type"] in ("message", "smessage"):
                             said = message["data"].decode()
                             if said == RUN_LOST:
                                 self.lost.ring()

@@ -67,6 +67,10 @@ class RedisJournal:
         self._waiters = db.waiters
         self._pipelined = Batches("redis", self._send, db.timeout, self._unanswered)
         self._give_back = GiveBack(self.release)
+        self._acknowledged: set[str] = set()  # the SHAs of the claim and the record scripts
+
+    def opened(self) -> None:
+        self._acknowledged = {self._db.evalsha(name, [], [])[1] for name in ("claim", "complete")}
 
     async def aclose(self) -> None:
         """Send what is queued (pending records), then stop giving claims back."""
@@ -74,7 +78,11 @@ class RedisJournal:
         await self._give_back.aclose()
 
     def _send(self, calls: list[tuple[tuple[Any, ...], Claim | None]]) -> Awaitable[list[Any]]:
-        return self._db.pipeline([command for command, _ in calls])
+        def wrote(i: int, result: Any) -> bool:
+            """A claim won or a record kept: what redis_wait_replicas makes replicas confirm."""
+            return (calls[i][0][1] in self._acknowledged
+                    and (result == 1 or (isinstance(result, list) and result[0] == b"won")))
+        return self._db.pipeline([command for command, _ in calls], wrote)
 
     def _unanswered(self, call: tuple[tuple[Any, ...], Claim | None], outcome: object) -> None:
         """A claim its caller gave up on (or whose pipeline failed) may be written: give it back."""
@@ -236,7 +244,7 @@ class RedisJournal:
         newest: list[tuple[float, str, Entry]] = []  # a heap of the `limit` newest found so far
         cursor = 0
         while True:
-            cursor, names = await self._db.do(client.scan(cursor, match=pattern, count=1000))
+            cursor, names = await self._db.scan(cursor, pattern)
             pipe = client.pipeline(transaction=False)
             for name in names:
                 pipe.hmget(name, LISTED_FIELDS)
@@ -256,7 +264,7 @@ class RedisJournal:
         found: set[str] = set()
         cursor = 0
         while True:
-            cursor, names = await self._db.do(client.scan(cursor, match=pattern, count=1000))
+            cursor, names = await self._db.scan(cursor, pattern)
             found.update(name[start:].decode() for name in names)
             if cursor == 0 or len(found) >= limit:
                 return sorted(found)[:limit]
@@ -277,7 +285,7 @@ class RedisJournal:
         pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self._db.prefix) + "entry:*"
         start, cursor = len(self._db.key("entry", "").encode()), 0
         while True:
-            cursor, names = await self._db.do(client.scan(cursor, match=pattern, count=1000))
+            cursor, names = await self._db.scan(cursor, pattern)
             pipe = client.pipeline(transaction=False)
             for name in names:
                 pipe.hmget(name, ("state", "expires_at"))

@@ -2,7 +2,8 @@
 
 Key layout and conventions: see the package docstring. Scripts get the key prefix as an
 argument where they reach keys they learn from the data (a run's journal, its index
-entries), which holds on one Redis server, not on Redis Cluster. Absent hash fields stand
+entries): on Redis Cluster every key shares the prefix's hash tag, so they are all in the
+slot of the keys the script names (:mod:`.cluster`). Absent hash fields stand
 for None. Times are UNIX seconds as decimal strings; expiries are milliseconds. Constants
 shared with the other stores (run states, the history's length) are written into the
 script text from :mod:`..base`, so they are defined once.
@@ -458,6 +459,11 @@ reindex(p, rk)
 redis.call('PUBLISH', ARGV[6], 'RUN_LOST')
 return 1
 """.replace("RUN_LOST", RUN_LOST)
+
+def sharded(source: str) -> str:
+    """A script for Redis Cluster: its notifications on the sharded channel, in its own slot."""
+    return source.replace("redis.call('PUBLISH',", "redis.call('SPUBLISH',")
+
 
 SCRIPTS = {
     "read": READ, "recorded": RECORDED, "replay_occurrence": REPLAY_OCCURRENCE,
