@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler
 
-from . import console, pricing, tracing
+from . import console
 from .appkeys import AUTH, CLIENTS, METRICS, PROXY, RUNS, SETTINGS, STORE, STRAIGHT, TENANTS
 from .codings import REQUEST_HANDLING
 from .config import Settings
@@ -26,9 +26,10 @@ from .forward import make_pool
 from .handler import Proxy
 from .heartbeats import Heartbeats
 from .identity import TenantResolver, tenant_secret
-from .ratelimit import AuthGuard, Clients
-from .metrics import Metrics
+from .observability import pricing, tracing
+from .observability.metrics import Metrics
 from .problems import Problem
+from .ratelimit import AuthGuard, Clients
 from .replay import server_timing
 from .routing import NOT_OURS, origin_form
 from .runs import Launcher, RunsService, admin, api, attach

@@ -7,7 +7,7 @@ from .config import Settings
 from .handler import Proxy
 from .identity import TenantResolver
 from .ratelimit import AuthGuard, Clients
-from .metrics import Metrics
+from .observability.metrics import Metrics
 from .runs import RunsService
 from .runs.held import Attachments
 from .store import Store

@@ -26,7 +26,7 @@ import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from .metrics import Metrics
+from .observability.metrics import Metrics
 from .outcomes import Outcome
 from .problems import PROBLEMS, Problem
 from .replay import STREAM, cut_short, server_timing

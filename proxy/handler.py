@@ -20,7 +20,6 @@ from .codings import decoded
 from .config import Settings, UpstreamSettings
 from .connections import RELAYING
 from .errors import OUTCOME, STARTED, UPSTREAM_S, client_gone
-from .facts import FACTS, Facts, key_kind
 from .fencing import Fence
 from .fingerprint import fingerprint
 from .forward import failure_slug, forwarded_key, is_stream, request_headers, response_headers
@@ -29,7 +28,8 @@ from .freshness import Freshness
 from .heartbeats import Heartbeats
 from .identity import Identity, TenantResolver, parse_epoch, parse_key, parse_policy, parse_run
 from .mcp import McpUpstreams, ToolAnswer, journaled_path
-from .metrics import Metrics
+from .observability.facts import FACTS, Facts, key_kind
+from .observability.metrics import Metrics
 from .outcomes import Outcome
 from .policy import OnAmbiguous, Policy
 from .problems import Problem
@@ -149,7 +149,7 @@ class Proxy:
 
     @staticmethod
     def _note(request: web.Request, route: Route, ident: Identity, body: bytes) -> Facts:
-        """Start the call's facts for its access-log line and trace span (proxy/facts.py);
+        """Start the call's facts for its access-log line and trace span (proxy/observability/facts.py);
         the steps below add the key, store time and answer as they learn them."""
         facts = request[FACTS] = Facts(route.upstream.name, ident.run, ident.epoch, body=body)
         return facts

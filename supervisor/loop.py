@@ -36,7 +36,7 @@ import logging
 import time
 
 from ..proxy.config import Settings
-from ..proxy.metrics import Metrics
+from ..proxy.observability.metrics import Metrics
 from ..proxy.runs.endings import supervisor_ending, with_log_tail
 from ..proxy.runs.service import RESTART, RunsService
 from ..proxy.store import StoreUnavailable

@@ -13,6 +13,7 @@ from aiohttp.test_utils import TestServer
 import services
 from conftest import proxy_sections, write_config
 from idemproxy.proxy import server
+from idemproxy.proxy.observability.access_log import access_logger
 from idemproxy.proxy.app import open_front_door
 from idemproxy.proxy.cli.serving import build_app
 from idemproxy.proxy.config import ConfigError, load_settings
@@ -29,7 +30,7 @@ async def logged_proxy(tmp_path, provider, caplog):
         settings = load_settings(write_config(tmp_path / "p.toml", sections), env={})
         app = build_app(settings, supervise=False)
         test_server = TestServer(app, host="127.0.0.1", port=services.free_port())
-        await test_server.start_server(access_log_class=server.access_logger(settings),
+        await test_server.start_server(access_log_class=access_logger(settings),
                                        access_log=server.access_log)
         open_front_door(test_server.runner)
         started.append(test_server)

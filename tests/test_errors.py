@@ -9,7 +9,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from idemproxy.proxy.errors import problem_middleware
-from idemproxy.proxy.metrics import Metrics
+from idemproxy.proxy.observability.metrics import Metrics
 from idemproxy.proxy.problems import PROBLEMS, Problem
 from idemproxy.proxy.replay import start_stream
 from idemproxy.proxy.store import StoreUnavailable

@@ -9,8 +9,8 @@ import pytest
 from genai_prices import Usage, calc_price
 
 from idemproxy.proxy.config import UpstreamSettings
-from idemproxy.proxy.metrics import PRICE_WHEN_QUIET_S
-from idemproxy.proxy.pricing import cost_usd
+from idemproxy.proxy.observability.metrics import PRICE_WHEN_QUIET_S
+from idemproxy.proxy.observability.pricing import cost_usd
 
 OPENAI = "/openai/v1/chat/completions"
 ANTHROPIC = "/anthropic/v1/messages"

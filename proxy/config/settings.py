@@ -171,7 +171,7 @@ class UpstreamSettings:
     max_head_bytes: int = 64 * 1024
     max_head_fields: int = 256
     # model -> [USD per million input tokens, per million output tokens] ("*" for any model),
-    # overriding the genai-prices database (proxy/pricing.py);
+    # overriding the genai-prices database (proxy/observability/pricing.py);
     # for the cost that replays saved (idemproxy_cost_saved_usd_total)
     prices: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     # kind = "mcp": the policy of a tools/call by the tool's annotations (learned from tools/list),

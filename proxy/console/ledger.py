@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..config import Settings
-from ..metrics import spend
+from ..observability.metrics import spend
 from ..problems import Problem
 from ..runs import RunsService
 from ..store.base import Entry, EntryState

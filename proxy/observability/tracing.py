@@ -4,7 +4,7 @@ Tracing is off unless the environment asks for it: ``OTEL_TRACES_EXPORTER=otlp``
 OTLP endpoint (``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``)
 with no exporter named; ``OTEL_SDK_DISABLED=true`` or ``OTEL_TRACES_EXPORTER=none`` turn it
 off whatever else is set. When it is off, OpenTelemetry is never imported and the request
-path has no span, middleware or client hook at all; when on, proxy/otel.py does the work
+path has no span, middleware or client hook at all; when on, otel.py does the work
 (it needs the ``otel`` extra).
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Mapping
 
-from .config import ConfigError, Settings
+from ..config import ConfigError, Settings
 
 if TYPE_CHECKING:
     from .otel import Tracing

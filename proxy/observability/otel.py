@@ -1,5 +1,5 @@
 """OpenTelemetry spans for proxied calls, exported over OTLP/HTTP (imported only when
-proxy/tracing.py finds tracing asked for).
+tracing.py finds tracing asked for).
 
 One span per proxied call, a child of the agent's ``traceparent`` when it sent one, with
 the GenAI semantic conventions' attributes (provider, request model, tokens) and
@@ -25,8 +25,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from .config import Settings, upstream_kind
-from .errors import OUTCOME
+from ..config import Settings, upstream_kind
+from ..errors import OUTCOME
 from .facts import FACTS, Facts
 
 # gen_ai.provider.name's well-known values (semantic conventions 1.37+), by API host

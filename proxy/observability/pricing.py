@@ -12,7 +12,7 @@ import logging
 from types import ModuleType
 from urllib.parse import urlsplit
 
-from .config import UpstreamSettings
+from ..config import UpstreamSettings
 
 log = logging.getLogger("idemproxy.proxy")
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from ..store.base import Recorded
 from .metrics import MODEL, usage
-from .store.base import Recorded
 
 FACTS = web.RequestKey("facts", object)  # a Facts, set once the handler knows the upstream
 

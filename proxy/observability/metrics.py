@@ -12,11 +12,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from .config import UpstreamSettings
-from .outcomes import Outcome
+from ..config import UpstreamSettings
+from ..outcomes import Outcome
+from ..problems import PROBLEMS
+from ..store.base import RUN_STATES, Recorded
 from .pricing import cost_usd
-from .problems import PROBLEMS
-from .store.base import RUN_STATES, Recorded
 
 BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
            1, 2.5, 5, 10, 30, 60, 120)
