@@ -86,7 +86,7 @@ def open_front_door(runner: web.BaseRunner) -> None:
 def front_door(app: web.Application, routed: Handler) -> Handler:
     """The handler of every request: a proxied call goes straight to the proxy handler, past
     aiohttp's router and middleware chain, which cost a replay 14-31 µs, a tenth to a fifth of
-    its CPU (issue 13). It passes the same error boundary and span as a routed one (``STRAIGHT``).
+    its CPU (docs/performance.md). It passes the same error boundary and span as a routed one (``STRAIGHT``).
 
     Straight means a target whose first segment names an upstream (no route but the proxy's
     starts with one: config RESERVED_NAMES), or one under ``/runs/{run}/epochs/{epoch}/``,
@@ -218,7 +218,7 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     return await request.app[PROXY].handle(request)
 
 
-# /healthz, /readyz and /metrics answer anyone: they name no path, URL or host (SPEC §11).
+# /healthz, /readyz and /metrics answer anyone: they name no path, URL or host (docs/security.md).
 # Why the store failed goes to the log, through errors.problem_middleware.
 
 async def healthz(request: web.Request) -> web.Response:

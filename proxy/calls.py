@@ -91,7 +91,7 @@ class Call:
     upstream: UpstreamSettings
     on_ambiguous: OnAmbiguous
     max_record_bytes: int
-    reader: AnswerReader | None = None  # None: the HTTP status decides (SPEC §4)
+    reader: AnswerReader | None = None  # None: the HTTP status decides (docs/concepts.md)
     max_record_seconds: float = float("inf")
     # what a quarantine keeps for the operator (evidence.py): bytes of the request's body and
     # of the answer's, each; the configured credential headers, masked with ours
@@ -296,7 +296,7 @@ class Call:
         return await self._ambiguous(store, slug, f"{type(exc).__name__} talking to {self.upstream.name}: {exc}")
 
     async def _settle(self, store: Store) -> CallResult:
-        """The upstream answered in full: journal what its status calls for (SPEC §4)."""
+        """The upstream answered in full: journal what its status calls for (docs/concepts.md)."""
         if self.reader is None:
             found = verdict(self.status)
         else:

@@ -32,7 +32,7 @@ class Fence:
         """Refuse a superseded attempt, or one ahead of the run.
 
         A passthrough request records nothing, so when the store is down it goes on
-        unfenced (SPEC §7: passthrough still works, ``fail_open``); a record request fails
+        unfenced (``fail_open``; docs/guarantees.md, "Fail closed"); a record request fails
         closed.
         """
         try:

@@ -326,7 +326,7 @@ class Proxy:
     async def _scope(self, request: web.Request, route: Route, ident: Identity, fp: str,
                      occurrence: Occurrence | None = None, attempt: CachedAttempt | None = None) -> Scope:
         """Where the request's journal entry lives: under the agent's key, its derived key in
-        the run (SPEC §2), or its own fingerprint."""
+        the run (docs/concepts.md, The fingerprint), or its own fingerprint."""
         tenant = self.tenants.tenant(request.headers, ident.namespace)
         upstream = route.upstream.name
         if ident.key is not None:
@@ -465,7 +465,7 @@ class Proxy:
     # -- MCP upstreams --------------------------------------------------------------------
 
     async def _mcp(self, request: web.Request, route: Route, started: float) -> web.StreamResponse:
-        """A ``kind = "mcp"`` upstream (SPEC §12): a tools/call is recorded under what it means
+        """A ``kind = "mcp"`` upstream (docs/mcp.md): a tools/call is recorded under what it means
         and replayed under the caller's JSON-RPC id; everything else passes through."""
         ident = self._identify(request, route)
         body, content = await self._read_body(request)

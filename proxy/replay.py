@@ -86,7 +86,7 @@ def _headers(headers, replayed: bool, timing: str) -> list[tuple[str, str]]:
 
 
 def whole_record(request: web.Request, recorded: Recorded, started: float) -> web.Response:
-    """A replay of an answer that was not streamed: no coroutine needed (issue 13)."""
+    """A replay of an answer that was not streamed: no coroutine needed (docs/performance.md)."""
     headers = _headers(recorded.headers, True, server_timing(time.perf_counter() - started))
     return Answer(status=recorded.status, body=replayed_body(request, recorded.body), headers=headers)
 

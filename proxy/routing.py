@@ -1,4 +1,4 @@
-"""Which upstream a request goes to, and with which run and epoch (SPEC §1).
+"""Which upstream a request goes to, and with which run and epoch (docs/guarantees.md, Paths).
 
 Only configured upstreams are reachable. The raw request target is parsed without
 decoding, then checked for escapes in every decoded form, so neither

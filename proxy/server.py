@@ -53,11 +53,11 @@ async def serve_until_signalled(app: web.Application, settings: Settings, *, reu
     runner, site = await start_serving(app, settings, reuse_port=reuse_port)
     try:
         # Everything allocated so far lives as long as the process: keep the cyclic GC from
-        # walking it again on every full collection (~13 ms each under load, measured in bench/).
+        # walking it again on every full collection.
         gc.freeze()
-        # A young collection every 700 allocations cost records ~40-60 us of CPU each (0.7 ms
-        # per collection, one per ~23 records: bench/, issue 13); every 10,000, ~11 us. What
-        # only the cyclic GC frees (cycles) lives a little longer; nothing else changes.
+        # A young collection every 700 allocations ran several times per recorded call; every
+        # 10,000, a fraction of one (docs/performance.md). What only the cyclic GC frees
+        # (cycles) lives a little longer; nothing else changes.
         gc.set_threshold(YOUNG_COLLECTION_EVERY, *gc.get_threshold()[1:])
         s = settings.server
         log.info("idemproxy listening on %s (upstreams: %s); connections: at most %d, header %gs, "

@@ -1,4 +1,4 @@
-"""The admin API, for operators (SPEC §9): a thin aiohttp face over :class:`RunsService`.
+"""The admin API, for operators (docs/operations.md): a thin aiohttp face over :class:`RunsService`.
 
 Every endpoint needs ``Authorization: Bearer <[admin] token>``; with no token configured
 the API is off (always 401), never open::

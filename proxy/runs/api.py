@@ -1,4 +1,4 @@
-"""The runs API, for agents (SPEC §8): a thin aiohttp face over :class:`RunsService`.
+"""The runs API, for agents (docs/guarantees.md, Paths): a thin aiohttp face over :class:`RunsService`.
 
 Runs live in the caller's namespace (``TenantResolver.namespace``): the tenant named by the
 ``Idem-Tenant`` header from a trusted source, else its credential's tenant (``default`` for
