@@ -30,6 +30,7 @@ from .observability.metrics import Metrics
 from .outcomes import Outcome
 from .problems import PROBLEMS, Problem
 from .replay import STREAM, cut_short, server_timing
+from .runs.refusals import RUN_CALL
 from .store import StoreUnavailable
 
 log = logging.getLogger("idemproxy.proxy")
@@ -54,6 +55,9 @@ def problem_middleware(metrics: Metrics, admit: Callable[[web.Request], None] | 
             return await handler(request)
         except Problem as problem:
             metrics.problem(problem.slug)
+            call = request.get(RUN_CALL)
+            if call is not None:  # a run's call: its run counts the refusal (runs/refusals.py)
+                await call.refused(problem)
             return answer(request, problem)
         except StoreUnavailable as exc:
             metrics.problem("store-unavailable")

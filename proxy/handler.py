@@ -37,6 +37,7 @@ from .replay import (STREAM, in_flight, join_remote, key_reused, listen, outcome
                      server_timing, start_stream, whole_record)
 from .replaycache import CachedAttempt, ReplayCache
 from .routing import Route, origin_form, parse_route
+from .runs.refusals import RUN_CALL, Refusals, RunCall
 from .store import Store, StoreUnavailable
 from .store.base import Claim, ClaimResult, Entry, EntryState, Scope
 from .upstream.errors import UpstreamError
@@ -65,6 +66,7 @@ class Proxy:
     on_ambiguous: dict[str, OnAmbiguous] = field(init=False)  # per upstream, worked out once
     forwarding: Forwarding = field(init=False)
     fence: Fence = field(init=False)  # superseded attempts refused
+    refusals: Refusals = field(init=False)  # what runs' calls were refused, counted per run
     freshness: Freshness = field(init=False)  # when the two caches below may answer
     answers: AnswerCache = field(init=False)  # complete entries recorded or read here, in memory
     replay_cache: ReplayCache = field(init=False)  # restarted attempts' journals, in memory
@@ -78,6 +80,7 @@ class Proxy:
         self.on_ambiguous = {name: policy.on_ambiguous(up) for name, up in self.settings.upstreams.items()}
         self.forwarding = Forwarding(self.settings.server.trusted_proxies)
         self.fence = Fence(self.settings, self.store, self.heartbeats)
+        self.refusals = Refusals(self.store, self.settings.store.retention)
         store, journal = self.settings.store, self.store.journal
         self.freshness = Freshness(journal, store.cache_lease)
         self.answers = AnswerCache(self.freshness, store.answer_cache_bytes)
@@ -102,6 +105,7 @@ class Proxy:
             if route.upstream.kind == "mcp":
                 return await self._mcp(request, route, started)
             ident, chosen = self._identify_and_decide(request, route)
+            self._of_run(request, route, ident)
             body, content = await self._read_body(request)
             facts = self._note(request, route, ident, content)
             upstream = route.upstream
@@ -146,6 +150,12 @@ class Proxy:
         return Identity(key=key, run=run, epoch=epoch, policy=override,
                         namespace=self.tenants.namespace(headers, request.remote, derive=derive, run=run,
                                                          token=route.token)), chosen
+
+    def _of_run(self, request: web.Request, route: Route, ident: Identity) -> None:
+        """A run's call: its refusals are counted on the run (errors.problem_middleware)."""
+        if ident.run is not None:
+            request[RUN_CALL] = RunCall(self.refusals, ident.namespace, ident.run, ident.epoch,
+                                        route.upstream.name, request.method, route.path)
 
     @staticmethod
     def _note(request: web.Request, route: Route, ident: Identity, body: bytes) -> Facts:
@@ -468,6 +478,7 @@ class Proxy:
         """A ``kind = "mcp"`` upstream (docs/mcp.md): a tools/call is recorded under what it means
         and replayed under the caller's JSON-RPC id; everything else passes through."""
         ident = self._identify(request, route)
+        self._of_run(request, route, ident)
         body, content = await self._read_body(request)
         facts = self._note(request, route, ident, content)
         plan = self.mcp.plan(request, route.upstream, route.path_qs, ident,

@@ -1100,3 +1100,33 @@ async def test_live_counts_a_namespaces_runs_not_ended(store):
     assert await store.runs.live(NS, 2) == 2  # counted no further than asked
     assert await store.runs.live("ns-b", 100) == 1
     assert await store.runs.live("ns", 100) == 0  # a namespace that starts another's name
+
+
+async def test_refusals_are_counted_per_run_and_the_last_kept(store, open_store):
+    now = time.time()
+    for n in range(7):
+        await store.audit.refused(NS, "run-1", {"at": now + n, "epoch": 0, "status": 412, "type": "stale-epoch",
+                                                "n": n}, 5, 60)
+    await store.audit.refused("ns-b", "run-1", {"at": now, "epoch": 3, "status": 409}, 5, 60)
+    other = await open_store()  # another replica sees the same counts
+    count, recent = await other.audit.refusals(NS, "run-1")
+    assert count == 7 and [r["n"] for r in recent] == [2, 3, 4, 5, 6]
+    assert await store.audit.refusals("ns-b", "run-1") == (1, [{"at": now, "epoch": 3, "status": 409}])
+    assert await store.audit.refusals(NS, "run-2") == (0, [])
+    await store.audit.refused(NS, "gone", {"at": now - 100, "epoch": 0, "status": 502}, 5, 10)
+    assert await store.audit.refusals(NS, "gone") == (0, [])  # past its retention
+    await store.audit.purge(now)
+    assert (await store.audit.refusals(NS, "run-1"))[0] == 7
+
+
+async def test_events_are_counted_for_every_replica_within_their_window(store, open_store):
+    now = time.time()  # Redis expires the counters by the clock
+    other = await open_store()
+    for replica in (store, other, store):
+        await replica.audit.count_event("wrong-token 10.0.0.1", 60, now)
+    await other.audit.count_event("wrong-token 10.0.0.1", 60, now + 30)
+    await other.audit.count_event("wrong-token 10.0.0.2", 60, now)
+    seen = await store.audit.events("wrong-token 10.0.0.1", 60, now + 30)
+    assert sum(n for _, n in seen) == 4 and all(at <= now + 30 for at, _ in seen)
+    assert sum(n for _, n in await store.audit.events("wrong-token 10.0.0.1", 60, now + 75)) == 1  # a window on
+    assert await store.audit.events("wrong-token 10.0.0.1", 60, now + 200) == []

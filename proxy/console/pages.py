@@ -89,7 +89,8 @@ async def run_page(request: web.Request) -> web.Response:
                   saved=await ledger.saved(entries), agent_key=agent_key, entries=len(entries),
                   quarantined=sum(1 for e in entries if e.state == EntryState.UNKNOWN),
                   counted=sum(1 for t in run.restart_times if t > time.time() - window), window=window,
-                  done=DONE.get(request.query.get("done", "")), actions=await service.actions(run))
+                  done=DONE.get(request.query.get("done", "")), actions=await service.actions(run),
+                  refusals=await service.refusals(run))
 
 
 async def journal_page(request: web.Request) -> web.Response:

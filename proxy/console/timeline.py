@@ -16,9 +16,9 @@ it stopped. Built from what the store keeps, at view time:
 Steps are in journal order (the order the calls were first made): a resumed agent asks
 again in that order, so an attempt's replayed prefix comes first and its live steps follow.
 Joined requests (duplicates that shared a call in flight) are not stored, so no step shows
-them; ``idemproxy_requests_total{outcome="joined"}`` counts them. Neither are refusals (409
-conflict, 412 superseded epoch, 422 no credential, 502 outcome unknown on a quarantined key):
-they are answered without a write, so the page says where they are counted instead.
+them; ``idemproxy_requests_total{outcome="joined"}`` counts them. Refusals (409 conflict, 412
+superseded epoch, 422 key reused, 502 upstream failed or outcome unknown) are no steps either:
+the run keeps their count and the last few (proxy/runs/refusals.py), shown under their attempt.
 """
 
 from __future__ import annotations

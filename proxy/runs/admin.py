@@ -6,7 +6,8 @@ the API is off (always 401), never open::
     GET    /admin/runs?state=&limit=        {"runs": [run JSON + history + steps (a count)]}
     GET    /admin/runs/{id}[?namespace=][&bodies=1]
                                             run JSON + history + steps (the journal entries;
-                                            bodies in base64 with bodies=1) + actions
+                                            bodies in base64 with bodies=1) + actions +
+                                            refusals ({"count", "recent": the last 20})
     POST   /admin/runs/{id}[?namespace=]    register as the runs API does, for any namespace,
                                             and arm any hook (201 new, 200 updated)
     POST   /admin/runs/{id}/restart         a new attempt now, its hook fired
@@ -109,6 +110,7 @@ async def show_run(request: web.Request) -> web.Response:
             step["body_base64"] = base64.b64encode(entry.response.body).decode()
         body["steps"].append(step)
     body["actions"] = [a.as_json() for a in await service.actions(run)]
+    body["refusals"] = await service.refusals(run)
     return json_response(body)
 
 

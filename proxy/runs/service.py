@@ -13,7 +13,7 @@ import asyncio
 import logging
 import re
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..config import Settings
 from ..forward import NEVER_STORED, NOT_FORWARDED, storable_headers
@@ -257,6 +257,11 @@ class RunsService:
     async def actions(self, run: Run) -> list[Action]:
         """The operator actions on ``run`` and its entries, oldest first."""
         return await self.store.audit.of_run(run.namespace, run.run_id)
+
+    async def refusals(self, run: Run) -> dict[str, Any]:
+        """The refusals the run's calls got: ``{"count", "recent"}`` (proxy/runs/refusals.py)."""
+        count, recent = await self.store.audit.refusals(run.namespace, run.run_id)
+        return {"count": count, "recent": recent}
 
     async def entry_actions(self, kid: str) -> list[Action]:
         """The operator actions on entry ``kid``, oldest first."""

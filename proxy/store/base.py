@@ -445,13 +445,35 @@ class Journal(Protocol):
 
 @runtime_checkable
 class Audit(Protocol):
-    """Operator actions: appended, read by entry or by run, gone after ``retention_s``."""
+    """Operator actions: appended, read by entry or by run, gone after ``retention_s``; the
+    refusals runs' attempts got; events counted across processes (proxy/ratelimit.py)."""
 
     async def note(self, action: Action, retention_s: float) -> None: """Keep ``action``."""
     async def of_entry(self, kid: str) -> list[Action]: """The actions on entry ``kid``, oldest first."""
     async def of_run(self, namespace: str, run: str) -> list[Action]:
         """The actions on the run and on its entries, oldest first."""
-    async def purge(self, now: float) -> int: """Delete the actions kept past their retention."""
+    async def purge(self, now: float) -> int:
+        """Delete the actions, refusals and event counts kept past their retention."""
+    async def refused(self, namespace: str, run: str, refusal: dict[str, Any], keep: int,
+                      retention_s: float) -> None:
+        """Count a refusal a run's attempt got, keeping the last ``keep`` (one write)."""
+    async def refusals(self, namespace: str, run: str) -> tuple[int, list[dict[str, Any]]]:
+        """(how many refusals the run got, the last few of them, oldest first)."""
+    async def count_event(self, name: str, window_s: float, now: float) -> None:
+        """Count one event of ``name`` (a wrong token, a registration), for every process."""
+    async def events(self, name: str, window_s: float, now: float) -> list[tuple[float, int]]:
+        """``name``'s events within the last ``window_s``: (start of their bucket, how many)."""
+
+
+# Events are counted in EVENT_BUCKETS buckets per window: a window read back is the buckets it
+# overlaps, so it may reach up to one bucket further back than ``window_s`` (never less far).
+EVENT_BUCKETS = 6
+
+
+def event_bucket(window_s: float, now: float) -> tuple[int, float]:
+    """(the number of the bucket ``now`` falls in, that bucket's size) for a window."""
+    size = window_s / EVENT_BUCKETS
+    return int(now // size), size
 
 
 @runtime_checkable

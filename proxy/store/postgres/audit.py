@@ -1,12 +1,13 @@
-"""The PostgreSQL store's audit: operator actions in their own table."""
+"""The PostgreSQL store's audit: operator actions, runs' refusals and counted events, each in its table."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import asyncpg
 
-from ..base import Action
+from ..base import EVENT_BUCKETS, Action, event_bucket
 from . import sql
 from .connection import PostgresConnection
 
@@ -32,5 +33,25 @@ class PostgresAudit:
         return [_action(r) for r in rows]
 
     async def purge(self, now: float) -> int:
+        await self._db.execute("purge_refusals", sql.PURGE_REFUSALS, now)
+        await self._db.execute("purge_limits", sql.PURGE_LIMITS, now)
         status = await self._db.execute("purge_actions", sql.PURGE_ACTIONS, now)
         return int(status.rsplit(" ", 1)[-1])
+
+    async def refused(self, namespace: str, run: str, refusal: dict[str, Any], keep: int,
+                      retention_s: float) -> None:
+        await self._db.execute("note_refusal", sql.NOTE_REFUSAL, namespace, run, refusal, keep,
+                               refusal["at"] + retention_s)
+
+    async def refusals(self, namespace: str, run: str) -> tuple[int, list[dict[str, Any]]]:
+        row = await self._db.fetchrow("refusals", sql.REFUSALS_OF_RUN, namespace, run, time.time())
+        return (row[0], list(row[1])) if row else (0, [])
+
+    async def count_event(self, name: str, window_s: float, now: float) -> None:
+        bucket, size = event_bucket(window_s, now)
+        await self._db.fetchrow("count_event", sql.COUNT_EVENT, name, bucket, (bucket + 1) * size + window_s)
+
+    async def events(self, name: str, window_s: float, now: float) -> list[tuple[float, int]]:
+        bucket, size = event_bucket(window_s, now)
+        rows = await self._db.fetch("events", sql.EVENTS_SINCE, name, bucket - EVENT_BUCKETS)
+        return [(r[0] * size, r[1]) for r in rows]

@@ -71,6 +71,16 @@ CREATE TABLE actions (
 CREATE INDEX actions_by_kid ON actions (kid);
 CREATE INDEX actions_by_run ON actions (namespace, run);
 CREATE INDEX actions_by_expiry ON actions (expires_at);
+"""), (9, """
+-- the refusals a run's attempts got: how many, and the last few (Audit.refused)
+CREATE TABLE refusals (
+    namespace TEXT NOT NULL, run TEXT NOT NULL, count BIGINT NOT NULL, recent JSONB NOT NULL,
+    expires_at DOUBLE PRECISION NOT NULL, PRIMARY KEY (namespace, run));
+CREATE INDEX refusals_by_expiry ON refusals (expires_at);
+-- wrong admin tokens and registrations, counted across replicas in fixed windows (Audit.count_event)
+CREATE TABLE limits (
+    name TEXT NOT NULL, bucket BIGINT NOT NULL, n BIGINT NOT NULL, expires_at DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (name, bucket));
 """)]
 
 

@@ -170,6 +170,22 @@ ACTIONS_OF_ENTRY = f"SELECT {ACTION_COLUMNS} FROM actions WHERE kid = $1 AND exp
 ACTIONS_OF_RUN = (f"SELECT {ACTION_COLUMNS} FROM actions WHERE namespace = $1 AND run = $2 AND expires_at > $3 "
                   "ORDER BY at, id")
 PURGE_ACTIONS = "DELETE FROM actions WHERE expires_at <= $1"
+# $1 namespace, $2 run, $3 the refusal (JSON), $4 how many to keep, $5 expires_at
+NOTE_REFUSAL = """
+INSERT INTO refusals AS r (namespace, run, count, recent, expires_at)
+VALUES ($1, $2, 1, jsonb_build_array($3::jsonb), $5)
+ON CONFLICT (namespace, run) DO UPDATE SET count = r.count + 1, expires_at = excluded.expires_at,
+    recent = CASE WHEN jsonb_array_length(r.recent) >= $4 THEN (r.recent - 0) || jsonb_build_array($3::jsonb)
+             ELSE r.recent || jsonb_build_array($3::jsonb) END"""
+REFUSALS_OF_RUN = "SELECT count, recent FROM refusals WHERE namespace = $1 AND run = $2 AND expires_at > $3"
+PURGE_REFUSALS = "DELETE FROM refusals WHERE expires_at <= $1"
+# $1 name, $2 bucket, $3 expires_at: the bucket's count afterwards
+COUNT_EVENT = """
+INSERT INTO limits AS l (name, bucket, n, expires_at) VALUES ($1, $2, 1, $3)
+ON CONFLICT (name, bucket) DO UPDATE SET n = l.n + 1 RETURNING n"""
+# $1 name, $2 the first bucket: (bucket, n) of the buckets since
+EVENTS_SINCE = "SELECT bucket, n FROM limits WHERE name = $1 AND bucket >= $2"
+PURGE_LIMITS = "DELETE FROM limits WHERE expires_at <= $1"
 
 # $1..$19: the columns of RUN_COLUMNS, in order
 UPSERT_RUN = f"""

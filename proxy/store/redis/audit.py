@@ -1,16 +1,19 @@
 """The Redis store's audit: operator actions as JSON in two lists, by entry and by run.
 
 Each list expires one retention after its last action; an action older than its own
-retention is left out when read, and gone with its list.
+retention is left out when read, and gone with its list. A run's refusals are a count and a
+list of the last few, expiring a retention after the last; counted events are one counter
+per bucket, expiring once no window reads it.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import orjson
 
-from ..base import Action
+from ..base import EVENT_BUCKETS, Action, event_bucket
 from .connection import RedisConnection, run_ref
 
 
@@ -44,4 +47,44 @@ class RedisAudit:
         return await self._read(self._db.key("actions", "run", run_ref(namespace, run)))
 
     async def purge(self, now: float) -> int:
-        return 0  # the lists expire by themselves
+        return 0  # the lists and counters expire by themselves
+
+    def _refusal_keys(self, namespace: str, run: str) -> tuple[str, str]:
+        ref = run_ref(namespace, run)  # one hash tag: both keys in one slot of a cluster
+        return self._db.key("refusals", "{" + ref + "}", "count"), self._db.key("refusals", "{" + ref + "}", "recent")
+
+    async def refused(self, namespace: str, run: str, refusal: dict[str, Any], keep: int,
+                      retention_s: float) -> None:
+        count, recent = self._refusal_keys(namespace, run)
+        pipe = self._db.client.pipeline(transaction=True)
+        pipe.incr(count)
+        pipe.rpush(recent, orjson.dumps(refusal))
+        pipe.ltrim(recent, -keep, -1)
+        for key in (count, recent):
+            pipe.pexpireat(key, int((refusal["at"] + retention_s) * 1000))
+        await self._db.do(pipe.execute())
+
+    async def refusals(self, namespace: str, run: str) -> tuple[int, list[dict[str, Any]]]:
+        count, recent = self._refusal_keys(namespace, run)
+        pipe = self._db.client.pipeline(transaction=True)
+        pipe.get(count)
+        pipe.lrange(recent, 0, -1)
+        n, items = await self._db.do(pipe.execute())
+        return int(n or 0), [orjson.loads(item) for item in items]
+
+    def _event_key(self, name: str, bucket: int) -> str:
+        return self._db.key("events", "{" + name + "}", str(bucket))
+
+    async def count_event(self, name: str, window_s: float, now: float) -> None:
+        bucket, size = event_bucket(window_s, now)
+        key = self._event_key(name, bucket)
+        pipe = self._db.client.pipeline(transaction=True)
+        pipe.incr(key)
+        pipe.pexpireat(key, int(((bucket + 1) * size + window_s) * 1000))
+        await self._db.do(pipe.execute())
+
+    async def events(self, name: str, window_s: float, now: float) -> list[tuple[float, int]]:
+        bucket, size = event_bucket(window_s, now)
+        buckets = range(bucket - EVENT_BUCKETS, bucket + 1)
+        counts = await self._db.do(self._db.client.mget([self._event_key(name, b) for b in buckets]))
+        return [(b * size, int(n)) for b, n in zip(buckets, counts) if n]

@@ -1,12 +1,13 @@
-"""The SQLite store's audit: operator actions in their own table."""
+"""The SQLite store's audit: operator actions, runs' refusals and counted events, each in its table."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import orjson
 
-from ..base import Action
+from ..base import EVENT_BUCKETS, Action, event_bucket
 from .connection import SQLiteConnection
 
 COLUMNS = "at, who, action, namespace, run, kid, detail"
@@ -39,5 +40,40 @@ class SQLiteAudit:
         return await self._read("namespace = ? AND run = ?", (namespace, run))
 
     async def purge(self, now: float) -> int:
-        return await self._db.write(lambda c: c.execute(
-            "DELETE FROM actions WHERE expires_at <= ?", (now,)).rowcount, long=True)
+        def op(c):
+            c.execute("DELETE FROM refusals WHERE expires_at <= ?", (now,))
+            c.execute("DELETE FROM limits WHERE expires_at <= ?", (now,))
+            return c.execute("DELETE FROM actions WHERE expires_at <= ?", (now,)).rowcount
+        return await self._db.write(op, long=True)
+
+    async def refused(self, namespace: str, run: str, refusal: dict[str, Any], keep: int,
+                      retention_s: float) -> None:
+        def op(c):  # writes are serialised: the read and the write see no other refusal between
+            row = c.execute("SELECT count, recent FROM refusals WHERE namespace = ? AND run = ?",
+                            (namespace, run)).fetchone()
+            count, recent = (row[0], orjson.loads(row[1])) if row else (0, [])
+            c.execute("INSERT OR REPLACE INTO refusals (namespace, run, count, recent, expires_at) "
+                      "VALUES (?, ?, ?, ?, ?)", (namespace, run, count + 1,
+                                                 orjson.dumps((recent + [refusal])[-keep:]),
+                                                 refusal["at"] + retention_s))
+        await self._db.write(op, durable=False)  # a count: an OS crash may lose the last few
+
+    async def refusals(self, namespace: str, run: str) -> tuple[int, list[dict[str, Any]]]:
+        await self._db.settled()
+        rows = self._db.read("SELECT count, recent FROM refusals WHERE namespace = ? AND run = ? "
+                             "AND expires_at > ?", (namespace, run, time.time()))
+        return (rows[0][0], orjson.loads(rows[0][1])) if rows else (0, [])
+
+    async def count_event(self, name: str, window_s: float, now: float) -> None:
+        bucket, size = event_bucket(window_s, now)
+        await self._db.write(lambda c: c.execute(
+            "INSERT INTO limits (name, bucket, n, expires_at) VALUES (?, ?, 1, ?) "
+            "ON CONFLICT (name, bucket) DO UPDATE SET n = n + 1", (name, bucket, (bucket + 1) * size + window_s)),
+            durable=False)
+
+    async def events(self, name: str, window_s: float, now: float) -> list[tuple[float, int]]:
+        bucket, size = event_bucket(window_s, now)
+        await self._db.settled()
+        rows = self._db.read("SELECT bucket, n FROM limits WHERE name = ? AND bucket >= ?",
+                             (name, bucket - EVENT_BUCKETS))
+        return [(b * size, n) for b, n in rows]
