@@ -6,12 +6,16 @@ a credential or a query string. Real proxies, real stores, the fake provider ups
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import sys
 from html import unescape
 
 import aiohttp
+import pytest
 
+from conftest import proxy_sections, write_config
 from idemproxy.proxy.runs.refusals import KEEP
 
 ADMIN = {"Authorization": "Bearer test-admin-token"}
@@ -92,3 +96,19 @@ async def test_the_console_shows_refusals_under_their_attempt(make_proxy, sqlite
     table = page.split('id="refused-0"', 1)[1].split("</table>", 1)[0]
     assert "412 stale-epoch" in table and "POST /b" in table and "Superseded attempt" in table
     assert 'id="refused-1"' not in page
+
+
+@pytest.mark.slow  # a CLI subprocess
+async def test_runs_show_lists_the_refused_calls(make_proxy, sqlite_url, provider, http, tmp_path):
+    proxy = await make_proxy(sqlite_url)
+    assert await _post(http, f"{proxy.url}/runs/s", json={}) == 201
+    assert await _post(http, f"{proxy.url}/runs/s/attempts") == 201
+    assert await _post(http, f"{proxy.url}/runs/s/epochs/0/tools/late", json={}) == 412
+    config = write_config(tmp_path / "cli.toml", proxy_sections(provider.url, sqlite_url))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "idemproxy.proxy.cli", "--log-level", "WARNING", "runs", "show", "s",
+        "--config", str(config), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 0, err.decode()
+    listed = out.decode().split("refused calls (1):", 1)[1]
+    assert re.search(r"\n\S.*\s0\s+412\s+stale-epoch\s+tools\s+POST\s+/late\s+-", listed), listed

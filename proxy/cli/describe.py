@@ -1,6 +1,6 @@
 """How the ``runs`` and ``journal`` commands print for people: aligned tables like
 ``kubectl get``, times as "3m ago", a run's or an entry's facts, its attempts' endings, its
-operators' actions and a quarantined call's evidence."""
+operators' actions, the calls the proxy refused it and a quarantined call's evidence."""
 
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ def describe(body: dict[str, Any], now: float) -> str:
              for e in body["history"]])]
     lines += describe_attempts(body["attempts"], now)
     lines += describe_actions(body.get("actions", []), now, kids=True)
+    lines += describe_refusals(body.get("refusals"), now)
     steps = body["steps"]
     lines += ["", f"journal ({len(steps)} entries):"]
     if steps:
@@ -84,6 +85,18 @@ def describe_actions(actions: list[dict[str, Any]], now: float, kids: bool = Fal
     return ["", "operator actions:", table(header, [
         [ago(a["at"], now), a["by"], a["action"]] + ([(a["kid"] or "-")[:KID_SHOWN]] if kids else [])
         + [" ".join(f"{k}={v}" for k, v in a["detail"].items() if v is not None) or "-"] for a in actions])]
+
+
+def describe_refusals(refusals: dict[str, Any] | None, now: float) -> list[str]:
+    """What the proxy refused the run's calls (proxy/runs/refusals.py): the last few, and how many."""
+    if not refusals or not refusals["count"]:
+        return []
+    recent = refusals["recent"]
+    shown = f", the last {len(recent)}" if refusals["count"] > len(recent) else ""
+    return ["", f"refused calls ({refusals['count']}{shown}):", table(
+        ["WHEN", "EPOCH", "STATUS", "TYPE", "UPSTREAM", "METHOD", "PATH", "KID"],
+        [[ago(r["at"], now), r.get("epoch"), r["status"], r["type"], r["upstream"], r["method"], r["path"],
+          (r.get("kid") or "-")[:KID_SHOWN]] for r in recent])]
 
 
 def describe_evidence(evidence: dict[str, Any] | None) -> list[str]:

@@ -59,6 +59,7 @@ def cmd_runs_show(settings: Settings, args) -> int:
         body = run_json(found, settings.proxy_url, history=True)
         body["steps"] = [step_json(e) for e in await service.journal(found)]
         body["actions"] = [a.as_json() for a in await service.actions(found)]
+        body["refusals"] = await service.refusals(found)
         if args.json:
             print_json(body)
         else:
