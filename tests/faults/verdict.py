@@ -46,6 +46,14 @@ class Report:
     anomalies: list[dict] = field(default_factory=list)  # answers no correct proxy gives
     examples: dict[str, list] = field(default_factory=dict)  # a few offenders per invariant
 
+    def broken(self) -> dict[str, int]:
+        """The invariants that do not hold, each with its count of offenders: {} when all hold."""
+        counts = {"duplicates": self.duplicates, "missing": self.missing,
+                  "forwarded_after_answer": self.forwarded_after_answer, "records_lost": self.records_lost,
+                  "forwarded_on_reask": self.forwarded_on_reask, "stuck": len(self.stuck),
+                  "anomalies": len(self.anomalies)}
+        return {name: n for name, n in counts.items() if n}
+
     def as_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
