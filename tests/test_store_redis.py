@@ -15,6 +15,9 @@ import uuid
 import pytest
 import redis.asyncio as redis_asyncio
 
+from conftest import until
+from idemproxy.proxy.config import ConfigError, Settings, StoreSettings
+from idemproxy.proxy.config.validation import validate
 from idemproxy.proxy.store.base import Claim, Recorded, Run, Scope, StoreUnavailable
 from idemproxy.proxy.store.redis import RedisStore
 from idemproxy.proxy.store.redis.connection import POLL_S, split_url
@@ -340,3 +343,34 @@ async def test_entries_quarantined_before_the_upgrade_are_counted_after_a_migrat
         assert await raw.get(f"{prefix}layout:quarantined") == b"1"
     finally:
         await raw.aclose()
+
+
+async def test_wait_replicas_acknowledges_nothing_no_replica_has_and_replays_never_wait(shared_url, make_proxy,
+                                                                                        provider, http):
+    """redis_wait_replicas = 1 on a Redis with no replica: a new key's claim is not acknowledged
+    (503, nothing forwarded, the key given back), while a replay answers at once."""
+    url, _ = shared_url
+    plain = await make_proxy(url)
+    waiting = await make_proxy(url, store={"redis_wait_replicas": 1, "timeout": "1s", "answer_cache_bytes": 0,
+                                           "replay_cache_bytes": 0})
+    chat, body = "/openai/v1/chat/completions", {"model": "m", "messages": []}
+
+    async def post(proxy, key: str) -> tuple[int, str, dict]:
+        async with http.post(proxy.url + chat, json=body, headers={"Idempotency-Key": key}) as r:
+            return r.status, r.headers.get("Idempotent-Replayed", ""), await r.json()
+    assert (await post(plain, "old"))[:2] == (200, "false")
+    assert (await post(waiting, "old"))[:2] == (200, "true")
+    status, _, problem = await post(waiting, "new")
+    assert status == 503 and problem["type"].endswith("/store-unavailable")
+    assert provider.calls["chat"] == 1
+
+    async def given_back() -> bool:  # the claim WAIT did not confirm is released, not left to its lease
+        return (await post(plain, "new"))[:2] == (200, "false")
+    await until(given_back, 5, "the unconfirmed claim given back")
+
+
+def test_wait_replicas_is_validated():
+    with pytest.raises(ConfigError, match="for a Redis store"):
+        validate(Settings(store=StoreSettings(url="sqlite:///x.db", redis_wait_replicas=1)))
+    with pytest.raises(ConfigError, match="redis_wait_replicas"):
+        validate(Settings(store=StoreSettings(url="redis://127.0.0.1:6379/0", redis_wait_replicas=-1)))

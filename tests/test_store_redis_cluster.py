@@ -7,6 +7,8 @@ fresh key prefix on the cluster; the cluster is started once for this module.
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 
 import pytest
@@ -15,6 +17,7 @@ import redis
 from idemproxy.proxy.config import StoreSettings
 from idemproxy.proxy.store import make_store
 from idemproxy.proxy.store.redis.cluster import hash_tagged, seeds, slot_of
+from conftest import until
 from redis_cluster import RedisCluster
 from test_store_contract import *  # noqa: F401,F403 - the contract, run again on the cluster
 from test_store_contract import claim_of, scope
@@ -56,3 +59,96 @@ def test_cluster_urls_name_their_seeds():
         seeds("redis+cluster://a:1/3")
     with pytest.raises(ValueError):
         seeds("redis+cluster://a,b:2")
+
+
+CHAT = "/openai/v1/chat/completions"
+
+
+async def _post(http, proxy, key: str, content: str = "hello") -> tuple[int, dict, bytes, str]:
+    body = {"model": "m", "messages": [{"role": "user", "content": content}]}
+    async with http.post(proxy.url + CHAT, json=body, headers={"Idempotency-Key": key}) as r:
+        return r.status, dict(r.headers), await r.read(), r.headers.get("Content-Type", "")
+
+
+async def test_a_proxy_records_and_replays_on_the_cluster(store_url, make_proxy, provider, http):
+    """Two replicas on one cluster: one records, the other (nothing in memory) replays."""
+    proxies = [await make_proxy(store_url, store={"answer_cache_bytes": 0, "replay_cache_bytes": 0}),
+               await make_proxy(store_url)]
+    status, headers, recorded, _ = await _post(http, proxies[0], "k-1")
+    assert status == 200 and headers["Idempotent-Replayed"] == "false"
+    for proxy in proxies:
+        status, headers, replayed, _ = await _post(http, proxy, "k-1")
+        assert status == 200 and headers["Idempotent-Replayed"] == "true" and replayed == recorded
+    assert provider.calls["chat"] == 1
+
+
+@pytest.fixture
+def own_cluster():
+    """A cluster of the test's own: it kills a master."""
+    started = RedisCluster().start()
+    yield started
+    started.destroy()
+
+
+@pytest.mark.slow  # a cluster of its own, a master SIGKILLed and started again
+async def test_a_master_killed_under_load_loses_nothing_acknowledged(own_cluster, make_proxy, provider, http):
+    """The slot's master is SIGKILLed while records stream in; its replica is promoted. The
+    same proxies answer again within seconds, with their caches (``cached``) or without any
+    (``bare``); ``safe`` (redis_wait_replicas = 1) refuses to acknowledge while the new master
+    has no replica, answers again once the old one rejoins as its replica, and every record
+    it acknowledged is still there."""
+    url, bare_store = f"{own_cluster.url}/?prefix=failover:", {"answer_cache_bytes": 0, "replay_cache_bytes": 0}
+    cached = await make_proxy(url, store={"timeout": "2s"})
+    bare = await make_proxy(url, store={"timeout": "2s", **bare_store})
+    safe = await make_proxy(url, store={"timeout": "2s", "redis_wait_replicas": 1, **bare_store})
+    for proxy in (cached, bare, safe):
+        assert (await _post(http, proxy, "warm-up"))[0] == 200
+    acknowledged: dict[str, bytes] = {}
+    refused = 0
+    stop = asyncio.Event()
+
+    async def writer(n: int) -> None:
+        nonlocal refused
+        i = 0
+        while not stop.is_set():
+            key, i = f"w{n}-{i}", i + 1
+            status, _, body, _ = await _post(http, safe, key, key)
+            if status == 200:
+                acknowledged[key] = body
+            else:
+                assert status == 503, body
+                refused += 1
+            await asyncio.sleep(0.01)
+    writers = [asyncio.create_task(writer(n)) for n in range(4)]
+    try:
+        await until(lambda: asyncio.sleep(0, len(acknowledged) >= 20), 20, "records before the kill")
+        master = own_cluster.master_of("{failover:}")
+        await asyncio.to_thread(own_cluster.kill, master)
+        killed = time.monotonic()
+        await asyncio.to_thread(own_cluster.wait_promoted, master)
+        promoted = time.monotonic()
+
+        for proxy in (cached, bare):
+            async def records_again(proxy=proxy) -> bool:
+                return (await _post(http, proxy, f"after-{uuid.uuid4().hex[:6]}"))[0] == 200
+            await until(records_again, 10, "a record again after the promotion, with no restart")
+        answered = time.monotonic()
+        status, _, body, _ = await _post(http, safe, "with-no-replica")
+        assert status == 503 and b"store-unavailable" in body  # the new master has no replica yet
+
+        await asyncio.to_thread(own_cluster.restart, master)
+
+        async def safe_again() -> bool:
+            return (await _post(http, safe, f"rejoined-{uuid.uuid4().hex[:6]}"))[0] == 200
+        await until(safe_again, 15, "redis_wait_replicas = 1 acknowledging again")
+    finally:
+        stop.set()
+        await asyncio.gather(*writers)
+    print(f"\nfailover: promoted {promoted - killed:.1f} s after the kill, records again "
+          f"{answered - promoted:.1f} s after; {len(acknowledged)} acknowledged, {refused} refused")
+
+    calls = provider.calls["chat"]
+    for key, body in acknowledged.items():  # each from the store: bare holds nothing in memory
+        status, headers, replayed, _ = await _post(http, bare, key, key)
+        assert (status, headers["Idempotent-Replayed"], replayed) == (200, "true", body), key
+    assert provider.calls["chat"] == calls  # nothing acknowledged went upstream twice

@@ -84,6 +84,8 @@ def validate(s: Settings) -> None:
     for name in ("replay_cache_bytes", "answer_cache_bytes", "cache_lease", "redis_wait_replicas"):
         if getattr(s.store, name) < 0:
             raise ConfigError(f"store.{name} must be 0 (off) or more")
+    if s.store.redis_wait_replicas and not urlsplit(s.store.url).scheme.startswith("redis"):
+        raise ConfigError("store.redis_wait_replicas is for a Redis store (redis://, redis+cluster://)")
     for cidr in s.server.trusted_proxies:
         try:
             ipaddress.ip_network(cidr, strict=False)

@@ -52,8 +52,6 @@ def make_store(settings: StoreSettings) -> Store:
         if not path:
             raise ConfigError("sqlite URL must look like sqlite:///path/to/file.db")
         return cls(path, timeout=settings.timeout)
-    if settings.redis_wait_replicas and package != "redis":
-        raise ConfigError(f"store.redis_wait_replicas is for a Redis store, not {scheme}")
     options = {"wait_replicas": settings.redis_wait_replicas} if package == "redis" else {}
     try:
         return cls(settings.url, timeout=settings.timeout, **options)

@@ -17,7 +17,7 @@ import orjson
 from ..base import ANSWERED_BY_OPERATOR, Claim, ClaimResult, Entry, EntryState, Recorded, counted, replayed_from
 from ..batching import Batches, GiveBack
 from ..purging import paced
-from .connection import RedisConnection, field, maybe, run_ref, text
+from .connection import RedisConnection, ReplicasBehind, field, maybe, run_ref, text
 from .scripts import ENTRY_FIELDS, READ_FIELDS
 
 
@@ -114,12 +114,16 @@ class RedisJournal:
         if rk:
             fields["rk"] = rk  # so release() finds the run's occurrence counters and journal
         fenced = scope.run is not None and claim.epoch is not None
-        reply = await self._pipelined_script(
-            "claim", [key("entry", kid), key("partial", kid), key("run", rk), key("steps", rk),
-                      key("steps-expiry"), key("quarantined")],
-            [field(now), claim.epoch if fenced else "", claim.fingerprint, claim.owner, claim.on_expired,
-             int(entry.expires_at * 1000), kid, f"{kid} {rk}" if rk else "", orjson.dumps(fields)],
-            claim)
+        try:
+            reply = await self._pipelined_script(
+                "claim", [key("entry", kid), key("partial", kid), key("run", rk), key("steps", rk),
+                          key("steps-expiry"), key("quarantined")],
+                [field(now), claim.epoch if fenced else "", claim.fingerprint, claim.owner, claim.on_expired,
+                 int(entry.expires_at * 1000), kid, f"{kid} {rk}" if rk else "", orjson.dumps(fields)],
+                claim)
+        except ReplicasBehind:  # won on the master alone: the caller is refused, so the key is freed
+            self._give_back.add(kid, claim.owner, claim.lease_s)
+            raise
         if reply[0] == b"stale":
             return ClaimResult(False, None, stale_epoch=int(reply[1]))
         if reply[0] == b"won":
