@@ -60,7 +60,6 @@ def create_app(settings: Settings, launcher: LauncherFactory) -> web.Application
     app[METRICS] = counters
     app[STRAIGHT] = straight
     app[CLIENTS] = Clients(settings.server.trusted_proxies)
-    app[AUTH] = AuthGuard(settings.admin)
     app.cleanup_ctx.append(lambda app: _lifecycle(app, launcher, traces))
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
@@ -134,6 +133,7 @@ async def _lifecycle(app: web.Application, make_launcher: LauncherFactory,
     tenants = app[TENANTS] = TenantResolver.from_settings(secret, settings)
     launcher = make_launcher(settings, store)
     app[RUNS] = RunsService(store, settings, launcher)
+    app[AUTH] = AuthGuard(settings.admin, store.audit)  # wrong admin tokens, counted for every replica
     proxy = app[PROXY] = Proxy(
         settings, store, tenants, Heartbeats(store), app[METRICS],
         pools={name: make_pool(up, None if traces is None else traces.inject)

@@ -1,9 +1,13 @@
 """How often one client may try: wrong admin tokens, and registrations of new runs.
 
-Counted in each process's memory (every replica keeps its own counts), over a sliding
-window, in bounded memory: a client is forgotten once its window has passed, and past
-MAX_CLIENTS the ones seen longest ago go first. A refusal is 429 ``too-many-requests``
-with ``Retry-After``.
+Counted in the store (``Audit.count_events``), so the limits hold for every replica and
+every worker over that store together: an attacker spreading tries over N replicas gets the
+budget once, not N times. Each wrong token or new run costs one small write; a check before
+a token is compared or a run registered costs one read; nothing else is counted. A window
+is read back as the fixed buckets it overlaps (store/base.py, EVENT_BUCKETS), so it may
+reach up to a sixth of a window further back than ``window`` seconds. Counts expire with
+their buckets; nothing is kept in memory. A refusal is 429 ``too-many-requests`` with
+``Retry-After``.
 
 A client is the socket's peer; behind ``[server] trusted_proxies`` it is the nearest
 address in ``X-Forwarded-For`` that is not one of them (a load balancer's clients are not
@@ -17,48 +21,37 @@ import hmac
 import ipaddress
 import math
 import time
-from collections import deque
 from typing import Iterable
 
 from multidict import CIMultiDictProxy
 
 from .config import AdminSettings
 from .problems import Problem
+from .store.base import EVENT_BUCKETS, Audit
 
-MAX_CLIENTS = 10_000  # clients remembered per counter
-ANYONE = ""  # the key of a counter over every client
+EVERYONE = "*"  # the name of a count over every client
 
 
-class Window:
-    """At most ``limit`` events per key within ``window`` seconds."""
+class Counted:
+    """At most ``limit`` events per name within ``window`` seconds, for every process."""
 
-    def __init__(self, limit: int, window: float):
-        self.limit, self.window = limit, window
-        self._times: dict[str, deque[float]] = {}
+    def __init__(self, audit: Audit, limit: int, window: float):
+        self._audit, self.limit, self.window = audit, limit, window
 
-    def wait(self, key: str, now: float) -> float:
-        """Seconds until ``key`` may have another event; 0 now."""
-        times = self._times.get(key)
-        if times is None:
-            return 0.0
-        while times and times[0] <= now - self.window:
-            times.popleft()
-        if not times:
-            del self._times[key]
-            return 0.0
-        return times[0] + self.window - now if len(times) >= self.limit else 0.0
+    async def look(self, name: str, now: float) -> tuple[int, float]:
+        """(events of ``name`` within the window, seconds until it may have another: 0 now)."""
+        buckets = sorted(await self._audit.events(name, self.window, now))
+        count = left = sum(n for _, n in buckets)
+        for start, n in buckets:  # the oldest leave the window first
+            if left < self.limit:
+                break
+            left -= n
+            if left < self.limit:  # once this bucket has left the window (as events() reads it)
+                return count, max(start + self.window * (1 + 1 / EVENT_BUCKETS) - now, 0.001)
+        return count, 0.0
 
-    def seen(self, key: str, now: float) -> bool:
-        """Whether ``key`` had an event within the window."""
-        self.wait(key, now)
-        return key in self._times
-
-    def add(self, key: str, now: float) -> None:
-        times = self._times.pop(key, None) or deque(maxlen=self.limit)
-        times.append(now)
-        self._times[key] = times  # last in the dict: the most recently seen
-        if len(self._times) > MAX_CLIENTS:
-            del self._times[next(iter(self._times))]
+    async def add(self, names: list[str], now: float) -> None:
+        await self._audit.count_events(names, self.window, now)
 
 
 def too_many(what: str, wait: float) -> Problem:
@@ -73,23 +66,25 @@ class AuthGuard:
     past ``max_failures_total`` from every client together, so does every client that sent
     a wrong one within the window. A client with no failure is never held up."""
 
-    def __init__(self, settings: AdminSettings):
-        self._clients = Window(settings.max_failures, settings.failure_window)
-        self._everyone = Window(settings.max_failures_total, settings.failure_window)
+    def __init__(self, settings: AdminSettings, audit: Audit):
+        self._clients = Counted(audit, settings.max_failures, settings.failure_window)
+        self._everyone = Counted(audit, settings.max_failures_total, settings.failure_window)
 
-    def admit(self, client: str) -> None:
+    async def admit(self, client: str) -> None:
         """Raise 429 before a token is compared, for a client that may not try now."""
-        now = time.monotonic()
-        wait = self._clients.wait(client, now)
-        if not wait and self._clients.seen(client, now):
-            wait = self._everyone.wait(ANYONE, now)
+        now = time.time()
+        failed, wait = await self._clients.look(_wrong(client), now)
+        if not wait and failed:
+            wait = (await self._everyone.look(_wrong(EVERYONE), now))[1]
         if wait:
             raise too_many("too many wrong admin tokens", wait)
 
-    def failed(self, client: str) -> None:
-        now = time.monotonic()
-        self._clients.add(client, now)
-        self._everyone.add(ANYONE, now)
+    async def failed(self, client: str) -> None:
+        await self._clients.add([_wrong(client), _wrong(EVERYONE)], time.time())
+
+
+def _wrong(client: str) -> str:
+    return f"wrong-token {client}"
 
 
 def same_token(given: str, token: str) -> bool:

@@ -1123,10 +1123,11 @@ async def test_events_are_counted_for_every_replica_within_their_window(store, o
     now = time.time()  # Redis expires the counters by the clock
     other = await open_store()
     for replica in (store, other, store):
-        await replica.audit.count_event("wrong-token 10.0.0.1", 60, now)
-    await other.audit.count_event("wrong-token 10.0.0.1", 60, now + 30)
-    await other.audit.count_event("wrong-token 10.0.0.2", 60, now)
+        await replica.audit.count_events(["wrong-token 10.0.0.1", "wrong-token"], 60, now)
+    await other.audit.count_events(["wrong-token 10.0.0.1"], 60, now + 30)
+    await other.audit.count_events(["wrong-token 10.0.0.2", "wrong-token"], 60, now)
     seen = await store.audit.events("wrong-token 10.0.0.1", 60, now + 30)
     assert sum(n for _, n in seen) == 4 and all(at <= now + 30 for at, _ in seen)
     assert sum(n for _, n in await store.audit.events("wrong-token 10.0.0.1", 60, now + 75)) == 1  # a window on
     assert await store.audit.events("wrong-token 10.0.0.1", 60, now + 200) == []
+    assert sum(n for _, n in await other.audit.events("wrong-token", 60, now + 1)) == 4

@@ -80,10 +80,10 @@ async def _require_token(request: web.Request, handler) -> web.StreamResponse:
         raise Problem("unauthorized", "the admin API is disabled: no [admin] token is configured",
                       headers=CHALLENGE)
     guard, client = request.config_dict[AUTH], request.config_dict[CLIENTS].of(request.headers, request.remote)
-    guard.admit(client)  # 429 for a client past its wrong tokens, before this one is compared
+    await guard.admit(client)  # 429 for a client past its wrong tokens, before this one is compared
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not same_token(given.strip(), str(token)):
-        guard.failed(client)
+        await guard.failed(client)
         raise Problem("unauthorized", "send Authorization: Bearer <admin token>", headers=CHALLENGE)
     return await handler(request)
 

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from ..config import Settings
 from ..forward import NEVER_STORED, NOT_FORWARDED, storable_headers
 from ..problems import Problem
-from ..ratelimit import Window, too_many
+from ..ratelimit import Counted, too_many
 from ..store import Store
 from ..store.base import ENDED, Action, Entry, EntryState, Recorded, Run, RunState, Scope
 from .endings import end_ending, operator_ending, superseded_ending, with_log_tail
@@ -54,8 +54,8 @@ class RunsService:
         self.store = store
         self.settings = settings
         self.launcher = launcher
-        # new runs per minute from one namespace, and from one client (proxy/ratelimit.py)
-        self._registrations = Window(settings.runs.registrations_per_minute, 60.0)
+        # new runs per minute from one namespace, and from one client, for every replica (proxy/ratelimit.py)
+        self._registrations = Counted(store.audit, settings.runs.registrations_per_minute, 60.0)
 
     # -- agents: their own runs, in their namespace -------------------------------------------
 
@@ -127,8 +127,9 @@ class RunsService:
         """Registrations need no token, and each may carry max_metadata_bytes: 429 past
         ``[runs] registrations_per_minute`` from the namespace or the client, or past
         ``max_live_runs`` runs of the namespace not ended."""
-        now, keys = time.monotonic(), [f"namespace {namespace}"] + ([f"client {client}"] if client else [])
-        wait = max(self._registrations.wait(key, now) for key in keys)
+        now = time.time()
+        keys = [f"registrations namespace {namespace}"] + ([f"registrations client {client}"] if client else [])
+        wait = max([(await self._registrations.look(key, now))[1] for key in keys])
         if wait:
             raise too_many(f"more than {self.settings.runs.registrations_per_minute} new runs a minute "
                            "from this namespace or client", wait)
@@ -136,8 +137,7 @@ class RunsService:
         if cap and await self.store.runs.live(namespace, cap) >= cap:
             raise Problem("too-many-runs", f"namespace {namespace!r} has {cap} runs not ended, the most "
                           "[runs] max_live_runs allows: complete or fail some first", max_live_runs=cap)
-        for key in keys:
-            self._registrations.add(key, now)
+        await self._registrations.add(keys, now)
 
     def new_run(self, namespace: str, run_id: str, now: float, *, operator: bool = False) -> Run:
         """A run at epoch 0 with the configured ``[runs]`` defaults; its ``hook`` only for an

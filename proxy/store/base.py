@@ -459,8 +459,9 @@ class Audit(Protocol):
         """Count a refusal a run's attempt got, keeping the last ``keep`` (one write)."""
     async def refusals(self, namespace: str, run: str) -> tuple[int, list[dict[str, Any]]]:
         """(how many refusals the run got, the last few of them, oldest first)."""
-    async def count_event(self, name: str, window_s: float, now: float) -> None:
-        """Count one event of ``name`` (a wrong token, a registration), for every process."""
+    async def count_events(self, names: list[str], window_s: float, now: float) -> None:
+        """Count one event of each of ``names`` (a wrong token, a registration), for every
+        process, in one write."""
     async def events(self, name: str, window_s: float, now: float) -> list[tuple[float, int]]:
         """``name``'s events within the last ``window_s``: (start of their bucket, how many)."""
 

@@ -47,9 +47,9 @@ class PostgresAudit:
         row = await self._db.fetchrow("refusals", sql.REFUSALS_OF_RUN, namespace, run, time.time())
         return (row[0], list(row[1])) if row else (0, [])
 
-    async def count_event(self, name: str, window_s: float, now: float) -> None:
+    async def count_events(self, names: list[str], window_s: float, now: float) -> None:
         bucket, size = event_bucket(window_s, now)
-        await self._db.fetchrow("count_event", sql.COUNT_EVENT, name, bucket, (bucket + 1) * size + window_s)
+        await self._db.execute("count_events", sql.COUNT_EVENTS, sorted(names), bucket, (bucket + 1) * size + window_s)
 
     async def events(self, name: str, window_s: float, now: float) -> list[tuple[float, int]]:
         bucket, size = event_bucket(window_s, now)

@@ -179,10 +179,11 @@ ON CONFLICT (namespace, run) DO UPDATE SET count = r.count + 1, expires_at = exc
              ELSE r.recent || jsonb_build_array($3::jsonb) END"""
 REFUSALS_OF_RUN = "SELECT count, recent FROM refusals WHERE namespace = $1 AND run = $2 AND expires_at > $3"
 PURGE_REFUSALS = "DELETE FROM refusals WHERE expires_at <= $1"
-# $1 name, $2 bucket, $3 expires_at: the bucket's count afterwards
-COUNT_EVENT = """
-INSERT INTO limits AS l (name, bucket, n, expires_at) VALUES ($1, $2, 1, $3)
-ON CONFLICT (name, bucket) DO UPDATE SET n = l.n + 1 RETURNING n"""
+# $1 names (sorted: replicas counting the same names lock their rows in one order), $2 bucket,
+# $3 expires_at
+COUNT_EVENTS = """
+INSERT INTO limits AS l (name, bucket, n, expires_at) SELECT name, $2, 1, $3 FROM unnest($1::text[]) AS name
+ON CONFLICT (name, bucket) DO UPDATE SET n = l.n + 1"""
 # $1 name, $2 the first bucket: (bucket, n) of the buckets since
 EVENTS_SINCE = "SELECT bucket, n FROM limits WHERE name = $1 AND bucket >= $2"
 PURGE_LIMITS = "DELETE FROM limits WHERE expires_at <= $1"

@@ -75,12 +75,13 @@ class RedisAudit:
     def _event_key(self, name: str, bucket: int) -> str:
         return self._db.key("events", "{" + name + "}", str(bucket))
 
-    async def count_event(self, name: str, window_s: float, now: float) -> None:
+    async def count_events(self, names: list[str], window_s: float, now: float) -> None:
         bucket, size = event_bucket(window_s, now)
-        key = self._event_key(name, bucket)
-        pipe = self._db.client.pipeline(transaction=True)
-        pipe.incr(key)
-        pipe.pexpireat(key, int(((bucket + 1) * size + window_s) * 1000))
+        pipe = self._db.client.pipeline(transaction=False)  # one round trip; the names' keys may lie apart
+        for name in names:
+            key = self._event_key(name, bucket)
+            pipe.incr(key)
+            pipe.pexpireat(key, int(((bucket + 1) * size + window_s) * 1000))
         await self._db.do(pipe.execute())
 
     async def events(self, name: str, window_s: float, now: float) -> list[tuple[float, int]]:

@@ -64,12 +64,12 @@ class SQLiteAudit:
                              "AND expires_at > ?", (namespace, run, time.time()))
         return (rows[0][0], orjson.loads(rows[0][1])) if rows else (0, [])
 
-    async def count_event(self, name: str, window_s: float, now: float) -> None:
+    async def count_events(self, names: list[str], window_s: float, now: float) -> None:
         bucket, size = event_bucket(window_s, now)
-        await self._db.write(lambda c: c.execute(
+        await self._db.write(lambda c: c.executemany(
             "INSERT INTO limits (name, bucket, n, expires_at) VALUES (?, ?, 1, ?) "
-            "ON CONFLICT (name, bucket) DO UPDATE SET n = n + 1", (name, bucket, (bucket + 1) * size + window_s)),
-            durable=False)
+            "ON CONFLICT (name, bucket) DO UPDATE SET n = n + 1",
+            [(name, bucket, (bucket + 1) * size + window_s) for name in names]), durable=False)
 
     async def events(self, name: str, window_s: float, now: float) -> list[tuple[float, int]]:
         bucket, size = event_bucket(window_s, now)
