@@ -3,7 +3,10 @@
 Every ``[supervisor] interval_s`` it asks the store for running runs silent for longer
 than their ``timeout_s`` (and past the ``grace_s`` that follows each start), or whose
 attempt was found lost (its hook-started process exited, its held connection stayed gone:
-the store rings every supervisor, which then ticks at once), and for each:
+the store rings every supervisor, which then ticks at once). The store finds them by an
+index of when each run is due, so a tick costs what is due, not what is live; it hands out
+at most ``SILENT_LIMIT`` a tick, each claimed by this supervisor for one interval, so
+replicas share a mass silence instead of all reading it. For each:
 
 - claims the restart with a compare-and-set on the epoch (``RunsService.restart``), so
   among many supervisors sharing a store exactly one restarts it, and the new epoch
@@ -40,7 +43,7 @@ from ..proxy.observability.metrics import Metrics
 from ..proxy.runs.endings import supervisor_ending, with_log_tail
 from ..proxy.runs.service import RESTART, RunsService
 from ..proxy.store import StoreUnavailable
-from ..proxy.store.base import Run, RunState
+from ..proxy.store.base import SILENT_LIMIT, Run, RunState
 from .credentials import missing_credentials
 
 log = logging.getLogger("idemproxy.supervisor")
@@ -93,7 +96,10 @@ class Supervisor:
         """One pass: what was done, as (run_id, action) pairs."""
         now = time.time() if now is None else now
         done = []
-        for run in await self.store.runs.silent(now):
+        # Claimed for one interval: supervisors ticking together each take their share of
+        # the runs due; what this one leaves (its bounds, its tick running long) any of them
+        # takes after. The restart itself is decided by the epoch's compare-and-set.
+        for run in await self.store.runs.silent(now, SILENT_LIMIT, claim_s=self.settings.supervisor.interval_s):
             action = await self._handle_silent(run, now)
             if action:
                 done.append((run.run_id, action))
@@ -114,7 +120,8 @@ class Supervisor:
         if delay and run.next_restart_at <= max(restarts):  # not yet scheduled since the last one
             await self.store.runs.set_state(run.namespace, run.run_id, None, now,
                                             {"event": "backoff", "epoch": run.epoch, "delay_s": delay},
-                                            next_restart_at=now + delay)
+                                            next_restart_at=now + delay,
+                                            claimed_until=0)  # the backoff alone says when it is due
             return "backoff"
         if not self._may_restart(now):
             return DEFERRED  # left silent: a later tick with room restarts it; nothing is counted

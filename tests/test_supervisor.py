@@ -391,6 +391,9 @@ async def test_a_sqlite_journal_from_before_restart_times_is_upgraded(sqlite_url
         old.executescript(sqlite_store.SCHEMA.replace(", restart_times BLOB", "").replace(
             ", lost_epoch INTEGER, attachments INTEGER NOT NULL DEFAULT 0", "").replace(", replayed BLOB", "")
             .replace(", evidence BLOB", "")
+            .replace(f"\n    claimed_until REAL NOT NULL DEFAULT 0, due_at REAL GENERATED ALWAYS AS "
+                     f"({sqlite_store.DUE_AT}) VIRTUAL,", "")  # version 8's
+            .replace("CREATE INDEX IF NOT EXISTS runs_due ON runs (due_at) WHERE due_at IS NOT NULL;", "")
             + "PRAGMA user_version=1;")
         old.execute("INSERT INTO journal (kid, tenant, run, epoch, upstream, key, fingerprint, namespace, state, "
                     "status, created_at, expires_at, replays) VALUES "

@@ -242,8 +242,13 @@ class Run:
                    max_restarts=defaults.max_restarts, hook=defaults.hook)
 
 
-# What set_run_state may set besides the state (the supervisor's bookkeeping)
-SETTABLE_RUN_FIELDS = frozenset({"next_restart_at", "restarts", "ended_at"})
+# Runs one silent() call returns at most: a supervisor tick handles that many and leaves the
+# rest to its next tick, so a mass silence costs a tick a bounded read
+SILENT_LIMIT = 1000
+
+# What set_run_state may set besides the state (the supervisor's bookkeeping; claimed_until,
+# kept by the store alone, ends a supervisor's claim from silent())
+SETTABLE_RUN_FIELDS = frozenset({"next_restart_at", "restarts", "ended_at", "claimed_until"})
 
 
 def check_settable(fields: dict[str, Any]) -> None:
@@ -510,10 +515,15 @@ class RunRegistry(Protocol):
         """Compare-and-set the epoch to epoch+1; None when another caller won. With
         ``window_s``, ``now`` joins ``restart_times``, which keeps the last ``window_s`` seconds.
         ``ended``: how the attempt before ended, remembered as its ``ended`` event."""
-    async def silent(self, now: float) -> list[Run]:
+    async def silent(self, now: float, limit: int = SILENT_LIMIT, claim_s: float = 0.0) -> list[Run]:
         """Running runs past timeout and grace, or whose attempt is lost and which have a hook
         to start them again (without one, something else restarts them: silence decides);
-        none backing off."""
+        none backing off. At most ``limit``, soonest due first, found through an index of
+        when each is due: the cost follows the runs due, not the runs kept. With ``claim_s``,
+        the runs returned are claimed: no caller sees them again for ``claim_s`` seconds,
+        so supervisors ticking together share the runs due. A new attempt ends the claim, as
+        does ``set_state(claimed_until=0)``. A claim only shares work: a restart is still
+        decided by the epoch's compare-and-set (``new_attempt``)."""
     async def attach(self, namespace: str, run_id: str, epoch: int) -> Run | None:
         """Count a held connection of attempt ``epoch`` (``attachments`` + 1), unless the run
         has ended, is at another epoch or that attempt is lost (then nothing changes). The run

@@ -10,8 +10,8 @@ from typing import Any
 
 import asyncpg
 
-from ..base import (ENDED, HISTORY_LIMIT, RUN_STATES, Run, RunState, advance_attempt, check_settable,
-                    ending_event, remembered, revive_attempt)
+from ..base import (ENDED, HISTORY_LIMIT, RUN_STATES, SILENT_LIMIT, Run, RunState, advance_attempt,
+                    check_settable, ending_event, remembered, revive_attempt)
 from . import sql
 from .connection import PostgresConnection
 
@@ -59,10 +59,10 @@ class PostgresRuns:
         return await self._db.use("observe_epoch", raise_epoch)
 
     async def touch(self, beats: dict[tuple[str, str, int | None], float]) -> None:
-        if beats:  # sorted by run, so two proxies beating for the same runs lock them in one order
-            await self._db.use("touch", lambda c: c.executemany(sql.TOUCH, [
-                (at, namespace, run, epoch)
-                for (namespace, run, epoch), at in sorted(beats.items(), key=lambda beat: beat[0][:2])]))
+        if beats:  # one statement, however many (sql.TOUCH_MANY)
+            namespaces, runs, epochs = zip(*beats)
+            await self._db.execute("touch", sql.TOUCH_MANY, list(namespaces), list(runs), list(beats.values()),
+                                   list(epochs))
 
     async def _locked_run(self, c: asyncpg.Connection, namespace: str, run_id: str) -> Run | None:
         row = await c.fetchrow(sql.LOCK_RUN, namespace, run_id)
@@ -113,8 +113,11 @@ class PostgresRuns:
             return run
         return await self._db.tx("revive_run", op)
 
-    async def silent(self, now: float) -> list[Run]:
-        rows = await self._db.fetch("silent_runs", sql.SILENT_RUNS, now)
+    async def silent(self, now: float, limit: int = SILENT_LIMIT, claim_s: float = 0.0) -> list[Run]:
+        if claim_s:
+            rows = await self._db.fetch("claim_silent_runs", sql.CLAIM_SILENT_RUNS, now, limit, now + claim_s)
+        else:
+            rows = await self._db.fetch("silent_runs", sql.SILENT_RUNS, now, limit)
         return [_run(r) for r in rows]
 
     async def attach(self, namespace: str, run_id: str, epoch: int) -> Run | None:

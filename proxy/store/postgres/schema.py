@@ -71,6 +71,18 @@ CREATE TABLE actions (
 CREATE INDEX actions_by_kid ON actions (kid);
 CREATE INDEX actions_by_run ON actions (namespace, run);
 CREATE INDEX actions_by_expiry ON actions (expires_at);
+"""), (8, """
+-- When a live run is next due to a supervisor (sql.SILENT_RUNS): past its timeout and its
+-- grace, at once when its attempt is lost and a hook can start it again, never before its
+-- backoff (next_restart_at) or a supervisor's claim on it (claimed_until) ends; NULL once it
+-- ended. Indexed, so a tick reads the runs due and not every run.
+ALTER TABLE runs ADD COLUMN claimed_until DOUBLE PRECISION NOT NULL DEFAULT 0;
+ALTER TABLE runs ADD COLUMN due_at DOUBLE PRECISION GENERATED ALWAYS AS (
+    CASE WHEN state IN ('running', 'restarting') THEN greatest(
+        CASE WHEN lost_epoch = epoch AND hook IS NOT NULL THEN 0
+             ELSE greatest(last_seen + timeout_s, started_at + grace_s) END,
+        next_restart_at, claimed_until) END) STORED;
+CREATE INDEX runs_due ON runs (due_at) WHERE due_at IS NOT NULL;
 """), (9, """
 -- the refusals a run's attempts got: how many, and the last few (Audit.refused)
 CREATE TABLE refusals (

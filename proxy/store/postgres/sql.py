@@ -214,11 +214,23 @@ ON CONFLICT (tenant, run_id) DO UPDATE SET epoch = excluded.epoch, started_at = 
 WHERE excluded.epoch = runs.epoch + 1
 RETURNING epoch"""
 
-# $1 at, $2 namespace, $3 run_id. Traffic after a restart means the new attempt is up.
-TOUCH = f"""
-UPDATE runs SET last_seen = greatest(last_seen, $1),
+# A flush of heartbeats in one statement: $1 namespaces, $2 run ids, $3 times, $4 epochs
+# (NULL: unfenced), one beat each. The runs are locked first, in byte order as claims lock
+# them (CLAIM_MANY), so two proxies beating for the same runs never deadlock; a superseded
+# attempt's beat (its epoch below the run's) changes nothing. Traffic after a restart means
+# the new attempt is up.
+TOUCH_MANY = f"""
+WITH beats AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::float8[], $4::bigint[]) AS b(tenant, run_id, at, epoch)),
+locked AS (
+    SELECT tenant, run_id, epoch FROM runs WHERE (tenant, run_id) IN (SELECT tenant, run_id FROM beats)
+    ORDER BY tenant COLLATE "C", run_id COLLATE "C" FOR UPDATE),
+newest AS (
+    SELECT l.tenant, l.run_id, max(b.at) AS at FROM locked l JOIN beats b USING (tenant, run_id)
+    WHERE b.epoch IS NULL OR l.epoch <= b.epoch GROUP BY l.tenant, l.run_id)
+UPDATE runs SET last_seen = greatest(last_seen, newest.at),
     state = CASE WHEN state = '{RunState.RESTARTING}' THEN '{RunState.RUNNING}' ELSE state END
-WHERE tenant = $2 AND run_id = $3 AND ($4::bigint IS NULL OR epoch <= $4)"""
+FROM newest WHERE runs.tenant = newest.tenant AND runs.run_id = newest.run_id"""
 # $1 at, $2 namespace, $3 run_id, $4 epoch (NULL: unfenced). A superseded attempt's beat
 # changes nothing (no row comes back).
 HEARTBEAT = f"""
@@ -297,11 +309,23 @@ REVIVE_RUN = ("UPDATE runs SET epoch = $1, restarts = $2, state = $3, started_at
               "history = $5, restart_times = $6, ended_at = NULL, next_restart_at = 0 "
               "WHERE tenant = $7 AND run_id = $8")
 NEW_ATTEMPT = ("UPDATE runs SET epoch = $1, restarts = $2, state = $3, started_at = $4, last_seen = $4, "
-               "history = $5, restart_times = $6 WHERE tenant = $7 AND run_id = $8")
-SILENT_RUNS = (f"SELECT {RUN_COLUMNS} FROM runs WHERE state IN ('{RunState.RUNNING}', '{RunState.RESTARTING}') "
-               "AND ((last_seen + timeout_s < $1 AND started_at + grace_s < $1) "
-               "OR (lost_epoch = epoch AND hook IS NOT NULL)) "
-               "AND next_restart_at <= $1")
+               "history = $5, restart_times = $6, claimed_until = 0 WHERE tenant = $7 AND run_id = $8")
+# $1 now, $2 limit: the runs due, soonest due first. The index on due_at (migration 8) finds
+# them; the exact condition (silent for longer than timeout_s, not "as long") is then
+# checked on those rows only.
+_DUE = (f"due_at <= $1 AND state IN ('{RunState.RUNNING}', '{RunState.RESTARTING}') "
+        "AND ((last_seen + timeout_s < $1 AND started_at + grace_s < $1) "
+        "OR (lost_epoch = epoch AND hook IS NOT NULL)) "
+        "AND next_restart_at <= $1")
+SILENT_RUNS = f"SELECT {RUN_COLUMNS} FROM runs WHERE {_DUE} ORDER BY due_at LIMIT $2"
+# $1 now, $2 limit, $3 claimed until: SILENT_RUNS, each claimed by this caller until $3 (which
+# moves its due_at there). Rows another supervisor is claiming are skipped, not waited for:
+# replicas ticking together share the runs due instead of each reading all of them.
+CLAIM_SILENT_RUNS = f"""
+WITH due AS (SELECT tenant AS t, run_id AS r FROM runs WHERE {_DUE} ORDER BY due_at LIMIT $2
+             FOR UPDATE SKIP LOCKED)
+UPDATE runs SET claimed_until = $3 FROM due WHERE tenant = due.t AND run_id = due.r
+RETURNING {RUN_COLUMNS}"""
 COUNT_RUNS = "SELECT state, count(*) FROM runs GROUP BY state"
 LIVE_RUNS = (f"SELECT count(*) FROM (SELECT 1 FROM runs WHERE tenant = $1 AND state IN "
              f"('{RunState.RUNNING}', '{RunState.RESTARTING}') LIMIT $2) AS live")

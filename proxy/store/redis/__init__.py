@@ -14,7 +14,7 @@ unambiguous whatever the namespace holds. The layout::
     run:{rk}           hash   a run;  history:{rk}  list  its last 50 events (JSON)
     restarts:{rk}      list   times of the restarts that count towards max_restarts, in its window
     runs, runs:{state} zset   rk -> created_at, for listing
-    runs-deadline      zset   rk -> last_seen + timeout_s of live runs: silent-run detection
+    runs-deadline      zset   rk -> when a live run is due to a supervisor (scripts.py, due)
     runs-named:{id}    set    rks of the runs called {id} (one per namespace)
     runs-idle          zset   rk -> max(last_seen, ended_at): runs purge() deletes
     secret:{name}      string

@@ -12,7 +12,7 @@ from typing import Any, Awaitable
 
 import orjson
 
-from ..base import HISTORY_LIMIT, RUN_STATES, Run, RunState, check_settable
+from ..base import HISTORY_LIMIT, RUN_STATES, SILENT_LIMIT, Run, RunState, check_settable
 from .connection import RedisConnection, field, maybe, run_ref, text
 
 
@@ -156,9 +156,14 @@ class RedisRuns:
         reply = await self._script("revive_run", run_ref(namespace, run_id), field(now))
         return _run(*reply) if reply else None
 
-    async def silent(self, now: float) -> list[Run]:
-        deadlines = self._db.key("runs-deadline")
-        rks = await self._db.do(self._db.client.zrangebyscore(deadlines, "-inf", f"({now!r}"))
+    async def silent(self, now: float, limit: int = SILENT_LIMIT, claim_s: float = 0.0) -> list[Run]:
+        # runs-deadline scores each live run by when it is due (scripts.py, due): the runs
+        # due come first, and the exact condition is checked on those only
+        if claim_s:
+            rks = await self._script("claim_silent_runs", "", field(now), limit, field(now + claim_s))
+        else:
+            rks = await self._db.do(self._db.client.zrangebyscore(
+                self._db.key("runs-deadline"), "-inf", field(now), start=0, num=limit))
         runs = await self._runs([rk.decode() for rk in rks])
         return [r for r in runs if r.state in (RunState.RUNNING, RunState.RESTARTING)
                 and ((r.lost and r.hook) or (r.last_seen + r.timeout_s < now and r.started_at + r.grace_s < now))

@@ -269,9 +269,17 @@ local function ending(p, rk, at, epoch, members)  -- base.ending_event: members 
     remember(p, rk, '{"at":' .. at .. ',"epoch":' .. epoch .. ',"event":"ended",' .. members .. '}')
   end
 end
-local function reindex(p, rk)  -- after every change: listing by state, silent-run deadline, purge
-  local r = redis.call('HMGET', p .. 'run:' .. rk, 'state', 'created_at', 'last_seen', 'timeout_s', 'run_id',
-                       'ended_at', 'lost_epoch', 'epoch')
+local function due(p, rk)  -- when a live run is next due to a supervisor (PostgreSQL's runs.due_at)
+  local r = redis.call('HMGET', p .. 'run:' .. rk, 'last_seen', 'timeout_s', 'started_at', 'grace_s',
+                       'next_restart_at', 'claimed_until', 'lost_epoch', 'epoch', 'hook')
+  local at = 0  -- a lost attempt that a hook can start again: due at once
+  if not (r[7] and tonumber(r[7]) == tonumber(r[8]) and r[9]) then
+    at = math.max(tonumber(r[1]) + tonumber(r[2]), tonumber(r[3]) + tonumber(r[4]))
+  end
+  return math.max(at, tonumber(r[5] or 0), tonumber(r[6] or 0))
+end
+local function reindex(p, rk)  -- after every change: listing by state, when due, purge
+  local r = redis.call('HMGET', p .. 'run:' .. rk, 'state', 'created_at', 'last_seen', 'run_id', 'ended_at')
   redis.call('ZADD', p .. 'runs', r[2], rk)
   for _, state in ipairs(STATES) do
     if state ~= r[1] then redis.call('ZREM', p .. 'runs:' .. state, rk) end
@@ -279,13 +287,11 @@ local function reindex(p, rk)  -- after every change: listing by state, silent-r
   redis.call('ZADD', p .. 'runs:' .. r[1], r[2], rk)
   if ENDED[r[1]] then
     redis.call('ZREM', p .. 'runs-deadline', rk)
-  elseif r[7] and tonumber(r[7]) == tonumber(r[8]) then  -- its attempt is lost: due now, whatever its timeout
-    redis.call('ZADD', p .. 'runs-deadline', 0, rk)
   else
-    redis.call('ZADD', p .. 'runs-deadline', tonumber(r[3]) + tonumber(r[4]), rk)
+    redis.call('ZADD', p .. 'runs-deadline', due(p, rk), rk)
   end
-  redis.call('SADD', p .. 'runs-named:' .. r[5], rk)
-  redis.call('ZADD', p .. 'runs-idle', math.max(tonumber(r[3]), tonumber(r[6] or 0)), rk)
+  redis.call('SADD', p .. 'runs-named:' .. r[4], rk)
+  redis.call('ZADD', p .. 'runs-idle', math.max(tonumber(r[3]), tonumber(r[5] or 0)), rk)
 end
 local function reply(p, rk)
   return {redis.call('HGETALL', p .. 'run:' .. rk), redis.call('LRANGE', p .. 'history:' .. rk, 0, -1),
@@ -332,15 +338,38 @@ return redis.call('HGET', run, 'epoch')
 
 TOUCH = RUN_HELPERS + """
 -- ARGV[2..]: rk, at, epoch ('' = unfenced; a superseded attempt's beat changes nothing), ...
+-- A beat moves two indexes (when the run is due, when it was last active); only a restarted
+-- run's first beat, which makes it running again, moves the rest (reindex).
 for i = 2, #ARGV, 3 do
-  local key = p .. 'run:' .. ARGV[i]
-  local r = redis.call('HMGET', key, 'last_seen', 'state', 'epoch')
+  local rk, key = ARGV[i], p .. 'run:' .. ARGV[i]
+  local r = redis.call('HMGET', key, 'last_seen', 'state', 'epoch', 'ended_at')
   if r[1] and (ARGV[i + 2] == '' or tonumber(r[3]) <= tonumber(ARGV[i + 2])) then
-    if tonumber(ARGV[i + 1]) > tonumber(r[1]) then redis.call('HSET', key, 'last_seen', ARGV[i + 1]) end
-    if r[2] == 'restarting' then redis.call('HSET', key, 'state', 'running') end
-    reindex(p, ARGV[i])
+    local seen = tonumber(r[1])
+    if tonumber(ARGV[i + 1]) > seen then
+      seen = tonumber(ARGV[i + 1])
+      redis.call('HSET', key, 'last_seen', ARGV[i + 1])
+    end
+    if r[2] == 'restarting' then
+      redis.call('HSET', key, 'state', 'running')
+      reindex(p, rk)
+    else
+      if not ENDED[r[2]] then redis.call('ZADD', p .. 'runs-deadline', due(p, rk), rk) end
+      redis.call('ZADD', p .. 'runs-idle', math.max(seen, tonumber(r[4] or 0)), rk)
+    end
   end
 end
+"""
+
+CLAIM_SILENT_RUNS = RUN_HELPERS + """
+-- ARGV[2]: '' (no one run), ARGV[3]: now, ARGV[4]: limit, ARGV[5]: claimed until. The runs due
+-- by now, soonest due first, each claimed until ARGV[5] (which moves it in runs-deadline
+-- there: no caller finds it due before); their rks.
+local found = redis.call('ZRANGEBYSCORE', p .. 'runs-deadline', '-inf', ARGV[3], 'LIMIT', 0, ARGV[4])
+for _, ref in ipairs(found) do
+  redis.call('HSET', p .. 'run:' .. ref, 'claimed_until', ARGV[5])
+  redis.call('ZADD', p .. 'runs-deadline', due(p, ref), ref)
+end
+return found
 """
 
 HEARTBEAT = RUN_HELPERS + """
@@ -379,7 +408,8 @@ if ARGV[3] ~= '' and tonumber(r[2]) ~= tonumber(ARGV[3]) then return false end  
 ending(p, rk, ARGV[4], r[2], ARGV[8])
 local epoch = tonumber(r[2]) + 1
 redis.call('HSET', run, 'epoch', epoch, 'restarts', tonumber(r[3]) + tonumber(ARGV[6]),
-           'state', ARGV[6] == '1' and 'restarting' or 'running', 'started_at', ARGV[4], 'last_seen', ARGV[4])
+           'state', ARGV[6] == '1' and 'restarting' or 'running', 'started_at', ARGV[4], 'last_seen', ARGV[4],
+           'claimed_until', 0)
 remember(p, rk, event(ARGV[4], epoch, ARGV[5]))
 if ARGV[7] ~= '' then  -- count it; forget the restarts that have left the window
   local times, since = p .. 'restarts:' .. rk, tonumber(ARGV[4]) - tonumber(ARGV[7])
@@ -470,7 +500,8 @@ SCRIPTS = {
     "claim": CLAIM, "renew": RENEW, "complete": COMPLETE, "release": RELEASE, "set_state": SET_STATE,
     "resolve": RESOLVE, "append_partial": APPEND_PARTIAL, "read_partial": READ_PARTIAL,
     "count_replays": COUNT_REPLAYS, "purge": PURGE, "delete_journal": DELETE_JOURNAL,
-    "upsert_run": UPSERT_RUN, "observe_epoch": OBSERVE_EPOCH, "touch": TOUCH, "heartbeat": HEARTBEAT,
+    "upsert_run": UPSERT_RUN, "observe_epoch": OBSERVE_EPOCH, "touch": TOUCH,
+    "claim_silent_runs": CLAIM_SILENT_RUNS, "heartbeat": HEARTBEAT,
     "end_run": END_RUN,
     "new_attempt": NEW_ATTEMPT, "set_run_state": SET_RUN_STATE, "purge_runs": PURGE_RUNS,
     "attach_run": ATTACH_RUN, "lose_attempt": LOSE_ATTEMPT,

@@ -11,8 +11,8 @@ from typing import Any
 
 import orjson
 
-from ..base import (ENDED, HISTORY_LIMIT, RUN_STATES, Run, RunState, advance_attempt, check_settable,
-                    ending_event, remembered, revive_attempt)
+from ..base import (ENDED, HISTORY_LIMIT, RUN_STATES, SILENT_LIMIT, Run, RunState, advance_attempt,
+                    check_settable, ending_event, remembered, revive_attempt)
 from .connection import SQLiteConnection
 
 RUN_COLUMNS = ("tenant, run_id, state, epoch, restarts, last_seen, started_at, timeout_s, grace_s, "
@@ -145,7 +145,8 @@ class SQLiteRuns:
                 return None
             advance_attempt(run, now, reason, restart, window_s, ended)
             c.execute("UPDATE runs SET epoch = ?, restarts = ?, state = ?, started_at = ?, last_seen = ?, "
-                      "history = ?, restart_times = ? WHERE tenant = ? AND run_id = ? AND epoch = ?",
+                      "history = ?, restart_times = ?, claimed_until = 0 "
+                      "WHERE tenant = ? AND run_id = ? AND epoch = ?",
                       (run.epoch, run.restarts, run.state, now, now, orjson.dumps(run.history),
                        orjson.dumps(run.restart_times), namespace, run_id, run.epoch - 1))
             return run
@@ -165,12 +166,23 @@ class SQLiteRuns:
             return run
         return await self._db.write(op)
 
-    async def silent(self, now: float) -> list[Run]:
-        rows = self._db.read(f"SELECT {RUN_COLUMNS} FROM runs WHERE state IN (?, ?) "
-                          "AND ((last_seen + timeout_s < ? AND started_at + grace_s < ?) "
-                          "OR (lost_epoch = epoch AND hook IS NOT NULL)) "
-                          "AND next_restart_at <= ?", (RunState.RUNNING, RunState.RESTARTING, now, now, now))
-        return [_run(r) for r in rows]
+    async def silent(self, now: float, limit: int = SILENT_LIMIT, claim_s: float = 0.0) -> list[Run]:
+        # the index on due_at (schema.DUE_AT) finds the runs due; the exact condition (silent
+        # for longer than timeout_s, not "as long") is then checked on those rows only
+        query = (f"SELECT {RUN_COLUMNS} FROM runs WHERE due_at <= :now AND state IN (:running, :restarting) "
+                 "AND ((last_seen + timeout_s < :now AND started_at + grace_s < :now) "
+                 "OR (lost_epoch = epoch AND hook IS NOT NULL)) AND next_restart_at <= :now "
+                 "ORDER BY due_at LIMIT :limit")
+        args = {"now": now, "running": RunState.RUNNING, "restarting": RunState.RESTARTING, "limit": limit}
+        if not claim_s:
+            return [_run(r) for r in self._db.read(query, args)]
+
+        def claim(c):  # read and claimed in one write transaction: no other caller gets them
+            rows = c.execute(query, args).fetchall()
+            c.executemany("UPDATE runs SET claimed_until = ? WHERE tenant = ? AND run_id = ?",
+                          [(now + claim_s, row[0], row[1]) for row in rows])
+            return [_run(r) for r in rows]
+        return await self._db.write(claim)
 
     async def attach(self, namespace: str, run_id: str, epoch: int) -> Run | None:
         def op(c):
