@@ -94,9 +94,14 @@ test("OpenAI Node SDK with retries: every step before the crash replays", async 
     .map((r) => r.headers["x-stainless-retry-count"]);
   const seenBefore = retryCounts().length;
   const failedBefore = upstream.count(`failed:${CHAT}`) + upstream.count(`dropped:${CHAT}`);
+  const askedAfterCrash = []; // the retry count of each model call the SDK made in the second attempt
   const result = await crashAndResume("ts-sdk-openai", (run) => {
     const llm = new OpenAI({
       baseURL: run.url("openai", "/v1"), defaultHeaders: run.headers, apiKey: "sk-test", maxRetries: 3,
+      fetch: (url, init) => {
+        if (run.epoch === 1) askedAfterCrash.push(new Headers(init?.headers).get("x-stainless-retry-count"));
+        return fetch(url, init);
+      },
     });
     return async (system, user) => {
       const messages = [{ role: "system", content: system }, { role: "user", content: user }];
@@ -110,13 +115,24 @@ test("OpenAI Node SDK with retries: every step before the crash replays", async 
   assert.equal(upstream.count(`failed:${CHAT}`) + upstream.count(`dropped:${CHAT}`) - failedBefore, 6);
   const counts = retryCounts().slice(seenBefore);
   assert.ok(counts.includes("1") && counts.includes("2"), `retries went through the proxy: ${counts}`);
+  // Steps 1-3 were journaled from the SDK's first retries (a fault, then retry 1); after the
+  // crash the same steps were asked with retry count 0 and replayed: the count is no part of the key.
+  assert.deepEqual(counts.slice(0, 2 * CRASH_AT), ["0", "1", "0", "1", "0", "1"]);
+  assert.deepEqual(askedAfterCrash.slice(0, CRASH_AT), ["0", "0", "0"]);
 });
 
 test("Vercel AI SDK with its default retries: every step before the crash replays", async () => {
   const firstTexts = [];
   const failedBefore = upstream.count(`failed:${CHAT}`) + upstream.count(`dropped:${CHAT}`);
+  let sent = 0; // model calls the SDK itself made, its retries included
+  const counted = (url, init) => {
+    sent += 1;
+    return fetch(url, init);
+  };
   const result = await crashAndResume("ts-sdk-ai", (run) => {
-    const provider = createOpenAI({ baseURL: run.url("openai", "/v1"), headers: run.headers, apiKey: "sk-test" });
+    const provider = createOpenAI({
+      baseURL: run.url("openai", "/v1"), headers: run.headers, apiKey: "sk-test", fetch: counted,
+    });
     return async (system, user) => {
       const { text, response } = await generateText({ model: provider.chat("gpt-4o-mini"), system, prompt: user }); // maxRetries: 2
       if (run.epoch === 0) firstTexts.push(text);
@@ -125,4 +141,7 @@ test("Vercel AI SDK with its default retries: every step before the crash replay
   });
   checkReplay(result, firstTexts);
   assert.equal(upstream.count(`failed:${CHAT}`) + upstream.count(`dropped:${CHAT}`) - failedBefore, 6);
+  // The retries were the SDK's, not the proxy's: each fault reached the SDK, which sent again.
+  // 6 steps live + 6 faults retried + 3 steps replayed after the crash
+  assert.equal(sent, STEPS + 6 + CRASH_AT);
 });
