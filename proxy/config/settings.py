@@ -106,6 +106,9 @@ class StoreSettings:
     lease: float = 60.0
     timeout: float = 5.0
     purge_interval: float = 60.0
+    # PostgreSQL: the journal's partitions span this much expiry each (whole seconds, 1s at
+    # least); a purge drops a partition once all of it has expired (docs/sizing.md).
+    partition_interval: float = 86400.0
     # A restarted attempt's replays answered from its run's journal, loaded in one read
     # (proxy/replaycache.py): at most this many bytes of bodies held per process (0: off),
     # each attempt's for at most replay_cache_ttl.

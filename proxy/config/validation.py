@@ -86,6 +86,9 @@ def validate(s: Settings) -> None:
             raise ConfigError(f"store.{name} must be 0 (off) or more")
     if s.store.redis_wait_replicas and not urlsplit(s.store.url).scheme.startswith("redis"):
         raise ConfigError("store.redis_wait_replicas is for a Redis store (redis://, redis+cluster://)")
+    interval = s.store.partition_interval
+    if interval < 1 or interval != int(interval):
+        raise ConfigError(f"store.partition_interval must be whole seconds, 1s or more, got {interval:g}s")
     for cidr in s.server.trusted_proxies:
         try:
             ipaddress.ip_network(cidr, strict=False)

@@ -53,6 +53,8 @@ def make_store(settings: StoreSettings) -> Store:
             raise ConfigError("sqlite URL must look like sqlite:///path/to/file.db")
         return cls(path, timeout=settings.timeout)
     options = {"wait_replicas": settings.redis_wait_replicas} if package == "redis" else {}
+    if package == "postgres":  # its journal's partitions (postgres/partitions.py)
+        options = {"partition_interval": settings.partition_interval, "retention": settings.retention}
     try:
         return cls(settings.url, timeout=settings.timeout, **options)
     except ValueError as exc:  # our own URL parameters (postgres ?schema=, ?pool_size=; cluster seeds)

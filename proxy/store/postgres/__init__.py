@@ -12,15 +12,20 @@ requests queue for a connection, with p99 in seconds at 32 concurrent in bench/)
   at once.
 - :mod:`.sql`: the statements; :mod:`.journal`, :mod:`.runs`: the two halves of the
   store contract over the connection; :mod:`.audit`: operator actions.
+- :mod:`.partitioned`, :mod:`.partitions`: the journal partitioned by expiry, its ranges
+  created ahead and dropped whole (``[store] partition_interval``).
 """
 
 from __future__ import annotations
+
+import time
 
 from ...config import mask_url
 from . import sql
 from .audit import PostgresAudit
 from .connection import PostgresConnection
 from .journal import PostgresJournal
+from .partitions import Partitions
 from .runs import PostgresRuns
 
 __all__ = ["PostgresStore"]
@@ -29,10 +34,11 @@ __all__ = ["PostgresStore"]
 class PostgresStore:
     """The journal, the runs and the secrets in PostgreSQL; see the module docstring."""
 
-    def __init__(self, url: str, timeout: float = 5.0):
+    def __init__(self, url: str, timeout: float = 5.0, partition_interval: float = 86400.0,
+                 retention: float = 7 * 86400.0):
         self.url = url
         self.connection = PostgresConnection(url, timeout)
-        self.journal = PostgresJournal(self.connection)
+        self.journal = PostgresJournal(self.connection, Partitions(self.connection, partition_interval, retention))
         self.runs = PostgresRuns(self.connection)
         self.audit = PostgresAudit(self.connection)
 
@@ -45,6 +51,10 @@ class PostgresStore:
 
     async def open(self, *, migrate: bool = True) -> None:
         await self.connection.open(migrate)
+        if migrate:  # the ranges the next claims need; told not to migrate, the store writes nothing
+            await self.journal.partitions.prepare(time.time())
+        else:
+            await self.journal.partitions.refresh()
 
     async def aclose(self) -> None:
         await self.journal.aclose()

@@ -6,6 +6,8 @@
   completes, so N concurrent records share one commit. A claim reads the key's live
   entry first and answers with it, writing nothing: a replay is one read. Claims under
   ``on_ambiguous = retry`` commit without waiting for the WAL flush (sql.CLAIM_MANY says why).
+- The journal is partitioned by expiry (:mod:`.partitioned`): a claim makes sure its
+  expiry's range exists first, and a purge drops whole expired ranges (:mod:`.partitions`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ..batching import Batches, GiveBack
 from ..purging import paced
 from . import sql
 from .connection import PostgresConnection, json_text
+from .partitions import Partitions, is_no_partition
 
 
 def _entry(row: asyncpg.Record, response: Recorded | None = None) -> Entry:
@@ -51,8 +54,9 @@ def _rows(status: str) -> int:
 
 
 class PostgresJournal:
-    def __init__(self, db: PostgresConnection):
+    def __init__(self, db: PostgresConnection, partitions: Partitions):
         self._db = db
+        self.partitions = partitions
         self._waiters = db.waiters
         self._gets = Batches("postgres get", self._get_many, db.timeout)
         self._claims = Batches("postgres claim", self._claim_many, db.timeout, self._claim_unanswered)
@@ -126,7 +130,7 @@ class PostgresJournal:
             claims = [(c.scope.kid, c.scope.tenant, c.scope.run, c.epoch, c.scope.upstream, c.scope.key,
                        c.fingerprint, c.method, c.path, c.owner, now + c.lease_s, now, now + c.retention_s,
                        c.namespace) for c, now in (batch[i] for i in members)]  # claim_row (schema.py)
-            rows = await self._db.batch("claim", sql.CLAIM_MANY, claims, time.time(), take_over)
+            rows = await self._send_claims(claims, take_over)
             found = {row["asked"]: row for row in rows}
             for i in members:
                 row = found[batch[i][0].scope.kid]
@@ -140,6 +144,19 @@ class PostgresJournal:
                 won, live = False, batch[j][0].entry(batch[j][1]) if won else live
             results.append((won, run_epoch, live))
         return results
+
+    async def _send_claims(self, claims: list[tuple], take_over: bool) -> list[asyncpg.Record]:
+        expiries = [claim[12] for claim in claims]
+        await self.partitions.cover(expiries)
+        try:
+            return await self._db.batch("claim", sql.CLAIM_MANY, claims, time.time(), take_over)
+        except asyncpg.CheckViolationError as exc:
+            if not is_no_partition(exc):
+                raise
+        # a range this process thought was there is not (another replica dropped one that a
+        # skewed clock still needs): read the ranges again, create it, send once more
+        await self.partitions.create(expiries)
+        return await self._db.batch("claim", sql.CLAIM_MANY, claims, time.time(), take_over)
 
     async def next_occurrence(self, namespace: str, run: str, epoch: int | None, fingerprint: str,
                               retention_s: float, *, tenant: str) -> int:
@@ -186,7 +203,8 @@ class PostgresJournal:
     async def _set_state(self, kid: str, owner: str | None, state: str, detail: str,
                          evidence: dict | None = None) -> None:
         try:
-            await self._db.execute(state, sql.SET_STATE, kid, state, detail, owner, self._db.channel, evidence)
+            await self._db.execute(state, sql.SET_STATE, kid, state, detail, owner, self._db.channel, evidence,
+                                   time.time())
         finally:
             self._waiters.wake(kid)
 
@@ -199,7 +217,7 @@ class PostgresJournal:
     async def resolve(self, kid: str, recorded: Recorded | None) -> bool:
         try:
             if recorded is None:
-                rows = await self._db.fetch("resolve", sql.RESOLVE_AS_RETRY, kid, self._db.channel)
+                rows = await self._db.fetch("resolve", sql.RESOLVE_AS_RETRY, kid, self._db.channel, time.time())
             else:
                 rows = await self._db.fetch("resolve", sql.RESOLVE_WITH_ANSWER, kid, recorded.status,
                                             recorded.headers, recorded.body, time.time(), self._db.channel)
@@ -225,14 +243,19 @@ class PostgresJournal:
                 sql.COUNT_REPLAYS, [(n, kid, now) for kid, n in sorted(counts.items())]))
 
     async def purge(self, now: float, batch: int = 1000) -> int:
+        """Drop the journal's wholly expired ranges (never deleting its rows), create the
+        ranges ahead, and delete the expired occurrence counters in paced batches."""
+        await self.partitions.prepare(now)
+        dropped = await self.partitions.drop_expired(now)
+
         async def step() -> tuple[int, bool]:  # short transactions: never hold locks for a whole purge
-            n = (await self._db.fetchrow("purge", sql.PURGE_JOURNAL, now, batch))[0]
             m = _rows(await self._db.execute("purge", sql.PURGE_OCCURRENCES, now, batch))
-            return n, n == batch or m == batch
-        return await paced(step)
+            return 0, m == batch
+        await paced(step)
+        return dropped
 
     async def entries(self, namespace: str, run: str) -> list[Entry]:
-        rows = await self._db.fetch("journal", sql.JOURNAL, namespace, run)
+        rows = await self._db.fetch("journal", sql.JOURNAL, namespace, run, time.time())
         return [_listed(r) for r in rows]
 
     async def search(self, *, state: str | None = None, key: str | None = None, tenant: str | None = None,
@@ -241,7 +264,7 @@ class PostgresJournal:
         return [_listed(r) for r in rows]
 
     async def kids(self, prefix: str, limit: int) -> list[str]:
-        return [row[0] for row in await self._db.fetch("kids", sql.KIDS, prefix, prefix + "g", limit)]
+        return [row[0] for row in await self._db.fetch("kids", sql.KIDS, prefix, prefix + "g", limit, time.time())]
 
     async def count_quarantined(self) -> int:
         return (await self._db.fetchrow("count_quarantined", sql.COUNT_QUARANTINED, time.time()))[0]
@@ -257,5 +280,5 @@ class PostgresJournal:
         if not runs:
             return {}
         namespaces, run_ids = (list(column) for column in zip(*runs))
-        rows = await self._db.fetch("count_steps", sql.COUNT_STEPS, namespaces, run_ids)
+        rows = await self._db.fetch("count_steps", sql.COUNT_STEPS, namespaces, run_ids, time.time())
         return {(namespace, run): n for namespace, run, n in rows}

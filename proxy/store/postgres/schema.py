@@ -7,6 +7,7 @@ import hashlib
 import asyncpg
 
 from ..base import SchemaNotCurrent
+from .partitioned import PARTITION_JOURNAL
 
 # Append only: a deployed migration never changes; the next change is version N+1.
 MIGRATIONS: list[tuple[int, str]] = [(1, """
@@ -93,7 +94,7 @@ CREATE INDEX refusals_by_expiry ON refusals (expires_at);
 CREATE TABLE limits (
     name TEXT NOT NULL, bucket BIGINT NOT NULL, n BIGINT NOT NULL, expires_at DOUBLE PRECISION NOT NULL,
     PRIMARY KEY (name, bucket));
-""")]
+"""), (10, PARTITION_JOURNAL)]  # the journal partitioned by expiry: partitioned.py
 
 
 async def check(conn: asyncpg.Connection, schema: str) -> None:

@@ -21,8 +21,10 @@ RUN_COLUMNS = ("tenant, run_id, state, epoch, restarts, last_seen, started_at, t
 # array per column: asyncpg checks each element of an array for being an array itself,
 # with two isinstance() calls per text: 10% of a PostgreSQL record's instructions.)
 # A key with a live entry (one not to take over) is answered with that entry and not
-# written at all: a replay costs a read, no lock and no commit to disk. The others are
-# inserted in kid order, so replicas sending overlapping batches lock rows in one order.
+# written at all: a replay costs a read and its key's lock (in memory), no commit to disk.
+# The others are inserted in kid order, after each asked key's lock is taken
+# (partitioned.py: the journal is partitioned, so no unique index serializes two claims
+# of one key).
 # Their runs' epochs are read FOR SHARE, in byte order as the heartbeats lock them: a
 # restart raising one waits for this claim to commit, or this claim waits for the
 # restart and sees the new epoch. Either way no fenced attempt holds a key.
@@ -34,53 +36,7 @@ RUN_COLUMNS = ("tenant, run_id, state, epoch, restarts, last_seen, started_at, t
 # neither; the record that answers the agent is always flushed. Measured on the bench
 # (issue 13): record 4,300-4,800 -> 4,900-5,600 requests/s, 25% less server CPU per
 # record. Under "quarantine" a claim must outlive a crash, to quarantine its key.
-CLAIM_MANY = f"""
-WITH relaxed AS (SELECT set_config('synchronous_commit', 'off', true) WHERE $3),
-c AS (
-    SELECT * FROM unnest($1::claim_row[])),
-live AS (
-    SELECT j.* FROM c, LATERAL (
-        SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing FROM journal
-        WHERE journal.kid = c.kid AND journal.expires_at > $2 AND journal.state <> '{EntryState.RETRIED}'
-          AND NOT ($3 AND journal.state = '{EntryState.IN_FLIGHT}' AND journal.lease_until <= $2
-                   AND journal.fingerprint = c.fingerprint)
-        LIMIT 1) AS j),
-asks AS (SELECT * FROM c WHERE kid NOT IN (SELECT kid FROM live)),
-fence AS (
-    SELECT tenant, run_id, epoch FROM runs
-    WHERE (tenant, run_id) IN (SELECT namespace, run FROM asks WHERE epoch IS NOT NULL)
-    ORDER BY tenant COLLATE "C", run_id COLLATE "C" FOR SHARE),
-claimed AS (
-    INSERT INTO journal (kid, tenant, run, epoch, upstream, key, fingerprint, method, path, namespace,
-                         state, owner, lease_until, created_at, expires_at)
-    SELECT kid, tenant, run, epoch, upstream, key, fingerprint, method, path, namespace,
-           '{EntryState.IN_FLIGHT}', owner, lease_until, created_at, expires_at
-    FROM asks WHERE NOT EXISTS (
-        SELECT 1 FROM fence f WHERE f.tenant = asks.namespace AND f.run_id = asks.run AND f.epoch > asks.epoch)
-    ORDER BY kid
-    ON CONFLICT (kid) DO UPDATE SET
-        tenant = excluded.tenant, run = excluded.run, epoch = excluded.epoch,
-        upstream = excluded.upstream, key = excluded.key, fingerprint = excluded.fingerprint,
-        method = excluded.method, path = excluded.path, namespace = excluded.namespace,
-        state = excluded.state, owner = excluded.owner, lease_until = excluded.lease_until,
-        created_at = excluded.created_at, expires_at = excluded.expires_at, status = NULL,
-        headers = NULL, body = NULL, streamed = false, timing = NULL, detail = NULL,
-        completed_at = NULL, replays = 0, replayed = NULL, evidence = NULL
-    -- an expired entry runs as new, as does one an operator retried; a dead proxy's claim is
-    -- taken over under "retry"
-    WHERE journal.expires_at <= $2 OR journal.state = '{EntryState.RETRIED}' OR ($3 AND journal.state = '{EntryState.IN_FLIGHT}'
-          AND journal.lease_until <= $2 AND journal.fingerprint = excluded.fingerprint)
-    RETURNING kid),
--- a new claim, or a takeover: bytes a dead call left behind must not be joined
-dropped AS (DELETE FROM partials WHERE kid IN (SELECT kid FROM claimed))
-SELECT c.kid AS asked, c.kid IN (SELECT kid FROM claimed) AS won,
-       CASE WHEN c.epoch IS NOT NULL THEN
-           coalesce((SELECT f.epoch FROM fence f WHERE f.tenant = c.namespace AND f.run_id = c.run),
-                    (SELECT r.epoch FROM runs r WHERE r.tenant = c.namespace AND r.run_id = c.run))
-       END AS run_epoch,
-       live.*
-FROM c LEFT JOIN live ON live.kid = c.kid
-WHERE (SELECT count(*) FROM relaxed) >= 0  -- evaluated, so that its setting holds"""
+CLAIM_MANY = "SELECT * FROM claim_many($1::claim_row[], $2, $3)"  # partitioned.CLAIM_FUNCTION
 
 # $1 kid, $2 now, $3 detail, $4 fingerprint, $5 channel: a dead proxy's claim under "quarantine"
 QUARANTINE_EXPIRED = f"""
@@ -117,18 +73,21 @@ WHERE gone.key LIKE 'derived:%' AND o.tenant = gone.namespace AND o.run = gone.r
   AND o.epoch = gone.epoch AND o.fingerprint = gone.tenant || ' ' || gone.fingerprint
   AND o.n = substring(gone.key from ':([0-9]+)$')::bigint + 1"""
 
-# $1 kid, $2 state, $3 detail, $4 owner (NULL: whoever holds it), $5 channel, $6 evidence
+# $1 kid, $2 state, $3 detail, $4 owner (NULL: whoever holds it), $5 channel, $6 evidence, $7 now.
+# Statements by kid alone read "expires_at > now": a kid's expired rows stay until their
+# partition is dropped (partitioned.py).
 SET_STATE = """
 WITH changed AS (
     UPDATE journal SET state = $2, owner = NULL, detail = $3, evidence = $6
-    WHERE kid = $1 AND ($4::text IS NULL OR owner = $4)
+    WHERE kid = $1 AND ($4::text IS NULL OR owner = $4) AND expires_at > $7
     RETURNING pg_notify($5, kid))
 DELETE FROM partials WHERE kid = $1"""
 
-# $1 kid, $2 channel: kept, findable; the next claim of its key takes it over (CLAIM_MANY)
+# $1 kid, $2 channel, $3 now: kept, findable; the next claim of its key takes it over (CLAIM_MANY)
 RESOLVE_AS_RETRY = f"""
 WITH changed AS (
-    UPDATE journal SET state = '{EntryState.RETRIED}' WHERE kid = $1 AND state = '{EntryState.UNKNOWN}'
+    UPDATE journal SET state = '{EntryState.RETRIED}'
+    WHERE kid = $1 AND state = '{EntryState.UNKNOWN}' AND expires_at > $3
     RETURNING pg_notify($2, kid)),
 dropped AS (DELETE FROM partials WHERE kid = $1)
 SELECT * FROM changed"""
@@ -136,19 +95,13 @@ SELECT * FROM changed"""
 RESOLVE_WITH_ANSWER = f"""
 UPDATE journal SET state = '{EntryState.COMPLETE}', status = $2, headers = $3, body = $4, streamed = false,
     completed_at = $5, detail = '{ANSWERED_BY_OPERATOR}'
-WHERE kid = $1 AND state = '{EntryState.UNKNOWN}' RETURNING pg_notify($6, kid)"""
+WHERE kid = $1 AND state = '{EntryState.UNKNOWN}' AND expires_at > $5 RETURNING pg_notify($6, kid)"""
 
 # $1 kid, $2 seq, $3 data, $4 channel
 APPEND_PARTIAL = ("INSERT INTO partials (kid, seq, data) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING "
                   "RETURNING pg_notify($4, kid)")
 
-# $1 now, $2 batch. Rows another transaction holds (a claim taking the key over) are
-# skipped, not waited for: purge never queues behind the request path.
-PURGE_JOURNAL = """
-WITH doomed AS (SELECT kid FROM journal WHERE expires_at <= $1 LIMIT $2 FOR UPDATE SKIP LOCKED),
-gone AS (DELETE FROM journal WHERE kid IN (SELECT kid FROM doomed) RETURNING kid),
-dropped AS (DELETE FROM partials WHERE kid IN (SELECT kid FROM gone))
-SELECT count(*) FROM gone"""
+# $1 now, $2 batch (the journal itself is purged by dropping partitions: partitions.py)
 PURGE_OCCURRENCES = """
 DELETE FROM occurrences WHERE ctid IN (SELECT ctid FROM occurrences WHERE expires_at <= $1 LIMIT $2)"""
 
@@ -238,11 +191,12 @@ UPDATE runs SET last_seen = greatest(last_seen, $1),
     state = CASE WHEN state = '{RunState.RESTARTING}' THEN '{RunState.RUNNING}' ELSE state END
 WHERE tenant = $2 AND run_id = $3 AND ($4::bigint IS NULL OR epoch <= $4)
 RETURNING {RUN_COLUMNS}"""
-# $1 namespaces, $2 run ids (arrays of the same length)
+# $1 namespaces, $2 run ids (arrays of the same length), $3 now
 COUNT_STEPS = """
 SELECT j.namespace, j.run, count(*) FROM journal j
 JOIN (SELECT DISTINCT * FROM unnest($1::text[], $2::text[])) AS w(namespace, run)
   ON j.namespace = w.namespace AND j.run = w.run
+WHERE j.expires_at > $3
 GROUP BY j.namespace, j.run"""
 
 # -- short statements, named so the store reads as what it does ---------------------------
@@ -287,9 +241,9 @@ UPDATE journal j SET replays = j.replays + $1, replayed = coalesce(j.replayed, '
         coalesce((j.replayed -> r.epoch::text ->> 0)::bigint, 0) + $1,
         coalesce((j.replayed -> r.epoch::text ->> 1)::float8, $3)))
     FROM runs r WHERE r.tenant = j.namespace AND r.run_id = j.run), '{}')
-WHERE j.kid = $2"""
+WHERE j.kid = $2 AND j.expires_at > $3"""
 JOURNAL = (f"SELECT {ENTRY_COLUMNS}, status, replayed FROM journal WHERE namespace = $1 AND run = $2 "
-           "ORDER BY created_at")
+           "AND expires_at > $3 ORDER BY created_at")
 # $1 now, then filters (NULL: any) $2 state, $3 key, $4 tenant, $5 run; $6 limit. For operators: may scan.
 SEARCH = (f"SELECT {ENTRY_COLUMNS}, status, replayed FROM journal WHERE expires_at > $1 "
           "AND ($2::text IS NULL OR state = $2) AND ($3::text IS NULL OR key = $3) "
@@ -297,8 +251,8 @@ SEARCH = (f"SELECT {ENTRY_COLUMNS}, status, replayed FROM journal WHERE expires_
           "ORDER BY created_at DESC LIMIT $6")
 # $1 now; as written, so that the partial index journal_quarantined serves it
 COUNT_QUARANTINED = "SELECT count(*) FROM journal WHERE state = 'unknown' AND expires_at > $1"
-# the primary key's range: "g" sorts after every hex digit (kids and prefixes are lowercase hex)
-KIDS = "SELECT kid FROM journal WHERE kid >= $1 AND kid < $2 ORDER BY kid LIMIT $3"
+# the kid index's range: "g" sorts after every hex digit (kids and prefixes are lowercase hex); $4 now
+KIDS = "SELECT kid FROM journal WHERE kid >= $1 AND kid < $2 AND expires_at > $4 ORDER BY kid LIMIT $3"
 GET_RUN = f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = $2 AND ($1::text IS NULL OR tenant = $1)"
 LIST_RUNS = (f"SELECT {RUN_COLUMNS} FROM runs WHERE $1::text IS NULL OR state = $1 "
              "ORDER BY created_at DESC LIMIT $2")

@@ -1,0 +1,180 @@
+"""PostgreSQL's journal partitioned by expiry: ranges dropped whole, never rows deleted; the
+migration from the unpartitioned journal; ``partition_interval = "1s"`` through a proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import asyncpg
+import pytest
+
+import services
+from idemproxy.proxy.config import ConfigError, load_settings
+from idemproxy.proxy.store.base import Claim, EntryState, Recorded, Scope
+from idemproxy.proxy.store.postgres import PostgresStore
+from idemproxy.proxy.store.postgres.partitions import RANGES, parse_bound
+from idemproxy.proxy.store.postgres.schema import MIGRATIONS
+from test_store_postgres import raw, schema  # noqa: F401 - a fixture
+
+PARTITIONED = 10  # the migration that partitions the journal
+# Every row deleted from the journal, by any statement: retention must delete none.
+WATCH_DELETES = """
+CREATE TABLE deleted (kid TEXT);
+CREATE FUNCTION note_delete() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN INSERT INTO deleted VALUES (OLD.kid); RETURN OLD; END $$;
+CREATE TRIGGER watch AFTER DELETE ON journal FOR EACH ROW EXECUTE FUNCTION note_delete();"""
+
+
+@pytest.fixture
+async def open_pg(schema):  # noqa: F811
+    """Factory: an open PostgresStore on the test's schema, in one-second partitions."""
+    opened: list[PostgresStore] = []
+
+    async def make(retention: float = 3600.0) -> PostgresStore:
+        store = PostgresStore(f"{services.postgres_url()}?schema={schema}", partition_interval=1.0,
+                              retention=retention)
+        await store.open()
+        opened.append(store)
+        return store
+
+    yield make
+    for store in opened:
+        await store.aclose()
+
+
+def claim_of(key: str, retention_s: float = 3600.0, owner: str = "o") -> Claim:
+    return Claim(Scope("tenant", "run-1", "tools", key), "fp", owner, 30.0, retention_s, namespace="ns")
+
+
+async def ranges(conn: asyncpg.Connection) -> list[tuple[str, tuple[float, float]]]:
+    return sorted(((name, parse_bound(bound)) for name, bound, *_ in await conn.fetch(RANGES)),
+                  key=lambda named: named[1])
+
+
+async def until_past(expiry: float) -> None:
+    """Sleep until the one-second range holding ``expiry`` lies wholly before now."""
+    await asyncio.sleep(max(0.0, math.floor(expiry) + 1 - time.time()) + 0.05)
+
+
+async def test_a_purge_drops_whole_expired_partitions_and_deletes_no_row(schema, open_pg):  # noqa: F811
+    store = await open_pg()
+    conn = await raw(schema)
+    try:
+        await conn.execute(WATCH_DELETES)
+        expired = [claim_of(f"old-{i}", retention_s=0.2) for i in range(20)]
+        for claim in expired:
+            assert (await store.journal.claim(claim)).won
+        await store.journal.append_partial(expired[0].scope.kid, "o", 0, b"half a stream")
+        live = [claim_of(f"live-{i}") for i in range(3)]
+        for claim in live:
+            assert (await store.journal.claim(claim)).won
+        await store.journal.complete(live[0].scope.kid, "o", Recorded(200, [], b"kept"))
+        await until_past(time.time() + 0.2)
+        held = {name for name, _ in await ranges(conn)}
+        assert await store.journal.purge(time.time()) == len(expired)
+        assert await conn.fetchval("SELECT count(*) FROM deleted") == 0, "a purge deleted rows"
+        left = {name for name, _ in await ranges(conn)}
+        assert held - left, "no partition was dropped"
+        assert await conn.fetchval("SELECT count(*) FROM journal") == len(live)
+        assert await store.journal.read_partial(expired[0].scope.kid, -1) == []
+        assert (await store.journal.get(live[0].scope.kid)).response.body == b"kept"
+        assert await store.journal.purge(time.time()) == 0
+        # an expired key runs as new, in a range of its own
+        assert (await store.journal.claim(claim_of("old-0", owner="again"))).won
+    finally:
+        await conn.close()
+
+
+async def test_a_claim_whose_expiry_has_no_range_yet_gets_one(schema, open_pg):  # noqa: F811
+    """Ranges are made ahead for the configured retention; a claim that keeps its entry
+    longer (or a range another replica dropped) makes its own before it inserts."""
+    store = await open_pg(retention=60.0)
+    far = claim_of("far", retention_s=30 * 86400.0)
+    assert (await store.journal.claim(far)).won
+    conn = await raw(schema)
+    try:
+        expiry = await conn.fetchval("SELECT expires_at FROM journal WHERE key = 'far'")
+        assert any(lo <= expiry < hi for _, (lo, hi) in await ranges(conn))
+        name = await conn.fetchval("SELECT tableoid::regclass::text FROM journal WHERE key = 'far'")
+        await conn.execute(f'DROP TABLE "{name}"')  # as if another replica's purge had dropped it
+        assert (await store.journal.claim(claim_of("far-2", retention_s=30 * 86400.0))).won
+    finally:
+        await conn.close()
+
+
+async def _previous_schema(schema: str) -> asyncpg.Connection:  # noqa: F811
+    """A schema as the release before the partitioned journal left it."""
+    conn = await raw(schema)
+    await conn.execute(f'CREATE SCHEMA "{schema}"')
+    await conn.execute("CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, "
+                       "applied_at TIMESTAMPTZ NOT NULL DEFAULT now())")
+    for version, statements in MIGRATIONS:
+        if version < PARTITIONED:
+            await conn.execute(statements)
+            await conn.execute("INSERT INTO schema_migrations (version) VALUES ($1)", version)
+    return conn
+
+
+async def test_the_migration_keeps_every_entry_and_drops_the_old_table_whole(schema, open_pg):  # noqa: F811
+    conn = await _previous_schema(schema)
+    try:
+        now = time.time()
+        # a thousand recorded answers and a call in flight with its stream so far, as the old
+        # journal held them; all expire in a second and a half
+        await conn.execute("""
+            INSERT INTO journal (kid, tenant, run, upstream, key, fingerprint, namespace, state, status, body,
+                                 headers, created_at, completed_at, expires_at)
+            SELECT 'old-' || g, 'tenant', 'run-1', 'tools', 'k' || g, 'fp', 'ns', 'complete', 200,
+                   convert_to('answer ' || g, 'UTF8'), '[]', $1::float8, $1, $1 + 1.5
+            FROM generate_series(1, 1000) AS g""", now)
+        await conn.execute("INSERT INTO journal (kid, tenant, upstream, key, fingerprint, namespace, state, owner, "
+                           "lease_until, created_at, expires_at) VALUES ('streaming', 'tenant', 'tools', 's', 'fp', "
+                           "'ns', 'in_flight', 'o', $1::float8 + 60, $1, $1 + 1.5)", now)
+        await conn.execute("INSERT INTO partials VALUES ('streaming', 0, 'half')")
+        store = await open_pg()  # migrates
+        assert await conn.fetchval("SELECT max(version) FROM schema_migrations") >= PARTITIONED
+        (name, (lo, hi)), *_ = await ranges(conn)
+        assert name == "journal_unpartitioned" and lo == -math.inf and hi > now + 1.5
+        entry = await store.journal.get("old-7")
+        assert (entry.state, entry.response.body) == (EntryState.COMPLETE, b"answer 7")
+        assert (await store.journal.get("streaming")).state == EntryState.IN_FLIGHT
+        assert await store.journal.read_partial("streaming", -1) == [(0, b"half")]
+        new = claim_of("new")
+        assert (await store.journal.claim(new)).won  # an hour ahead: past the old table's range
+        await conn.execute(WATCH_DELETES)
+        await asyncio.sleep(max(0.0, hi - time.time()) + 0.05)
+        assert await store.journal.purge(time.time()) == 1001
+        assert await conn.fetchval("SELECT count(*) FROM deleted") == 0
+        assert "journal_unpartitioned" not in {name for name, _ in await ranges(conn)}
+        assert await conn.fetchval("SELECT count(*) FROM partials") == 0
+        assert (await store.journal.get(new.scope.kid)).state == EntryState.IN_FLIGHT
+    finally:
+        await conn.close()
+
+
+async def test_partition_interval_of_one_second_end_to_end(schema, make_proxy, provider, http):  # noqa: F811
+    proxy = await make_proxy(f"{services.postgres_url()}?schema={schema}",
+                             store={"partition_interval": "1s", "retention": "1s"})
+    url = f"{proxy.url}/runs/short/tools/send"
+    sent = time.time()
+    for replayed in ("false", "true"):
+        async with http.post(url, json={"to": "bob"}, headers={"Idempotency-Key": "k1"}) as resp:
+            assert resp.status == 200 and resp.headers["Idempotent-Replayed"] == replayed
+    await until_past(sent + 1.0 + 0.5)
+    async with http.post(f"{proxy.url}/admin/purge", headers={"Authorization": "Bearer test-admin-token"}) as resp:
+        assert resp.status == 200 and (await resp.json())["purged"] == 1
+    async with http.post(url, json={"to": "bob"}, headers={"Idempotency-Key": "k1"}) as resp:
+        assert resp.status == 200 and resp.headers["Idempotent-Replayed"] == "false"  # expired: runs again
+    assert provider.calls["tool:send"] == 2
+
+
+@pytest.mark.parametrize("interval, error", [("1s", None), ("1d", None), ("1.5s", "whole seconds"),
+                                             ("500ms", "whole seconds")])
+def test_partition_interval_is_whole_seconds(interval, error):
+    if error is None:
+        assert load_settings(env={}, overrides={"store.partition_interval": interval}).store.partition_interval >= 1
+    else:
+        with pytest.raises(ConfigError, match=error):
+            load_settings(env={}, overrides={"store.partition_interval": interval})
