@@ -14,7 +14,7 @@ import uuid
 import pytest
 import redis
 
-from idemproxy.proxy.config import StoreSettings
+from idemproxy.proxy.config import ConfigError, StoreSettings
 from idemproxy.proxy.store import make_store
 from idemproxy.proxy.store.redis.cluster import hash_tagged, seeds, slot_of
 from conftest import until
@@ -59,6 +59,8 @@ def test_cluster_urls_name_their_seeds():
         seeds("redis+cluster://a:1/3")
     with pytest.raises(ValueError):
         seeds("redis+cluster://a,b:2")
+    with pytest.raises(ConfigError, match="seed must be host:port"):
+        make_store(StoreSettings(url="rediss+cluster://h1:6379,h2/?prefix=x:"))
 
 
 CHAT = "/openai/v1/chat/completions"

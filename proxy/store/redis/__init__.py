@@ -27,7 +27,7 @@ unambiguous whatever the namespace holds. The layout::
 
 - :mod:`.connection`: the client, its scripts, pipelines and the pub/sub reader, shared by
   the journal and the runs; every Redis error becomes StoreUnavailable there. Durability
-  is Redis's own (:func:`.connection.durability_of`).
+  is Redis's own (:mod:`.durability`).
 - :mod:`.scripts`: the Lua scripts, one per change, so each is atomic.
 - :mod:`.journal`, :mod:`.runs`: the two halves of the store contract over the connection;
   :mod:`.audit`: operator actions.

@@ -8,8 +8,8 @@ the same, on the one slot the deployment lives in.
 
 With ``wait_replicas`` (``[store] redis_wait_replicas``) a pipeline that wrote a claim or a
 record sends ``WAIT`` on the same link before answering (WAIT counts the writes of the link
-it is sent on): fewer replicas than asked within half the timeout fail those writes with
-:class:`ReplicasBehind`. Reads, and claims that found the key taken (replays), never wait.
+it is sent on; :mod:`.durability`): fewer replicas than asked within half the timeout fail
+those writes. Reads, and claims that found the key taken (replays), never wait.
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ import orjson
 import redis.asyncio as redis_asyncio  # the redis-py library: absolute imports never mean this package
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import AuthenticationError, AuthorizationError
+from redis.exceptions import AskError, AuthenticationError, AuthorizationError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import AskError, NoScriptError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from ...config import mask_url
 from ..base import RUN_LOST, Bell, StoreMisconfigured, StoreUnavailable, Waiters
-from .cluster import cluster_client, hash_tagged, is_cluster, slot_of
+from .cluster import cluster_client, hash_tagged, is_cluster, seeds, slot_of
+from .durability import confirm, durability_of, replication_of
 from .scripts import SCRIPTS, sharded
 
 log = logging.getLogger("idemproxy.store")
@@ -40,22 +41,6 @@ log = logging.getLogger("idemproxy.store")
 POLL_S = 0.5  # a waiter looks again this often even when no notification comes
 LISTEN_S = 1.0  # how long the notification reader blocks per read
 RECONNECT_S = (0.1, 2.0)  # notification reader's backoff after losing Redis, first and most
-
-
-def durability_of(appendonly: str | None, appendfsync: str | None) -> str:
-    """How durable an acknowledged record is, in one plain sentence."""
-    if appendonly is None:
-        return ("unknown: CONFIG is disabled on this Redis, so its appendonly/appendfsync "
-                "settings cannot be read")
-    if appendonly != "yes":
-        return "Redis appendonly=no: records live in memory only; a Redis restart loses them"
-    if appendfsync == "always":
-        return "Redis appendonly=yes, appendfsync=always: every write is fsynced before Redis answers"
-    if appendfsync == "everysec":
-        return ("Redis appendonly=yes, appendfsync=everysec: up to ~1 s of acknowledged records "
-                "can be lost on a crash of the Redis host")
-    return (f"Redis appendonly=yes, appendfsync={appendfsync}: the OS decides when records reach "
-            "the disk; a crash of the Redis host can lose the last ~30 s of acknowledged records")
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -93,11 +78,6 @@ def maybe(kind: type, value: bytes | None) -> Any:
     return None if value is None else kind(value)
 
 
-class ReplicasBehind(StoreUnavailable):
-    """WAIT heard fewer replicas than ``redis_wait_replicas`` confirm a claim or a record: it
-    is on the master only, and a failover now could lose it, so it is not acknowledged."""
-
-
 def _unavailable(what: str, exc: RedisError | OSError) -> StoreUnavailable:
     return StoreUnavailable(f"{what}: {type(exc).__name__}: {exc}")
 
@@ -127,6 +107,7 @@ class RedisConnection:
         self.url, self.prefix = split_url(url)
         self.cluster = is_cluster(url)
         if self.cluster:
+            seeds(url)  # ValueError for a malformed list: a configuration error, before any connection
             self.prefix = hash_tagged(self.prefix)
         self.timeout = timeout
         self.wait_replicas = wait_replicas
@@ -169,7 +150,8 @@ class RedisConnection:
                         # loading its data set) is a ConnectionError, and is.
                         raise StoreMisconfigured(f"{where}: {exc}") from exc
                     appendonly, appendfsync = await self._persistence(client)
-                    self.durability = durability_of(appendonly, appendfsync) + self._replication()
+                    self.durability = (durability_of(appendonly, appendfsync)
+                                       + replication_of(self.cluster, self.wait_replicas))
                     pubsub = await self._subscribe(client)
         except (StoreUnavailable, StoreMisconfigured):
             await client.aclose()
@@ -180,16 +162,6 @@ class RedisConnection:
         self._listener = asyncio.create_task(self._listen(pubsub), name="idemproxy-redis-notifications")
         if (appendonly, appendfsync) != ("yes", "always"):
             log.warning("redis durability: %s", self.durability)
-
-    def _replication(self) -> str:
-        """What replication adds to durability: said for a cluster, or when replicas are awaited."""
-        if not (self.cluster or self.wait_replicas):
-            return ""
-        if self.wait_replicas:
-            return (f"; a claim or record is acknowledged once {self.wait_replicas} replica(s) have it "
-                    "(redis_wait_replicas), so a failover keeps it")
-        return ("; replication is asynchronous (redis_wait_replicas = 0): a failover loses the claims and "
-                "records its master acknowledged in the last moments before it died")
 
     async def _persistence(self, client: Any) -> tuple[str | None, str | None]:
         try:  # on a cluster, the settings of the master of the deployment's slot
@@ -291,8 +263,8 @@ class RedisConnection:
                     results.append(await conn.read_response(timeout=math.inf))
                 except ResponseError as exc:  # the server's error reply to this one command
                     results.append(exc)
-            if self.wait_replicas and wrote is not None:
-                await self._wait_replicas(conn, results, wrote)
+            if self.wait_replicas and wrote is not None:  # half the timeout: do() bounds the pipeline
+                await confirm(conn, results, wrote, self.wait_replicas, max(1, int(self.timeout * 500)))
             intact = True
             return results
         except BaseException:  # broken, timed out or cancelled: replies may still come; drop the link
@@ -301,21 +273,6 @@ class RedisConnection:
             raise
         finally:
             await self._give_back(conn, node, intact)
-
-    async def _wait_replicas(self, conn: Any, results: list[Any], wrote: Callable[[int, Any], bool]) -> None:
-        """WAIT on the link that wrote; short of replicas, the writes fail as ReplicasBehind."""
-        written = [i for i, result in enumerate(results) if wrote(i, result)]
-        if not written:
-            return
-        wait_ms = max(1, int(self.timeout * 500))  # half the timeout: do() bounds the whole pipeline
-        await conn.send_packed_command(hiredis.pack_command(("WAIT", self.wait_replicas, wait_ms)),
-                                       check_health=False)
-        acked = await conn.read_response(timeout=math.inf)
-        if acked < self.wait_replicas:
-            behind = ReplicasBehind(f"redis WAIT: {acked} of the {self.wait_replicas} replica(s) "
-                                    f"redis_wait_replicas asks for confirmed the write within {wait_ms} ms")
-            for i in written:
-                results[i] = behind
 
     async def _borrow(self) -> tuple[Any, Any]:
         """A link for one pipeline, and the cluster node it is of (None on one Redis)."""

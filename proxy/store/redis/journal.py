@@ -17,7 +17,8 @@ import orjson
 from ..base import ANSWERED_BY_OPERATOR, Claim, ClaimResult, Entry, EntryState, Recorded, counted, replayed_from
 from ..batching import Batches, GiveBack
 from ..purging import paced
-from .connection import RedisConnection, ReplicasBehind, field, maybe, run_ref, text
+from .connection import RedisConnection, field, maybe, run_ref, text
+from .durability import ReplicasBehind
 from .scripts import ENTRY_FIELDS, READ_FIELDS
 
 
