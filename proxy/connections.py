@@ -33,18 +33,12 @@ from aiohttp import web
 
 from .config import ServerSettings
 from .errors import problem_response
+from .exchange import EXCHANGE
 from .problems import Problem
-from .upstream.connection import UpstreamResponse
 
 log = logging.getLogger("idemproxy.access")
 
 REFUSAL = web.RequestKey("refusal", str)  # why aiohttp's parser refused a request (access log)
-# The upstream answer a handler only relays to its client (a passthrough stream): closed when
-# that client goes away, so that an idle upstream stream (an MCP notification stream, an SSE
-# feed between events) is let go at once, not at its next byte; the handler then ends as for any
-# client that left (499). Handlers themselves outlive their clients (handler_cancellation is
-# off): a recorded call must finish and record.
-RELAYING = web.RequestKey("relaying", UpstreamResponse)
 LINGER_S = 1.0  # how long a refused connection is read (and ignored) before it closes
 REPORT_EVERY_S = 10.0  # connections refused at the cap are logged at most this often
 ECHO = re.compile(r":\s*(?:b'|b\"|bytearray\()")  # where aiohttp's parser quotes the bytes it refused
@@ -88,7 +82,13 @@ class Connection(web.RequestHandler):
             self._timer = None
         self._gate.closed()
         request = self._answering()
-        relayed = request.get(RELAYING) if request is not None else None
+        # The upstream answer a handler only relays to its client (a passthrough stream) is
+        # closed when that client goes away, so that an idle upstream stream (an MCP notification
+        # stream, an SSE feed between events) is let go at once, not at its next byte; the handler
+        # then ends as for any client that left (499). Handlers themselves outlive their clients
+        # (handler_cancellation is off): a recorded call must finish and record.
+        exchange = request.get(EXCHANGE) if request is not None else None
+        relayed = exchange.relaying if exchange is not None else None
         super().connection_lost(exc)
         if relayed is not None:
             relayed.close()

@@ -12,8 +12,8 @@ Handlers raise; none of them builds an error answer::
     anything else      a bug: 500 internal-error, logged with its traceback
                        (``connections.Connection.handle_error``)
 
-A request the proxy handler took (it set STARTED) is also counted here, in metrics: its
-outcome is final only once its error, if any, has been answered.
+A request the proxy handler took (it made its Exchange, exchange.py) is also counted here,
+in metrics: its outcome is final only once its error, if any, has been answered.
 """
 
 from __future__ import annotations
@@ -26,21 +26,13 @@ import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from .exchange import EXCHANGE, Exchange
 from .observability.metrics import Metrics
-from .outcomes import Outcome
 from .problems import PROBLEMS, Problem
-from .replay import STREAM, cut_short, server_timing
-from .runs.refusals import RUN_CALL
+from .replay import cut_short, server_timing
 from .store import StoreUnavailable
 
 log = logging.getLogger("idemproxy.proxy")
-
-OUTCOME = web.RequestKey("outcome", Outcome)  # what the proxy did: metrics and the access log
-STARTED = web.RequestKey("started", float)  # time.perf_counter() when the proxy handler took it
-UPSTREAM_S = web.RequestKey("upstream_s", object)  # upstream time to headers, when forwarded
-# How a problem's body is put for a client that reads no problem+json (an MCP client reads JSON-RPC
-# errors: proxy/mcp/upstream.py). It answers as application/json with the problem's status.
-RENDER_PROBLEM = web.RequestKey("render_problem", object)
 
 
 def problem_middleware(metrics: Metrics, admit: Callable[[web.Request], None] | None = None) -> Middleware:
@@ -55,15 +47,15 @@ def problem_middleware(metrics: Metrics, admit: Callable[[web.Request], None] | 
             return await handler(request)
         except Problem as problem:
             metrics.problem(problem.slug)
-            call = request.get(RUN_CALL)
-            if call is not None:  # a run's call: its run counts the refusal (runs/refusals.py)
-                await call.refused(problem)
+            exchange = request.get(EXCHANGE)
+            if exchange is not None and exchange.run_call is not None:  # its run counts the refusal
+                await exchange.run_call.refused(problem)  # (runs/refusals.py)
             return answer(request, problem)
         except StoreUnavailable as exc:
             metrics.problem("store-unavailable")
             log.error("store unavailable: %s", exc)
             detail = "the journal store did not answer"
-            if STARTED in request:  # a record request fails closed (docs/guarantees.md)
+            if _taken(request):  # a record request fails closed (docs/guarantees.md)
                 detail += "; nothing was forwarded"
             return answer(request, Problem("store-unavailable", detail))
         except web.HTTPRequestEntityTooLarge:  # a chunked body past client_max_size
@@ -73,10 +65,16 @@ def problem_middleware(metrics: Metrics, admit: Callable[[web.Request], None] | 
                 raise  # not the client's connection: a bug
             return web.Response(status=499)  # nginx's "client closed request"; never sent
         finally:
-            started = request.get(STARTED)
-            if started is not None:
-                metrics.observe(request[OUTCOME], time.perf_counter() - started, request.get(UPSTREAM_S))
+            exchange = request.get(EXCHANGE)
+            if exchange is not None and exchange.started is not None:
+                metrics.observe(exchange.outcome, time.perf_counter() - exchange.started, exchange.upstream_s)
     return problems
+
+
+def _taken(request: web.BaseRequest) -> bool:
+    """Whether the proxy handler took the request (made its Exchange)."""
+    exchange = request.get(EXCHANGE)
+    return exchange is not None and exchange.started is not None
 
 
 def client_gone(request: web.BaseRequest) -> bool:
@@ -87,17 +85,19 @@ def client_gone(request: web.BaseRequest) -> bool:
 
 def answer(request: web.Request, problem: Problem) -> web.StreamResponse:
     """The problem as an answer, unless one is already under way."""
-    if STREAM in request:  # the head is sent: a refusal can only cut the stream short
-        return cut_short(request)
+    exchange = request.get(EXCHANGE)
+    if exchange is not None and exchange.stream is not None:  # the head is sent: a refusal can
+        return cut_short(request)  # only cut the stream short
     kind = PROBLEMS[problem.slug]
     if kind.outcome is not None:
-        request[OUTCOME] = kind.outcome
+        if exchange is None:  # refused before the proxy handler: its outcome still shows in the log
+            exchange = request[EXCHANGE] = Exchange(started=None)
+        exchange.outcome = kind.outcome
     path = request.path  # `OPTIONS *` and `CONNECT host:port` have none to name
-    render = request.get(RENDER_PROBLEM)
+    render = exchange.render_problem if exchange is not None else None
     response = problem_response(problem, instance=path if path[:1] == "/" else None, render=render)
-    started = request.get(STARTED)
-    if started is not None:  # the proxy's answers carry its own time (docs/guarantees.md)
-        response.headers["Server-Timing"] = server_timing(time.perf_counter() - started)
+    if exchange is not None and exchange.started is not None:  # the proxy's answers carry its own
+        response.headers["Server-Timing"] = server_timing(time.perf_counter() - exchange.started)  # time
     return response
 
 

@@ -18,8 +18,8 @@ from .answercache import AnswerCache
 from .calls import Call, Fate
 from .codings import decoded
 from .config import Settings, UpstreamSettings
-from .connections import RELAYING
-from .errors import OUTCOME, STARTED, UPSTREAM_S, client_gone
+from .errors import client_gone
+from .exchange import EXCHANGE, Exchange
 from .fencing import Fence
 from .fingerprint import fingerprint
 from .forward import failure_slug, forwarded_key, is_stream, request_headers, response_headers
@@ -28,16 +28,16 @@ from .freshness import Freshness
 from .heartbeats import Heartbeats
 from .identity import Identity, TenantResolver, parse_epoch, parse_key, parse_policy, parse_run
 from .mcp import McpUpstreams, ToolAnswer, journaled_path
-from .observability.facts import FACTS, Facts, key_kind
+from .observability.facts import Facts, key_kind
 from .observability.metrics import Metrics
 from .outcomes import Outcome
 from .policy import OnAmbiguous, Policy
 from .problems import Problem
-from .replay import (STREAM, in_flight, join_remote, key_reused, listen, outcome_unknown, send_record,
+from .replay import (in_flight, join_remote, key_reused, listen, outcome_unknown, send_record,
                      server_timing, start_stream, whole_record)
 from .replaycache import CachedAttempt, ReplayCache
 from .routing import Route, origin_form, parse_route
-from .runs.refusals import RUN_CALL, Refusals, RunCall
+from .runs.refusals import Refusals, RunCall
 from .store import Store, StoreUnavailable
 from .store.base import Claim, ClaimResult, Entry, EntryState, Scope
 from .upstream.errors import UpstreamError
@@ -89,8 +89,7 @@ class Proxy:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """Refusals and store failures are raised: ``errors.problem_middleware`` answers them
         and counts the request, once its outcome is final."""
-        started = request[STARTED] = time.perf_counter()
-        request[OUTCOME] = Outcome.REJECTED
+        exchange = request[EXCHANGE] = Exchange(time.perf_counter())
         try:
             target = request.raw_path
             if not target.startswith("/"):  # absolute-form: taken when it names us (routing.py)
@@ -103,14 +102,14 @@ class Proxy:
                               "WebSocket: use the client's HTTP transport (for the OpenAI Agents SDK, the "
                               "default, set_default_openai_responses_transport(\"http\"))")
             if route.upstream.kind == "mcp":
-                return await self._mcp(request, route, started)
+                return await self._mcp(request, exchange, route)
             ident, chosen = self._identify_and_decide(request, route)
-            self._of_run(request, route, ident)
+            self._of_run(request, exchange, route, ident)
             body, content = await self._read_body(request)
-            facts = self._note(request, route, ident, content)
+            facts = self._note(exchange, route, ident, content)
             upstream = route.upstream
             if chosen is Policy.RECORD:  # before the fence: a refused call changes nothing
-                self.tenants.check_recordable(request.headers, ident.namespace, upstream.name)
+                self.tenants.check_recordable(self._tenant(request, exchange), upstream.name)
             attempt = None
             if ident.run:
                 since = time.perf_counter()
@@ -118,13 +117,13 @@ class Proxy:
                 facts.timed(since)
                 self.heartbeats.hold(request, ident)  # open, its run is alive (docs/restarts.md)
             if chosen is Policy.PASSTHROUGH:
-                request[OUTCOME] = Outcome.PASSTHROUGH
-                return await self._passthrough(request, route, ident, body, started)
+                exchange.outcome = Outcome.PASSTHROUGH
+                return await self._passthrough(request, exchange, route, ident, body)
             fp = self._fingerprint(request, route, content)
-            return await self._record(request, route, ident, body, started, fp, attempt=attempt)
+            return await self._record(request, exchange, route, ident, body, fp, attempt=attempt)
         except ConnectionResetError:  # the agent went away; a recorded call goes on without it
-            request[OUTCOME] = Outcome.DISCONNECTED
-            return request.get(STREAM) or web.Response(status=499)
+            exchange.outcome = Outcome.DISCONNECTED
+            return exchange.stream or web.Response(status=499)
 
     # -- identity -------------------------------------------------------------------------
 
@@ -151,17 +150,26 @@ class Proxy:
                         namespace=self.tenants.namespace(headers, request.remote, derive=derive, run=run,
                                                          token=route.token)), chosen
 
-    def _of_run(self, request: web.Request, route: Route, ident: Identity) -> None:
+    def _tenant(self, request: web.Request, exchange: Exchange) -> str:
+        """Whose entries and connections the request's are (TenantResolver.tenant): resolved
+        once per request, when first asked, from its namespace."""
+        tenant = exchange.tenant
+        if tenant is None:
+            tenant = exchange.tenant = self.tenants.tenant(request.headers, exchange.ident.namespace)
+        return tenant
+
+    def _of_run(self, request: web.Request, exchange: Exchange, route: Route, ident: Identity) -> None:
         """A run's call: its refusals are counted on the run (errors.problem_middleware)."""
+        exchange.ident = ident
         if ident.run is not None:
-            request[RUN_CALL] = RunCall(self.refusals, ident.namespace, ident.run, ident.epoch,
+            exchange.run_call = RunCall(self.refusals, ident.namespace, ident.run, ident.epoch,
                                         route.upstream.name, request.method, route.path)
 
     @staticmethod
-    def _note(request: web.Request, route: Route, ident: Identity, body: bytes) -> Facts:
+    def _note(exchange: Exchange, route: Route, ident: Identity, body: bytes) -> Facts:
         """Start the call's facts for its access-log line and trace span (proxy/observability/facts.py);
         the steps below add the key, store time and answer as they learn them."""
-        facts = request[FACTS] = Facts(route.upstream.name, ident.run, ident.epoch, body=body)
+        facts = exchange.facts = Facts(route.upstream.name, ident.run, ident.epoch, body=body)
         return facts
 
     def _fingerprint(self, request: web.Request, route: Route, content: bytes) -> str:
@@ -225,8 +233,8 @@ class Proxy:
 
     # -- passthrough ----------------------------------------------------------------------
 
-    async def _passthrough(self, request: web.Request, route: Route, ident: Identity, body: bytes,
-                           started: float, tap: Callable[[bytes], None] | None = None) -> web.StreamResponse:
+    async def _passthrough(self, request: web.Request, exchange: Exchange, route: Route, ident: Identity,
+                           body: bytes, tap: Callable[[bytes], None] | None = None) -> web.StreamResponse:
         """Forward, record nothing; ``tap`` sees the answer's bytes as they pass."""
         upstream = route.upstream
         headers = request_headers(request.headers, upstream, self.settings.tenants.header, None,
@@ -235,13 +243,14 @@ class Proxy:
         try:
             resp = await self.pools[upstream.name].request(
                 request.method, route.path_qs, headers, body,
-                tenant=self._connection_tenant(request, ident.namespace), may_resend=True)
+                tenant=self._connection_tenant(request, exchange), may_resend=True)
         except UpstreamError as exc:
             raise _upstream_failed(upstream, exc) from None
         try:
-            upstream_s = request[UPSTREAM_S] = time.perf_counter() - sent
+            upstream_s = exchange.upstream_s = time.perf_counter() - sent
             out = response_headers(resp.headers)
-            out.append(("Server-Timing", server_timing(time.perf_counter() - started - upstream_s, upstream_s)))
+            out.append(("Server-Timing", server_timing(time.perf_counter() - exchange.started - upstream_s,
+                                                       upstream_s)))
             length = resp.content_length
             bodiless = request.method == "HEAD"
             if bodiless and length is not None:  # the length a GET would get (RFC 9110 §9.3.2):
@@ -253,7 +262,7 @@ class Proxy:
                 return Answer(status=resp.status, body=answer, headers=out)
             if length is not None:  # streamed as it comes, still with its length
                 out.append(("Content-Length", str(length)))
-            request[RELAYING] = resp  # from here on, the client's going away closes it (connections.py)
+            exchange.relaying = resp  # from here on, the client's going away closes it (connections.py)
             stream = await start_stream(request, resp.status, out)
             while chunk := await resp.readany():
                 if tap is not None:
@@ -272,17 +281,17 @@ class Proxy:
         finally:
             resp.release()
 
-    def _connection_tenant(self, request: web.Request, namespace: str) -> str:
+    def _connection_tenant(self, request: web.Request, exchange: Exchange) -> str:
         """Whose upstream connections the request may use: its tenant's (docs/guarantees.md, the
         upstream boundary), so that nothing an upstream sends on a connection can reach another
         tenant. A passthrough outside a run has no namespace: its credential itself keys them."""
-        return self.tenants.tenant(request.headers, namespace) if namespace else \
+        return self._tenant(request, exchange) if exchange.ident.namespace else \
             self.tenants.connection_key(request.headers)
 
     # -- record and replay ----------------------------------------------------------------
 
-    async def _record(self, request: web.Request, route: Route, ident: Identity, body: bytes,
-                      started: float, fp: str, occurrence: Occurrence | None = None,
+    async def _record(self, request: web.Request, exchange: Exchange, route: Route, ident: Identity,
+                      body: bytes, fp: str, occurrence: Occurrence | None = None,
                       attempt: CachedAttempt | None = None) -> web.StreamResponse:
         """Claim the key and make the call, or answer from whoever holds it: the attempt's
         journal in memory, the entries answered here before (answercache.py), a call in
@@ -293,20 +302,20 @@ class Proxy:
         better what makes two calls the same gives (MCP), with how a derived key's occurrence
         is counted."""
         upstream = route.upstream
-        facts: Facts = request[FACTS]
+        facts: Facts = exchange.facts
         since = time.perf_counter()
-        scope = await self._scope(request, route, ident, fp, occurrence, attempt)
+        scope = await self._scope(request, exchange, route, ident, fp, occurrence, attempt)
         kid = facts.kid = scope.kid
         facts.key_kind = key_kind(scope.key)
         facts.timed(since)
         recorded = attempt.entry(kid) if attempt is not None else None
         if recorded is not None:  # the facts above and _from_journal's answer make its log line
-            answer = await self._from_journal(request, upstream, recorded, fp, started)
+            answer = await self._from_journal(request, exchange, upstream, recorded, fp)
             self.metrics.replayed_from_memory += 1
             return answer
         recorded = self.answers.get(kid)
         if recorded is not None:
-            answer = await self._from_journal(request, upstream, recorded, fp, started)
+            answer = await self._from_journal(request, exchange, upstream, recorded, fp)
             self.metrics.replayed_from_cache += 1
             return answer
         deadline = time.monotonic() + self.settings.server.in_flight_wait
@@ -314,8 +323,8 @@ class Proxy:
             call = self.calls.get(kid)
             if call is not None and not call.gave_back:  # in flight here: join it
                 if await self._joinable(call, fp, deadline):
-                    request[OUTCOME] = Outcome.JOINED
-                    return await listen(request, call, started, replayed=True)
+                    exchange.outcome = Outcome.JOINED
+                    return await listen(request, call, replayed=True)
                 continue  # it gave the key back meanwhile: claim it like any retry
             # the claim answers a taken key with its entry: one store call either way
             since = time.perf_counter()
@@ -325,19 +334,19 @@ class Proxy:
             if result.won:
                 if attempt is not None:  # the attempt goes live: its replays are over
                     self.replay_cache.drop(attempt)
-                return await self._call(request, route, result.entry, body, ident.namespace, started, noted)
+                return await self._call(request, exchange, route, result.entry, body, ident.namespace, noted)
             entry = result.entry
             self.answers.put(entry, noted)
-            answer = await self._from_journal(request, upstream, entry, fp, started, deadline)
+            answer = await self._from_journal(request, exchange, upstream, entry, fp, deadline)
             if answer is not None:
                 return answer
             await self._wait(kid, deadline)
 
-    async def _scope(self, request: web.Request, route: Route, ident: Identity, fp: str,
+    async def _scope(self, request: web.Request, exchange: Exchange, route: Route, ident: Identity, fp: str,
                      occurrence: Occurrence | None = None, attempt: CachedAttempt | None = None) -> Scope:
         """Where the request's journal entry lives: under the agent's key, its derived key in
         the run (docs/concepts.md, The fingerprint), or its own fingerprint."""
-        tenant = self.tenants.tenant(request.headers, ident.namespace)
+        tenant = self._tenant(request, exchange)
         upstream = route.upstream.name
         if ident.key is not None:
             return Scope.of_key(tenant, ident.run, upstream, ident.key)
@@ -395,20 +404,20 @@ class Proxy:
                           epoch=result.stale_epoch)
         return result
 
-    async def _call(self, request: web.Request, route: Route, entry: Entry, body: bytes,
-                    namespace: str, started: float, noted: int | None) -> web.StreamResponse:
+    async def _call(self, request: web.Request, exchange: Exchange, route: Route, entry: Entry, body: bytes,
+                    namespace: str, noted: int | None) -> web.StreamResponse:
         """The key is ours: make the call, and answer as it goes. ``noted``: the journal's
         generation before the claim, under which its record may be kept in memory."""
-        request[OUTCOME] = Outcome.RECORDED
+        exchange.outcome = Outcome.RECORDED
         call = self._start(request, route, entry, body, namespace, noted)
         try:
-            return await listen(request, call, started, replayed=False)
+            return await listen(request, call, replayed=False)
         finally:
-            request[UPSTREAM_S] = call.upstream_s if call.status else None
-            request[FACTS].answer = call.answer
+            exchange.upstream_s = call.upstream_s if call.status else None
+            exchange.facts.answer = call.answer
 
-    async def _from_journal(self, request: web.Request, upstream: UpstreamSettings, entry: Entry,
-                            fp: str, started: float, deadline: float = 0.0) -> web.StreamResponse | None:
+    async def _from_journal(self, request: web.Request, exchange: Exchange, upstream: UpstreamSettings,
+                            entry: Entry, fp: str, deadline: float = 0.0) -> web.StreamResponse | None:
         """Answer from a key someone else claimed: its replay, a refusal, or the stream
         another proxy is recording, once that proxy shows it is alive (join_remote; until
         ``deadline``). None: in flight, and its stream has not begun or its lease ran out."""
@@ -416,21 +425,21 @@ class Proxy:
             raise key_reused("was first used")
         state = entry.state
         if state == EntryState.COMPLETE:
-            request[OUTCOME] = Outcome.REPLAYED
+            exchange.outcome = Outcome.REPLAYED
             self.replays[entry.kid] = self.replays.get(entry.kid, 0) + 1
             self.metrics.saved(upstream, entry.kid, entry.response)
-            recorded = request[FACTS].answer = entry.response
+            recorded = exchange.facts.answer = entry.response
             if not recorded.streamed:
-                return whole_record(request, recorded, started)
+                return whole_record(request, recorded)
             paced = request.headers.get("Idem-Replay", "").lower() == "paced"
-            return await send_record(request, recorded, started, paced)
+            return await send_record(request, recorded, paced)
         if state == EntryState.UNKNOWN:
             raise outcome_unknown(entry)
         if state == EntryState.UNRECORDABLE:
             raise Problem("not-replayable", entry.detail or "the response was too large to record")
-        joined = await join_remote(request, self.store, entry, started, deadline)
+        joined = await join_remote(request, self.store, entry, deadline)
         if joined is not None:
-            request[OUTCOME] = Outcome.JOINED
+            exchange.outcome = Outcome.JOINED
         return joined
 
     async def _wait(self, kid: str, deadline: float) -> None:
@@ -474,17 +483,17 @@ class Proxy:
 
     # -- MCP upstreams --------------------------------------------------------------------
 
-    async def _mcp(self, request: web.Request, route: Route, started: float) -> web.StreamResponse:
+    async def _mcp(self, request: web.Request, exchange: Exchange, route: Route) -> web.StreamResponse:
         """A ``kind = "mcp"`` upstream (docs/mcp.md): a tools/call is recorded under what it means
         and replayed under the caller's JSON-RPC id; everything else passes through."""
         ident = self._identify(request, route)
-        self._of_run(request, route, ident)
+        self._of_run(request, exchange, route, ident)
         body, content = await self._read_body(request)
-        facts = self._note(request, route, ident, content)
+        facts = self._note(exchange, route, ident, content)
         plan = self.mcp.plan(request, route.upstream, route.path_qs, ident,
-                             lambda: self.tenants.tenant(request.headers, ident.namespace), content)
+                             lambda: self._tenant(request, exchange), content)
         if plan.call is not None:  # a tools/call is recorded: as for any call, not without a credential
-            self.tenants.check_recordable(request.headers, ident.namespace, route.upstream.name)
+            self.tenants.check_recordable(self._tenant(request, exchange), route.upstream.name)
         attempt = None
         if ident.run:
             since = time.perf_counter()
@@ -496,10 +505,10 @@ class Proxy:
                 attempt = await self._preloaded(plan.ident)
             facts.timed(since)
         if plan.call is None:
-            request[OUTCOME] = Outcome.PASSTHROUGH
-            return await self._passthrough(request, route, ident, body, started, plan.tap)
+            exchange.outcome = Outcome.PASSTHROUGH
+            return await self._passthrough(request, exchange, route, ident, body, plan.tap)
         counted = functools.partial(self.mcp.occurrence, plan) if plan.site else None
-        resp = await self._record(request, route, plan.ident, body, started, plan.fp, counted, attempt)
+        resp = await self._record(request, exchange, route, plan.ident, body, plan.fp, counted, attempt)
         return self.mcp.deliver(request, plan, resp) if plan.site is not None else resp
 
     # -- background work ------------------------------------------------------------------

@@ -233,10 +233,10 @@ class TenantResolver:
         keyed.update(b"run-token\0" + namespace.encode() + b"\0" + run.encode())
         return keyed.hexdigest()[:32]
 
-    def check_recordable(self, headers: CIMultiDictProxy[str], namespace: str, upstream: str) -> None:
-        """Refuse to record a call whose tenant would be ``anonymous`` (see :meth:`tenant`)
-        unless ``upstream`` lets credential-less callers share it: raises ``credential-required``."""
-        if upstream in self._shared_anonymous or self.tenant(headers, namespace) != ANONYMOUS:
+    def check_recordable(self, tenant: str, upstream: str) -> None:
+        """Refuse to record a call whose ``tenant`` (:meth:`tenant`) is ``anonymous`` unless
+        ``upstream`` lets credential-less callers share it: raises ``credential-required``."""
+        if upstream in self._shared_anonymous or tenant != ANONYMOUS:
             return
         wanted = ", ".join(self._credential_headers) or "none configured"
         if self._credential_cookies:

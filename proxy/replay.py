@@ -4,31 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Protocol
 
 import orjson
 from aiohttp import web
 
 from .calls import Call
+from .exchange import EXCHANGE, Readdress
 from .problems import Problem
 from .store import Store
 from .store.base import Entry, EntryState, Recorded
 from .upstream.wire import Answer, StreamedAnswer
 
 REPLAYED = "Idempotent-Replayed"
-STREAM = web.RequestKey("stream", web.StreamResponse)  # the answer, once its head is sent
-
-
-class Readdress(Protocol):
-    """Addresses an answer recorded for one caller to another (proxy/mcp/readdress.py: the
-    caller's JSON-RPC id). Set as ``request[READDRESS]``; replays and joins go through it."""
-
-    def body(self, data: bytes) -> bytes: ...
-    def chunk(self, data: bytes) -> bytes: ...  # may keep back an unfinished event
-    def end(self) -> bytes: ...
-
-
-READDRESS = web.RequestKey("readdress", Readdress)
 
 
 class ReaddressedStream(StreamedAnswer):
@@ -51,19 +38,20 @@ class ReaddressedStream(StreamedAnswer):
 async def start_stream(request: web.Request, status: int, headers,
                        replayed: bool = False) -> web.StreamResponse:
     """Send the head of a streamed answer; from here on, a failure can only cut it short."""
-    readdress = request.get(READDRESS) if replayed else None
+    exchange = request[EXCHANGE]
+    readdress = exchange.readdress if replayed else None
     if readdress is None:
         resp = StreamedAnswer(status=status, headers=headers)
     else:
         resp = ReaddressedStream(readdress, status=status, headers=headers)
     await resp.prepare(request)
-    request[STREAM] = resp
+    exchange.stream = resp
     return resp
 
 
 def replayed_body(request: web.Request, body: bytes) -> bytes:
     """A whole recorded answer, addressed to this caller."""
-    readdress = request.get(READDRESS)
+    readdress = request[EXCHANGE].readdress
     return body if readdress is None else readdress.body(body)
 
 
@@ -71,7 +59,7 @@ def cut_short(request: web.Request) -> web.StreamResponse:
     """End a streamed answer without its terminating chunk, so no client takes it for whole."""
     if request.transport is not None:
         request.transport.close()
-    return request[STREAM]
+    return request[EXCHANGE].stream
 
 
 def server_timing(own_s: float, upstream_s: float | None = None) -> str:
@@ -85,18 +73,17 @@ def _headers(headers, replayed: bool, timing: str) -> list[tuple[str, str]]:
     return [*headers, (REPLAYED, "true" if replayed else "false"), ("Server-Timing", timing)]
 
 
-def whole_record(request: web.Request, recorded: Recorded, started: float) -> web.Response:
+def whole_record(request: web.Request, recorded: Recorded) -> web.Response:
     """A replay of an answer that was not streamed: no coroutine needed (docs/performance.md)."""
-    headers = _headers(recorded.headers, True, server_timing(time.perf_counter() - started))
+    headers = _headers(recorded.headers, True, server_timing(time.perf_counter() - request[EXCHANGE].started))
     return Answer(status=recorded.status, body=replayed_body(request, recorded.body), headers=headers)
 
 
-async def send_record(request: web.Request, recorded: Recorded, started: float,
-                      paced: bool = False) -> web.StreamResponse:
+async def send_record(request: web.Request, recorded: Recorded, paced: bool = False) -> web.StreamResponse:
     """A replay: the recorded status, headers and body; a stream is replayed as a stream."""
     if not recorded.streamed:
-        return whole_record(request, recorded, started)
-    headers = _headers(recorded.headers, True, server_timing(time.perf_counter() - started))
+        return whole_record(request, recorded)
+    headers = _headers(recorded.headers, True, server_timing(time.perf_counter() - request[EXCHANGE].started))
     resp = await start_stream(request, recorded.status, headers, replayed=True)
     if paced and recorded.timing:
         clock = time.perf_counter()
@@ -110,17 +97,17 @@ async def send_record(request: web.Request, recorded: Recorded, started: float,
     return resp
 
 
-async def listen(request: web.Request, call: Call, started: float, replayed: bool) -> web.StreamResponse:
+async def listen(request: web.Request, call: Call, replayed: bool) -> web.StreamResponse:
     """Answer from a call in flight in this process: bytes so far, then the rest live.
     While anyone listens, the call reads on even when it can record nothing (calls.py)."""
     call.listeners += 1
     try:
-        return await _listen(request, call, started, replayed)
+        return await _listen(request, call, replayed)
     finally:
         call.listeners -= 1
 
 
-async def _listen(request: web.Request, call: Call, started: float, replayed: bool) -> web.StreamResponse:
+async def _listen(request: web.Request, call: Call, replayed: bool) -> web.StreamResponse:
     listening = time.perf_counter()
     await call.headers_ready()
     if not call.status:  # failed before the upstream answered
@@ -128,7 +115,7 @@ async def _listen(request: web.Request, call: Call, started: float, replayed: bo
         raise Problem(*result.problem)
     # the proxy's own time up to the head, as this listener met it (the body's time is the upstream's)
     at_head = max(call.head_at, listening)
-    timing = server_timing(at_head - started - call.upstream_s, call.upstream_s)
+    timing = server_timing(at_head - request[EXCHANGE].started - call.upstream_s, call.upstream_s)
     headers = _headers(call.headers, replayed, timing)
     if not call.streamed:
         result = await call.finished()
@@ -153,8 +140,7 @@ async def _listen(request: web.Request, call: Call, started: float, replayed: bo
     return resp
 
 
-async def join_remote(request: web.Request, store: Store, claim: Entry, started: float,
-                      deadline: float) -> web.StreamResponse | None:
+async def join_remote(request: web.Request, store: Store, claim: Entry, deadline: float) -> web.StreamResponse | None:
     """Join a stream that another proxy is recording under ``claim``, through its partials in
     the store.
 
@@ -182,7 +168,7 @@ async def join_remote(request: web.Request, store: Store, claim: Entry, started:
         if not _same_claim(entry, claim):
             return None
         if entry.state == EntryState.COMPLETE and entry.response is not None:
-            return await send_record(request, entry.response, started)
+            return await send_record(request, entry.response)
         if entry.state != EntryState.IN_FLIGHT or entry.lease_until < time.time():
             return None
         if fresh:  # alive
@@ -193,7 +179,7 @@ async def join_remote(request: web.Request, store: Store, claim: Entry, started:
         await journal.wait(claim.kid, min(remaining, 1.0))
     meta = orjson.loads(shared[0][1])
     resp = await start_stream(request, meta["status"], _headers(
-        meta["headers"], True, server_timing(time.perf_counter() - started)), replayed=True)
+        meta["headers"], True, server_timing(time.perf_counter() - request[EXCHANGE].started)), replayed=True)
     sent, pending = 0, shared[1:] + fresh
     while True:
         for s, data in pending:

@@ -3,12 +3,15 @@ becomes one problem+json answer, and a proxied request is counted by its outcome
 
 from __future__ import annotations
 
+import time
+
 import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from idemproxy.proxy.errors import problem_middleware
+from idemproxy.proxy.exchange import EXCHANGE, Exchange
 from idemproxy.proxy.observability.metrics import Metrics
 from idemproxy.proxy.problems import PROBLEMS, Problem
 from idemproxy.proxy.replay import start_stream
@@ -28,6 +31,7 @@ async def _store_down(request: web.Request) -> web.StreamResponse:
 
 
 async def _break_stream(request: web.Request) -> web.StreamResponse:
+    request[EXCHANGE] = Exchange(time.perf_counter())  # as the proxy handler makes it
     stream = await start_stream(request, 200, [("Content-Type", "text/event-stream")])
     await stream.write(b"data: 1\n\n")
     raise StoreUnavailable("gone mid-stream")

@@ -76,7 +76,7 @@ def _cut(data: bytes) -> Cut:
 
 class Readdress:
     """Rewrites one answer for a caller (``replay.Readdress``): a whole body, or a stream; and
-    puts the proxy's refusals as JSON-RPC errors (``errors.RENDER_PROBLEM``: :meth:`problem`).
+    puts the proxy's refusals as JSON-RPC errors (``Exchange.render_problem``: :meth:`problem`).
     Made before the request's body is read: its id and progress token are set once known."""
     __slots__ = ("request_id", "progress_token", "_cuts", "_events")
 

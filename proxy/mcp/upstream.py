@@ -13,18 +13,16 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 from ..config import Policy, UpstreamSettings
-from ..errors import RENDER_PROBLEM, client_gone
+from ..errors import client_gone
+from ..exchange import EXCHANGE
 from ..identity import Identity
 from ..problems import Problem
-from ..replay import READDRESS
 from .catalog import Catalog
 from .messages import TOOLS_LIST, ToolCall, named, read
 from .occurrences import Occurrences, Site
 from .readdress import Cuts, Readdress
 
 
-# The tool a tools/call names, for its journal entry's path (:func:`journaled_path`)
-TOOL = web.RequestKey("mcp_tool", str)
 MAX_TOOL_SHOWN = 128  # characters of a tool's name kept (MCP's own limit for names)
 
 
@@ -32,7 +30,7 @@ def journaled_path(request: web.Request, path: str) -> str:
     """The path a journal entry shows: a tools/call's names its tool after ``#``
     (``/mcp#send_email``), so operators see which tool a step called. A fragment is never
     sent, so this names no other resource; nothing else reads an entry's path."""
-    tool = request.get(TOOL)
+    tool = request[EXCHANGE].tool
     return path if tool is None else f"{path}#{tool}"
 
 
@@ -64,7 +62,8 @@ class McpUpstreams:
         are raised, and answered as JSON-RPC errors. ``tenant`` is called once at most, when
         the decision needs it (not for most passthroughs)."""
         caller = Readdress(self.cuts)  # addressed to the caller's id once the body has named it
-        request[RENDER_PROBLEM] = caller.problem
+        exchange = request[EXCHANGE]
+        exchange.render_problem = caller.problem
         named_method, named_tool = named(request.headers)
         whose = named_policy = None
         if named_tool is not None:
@@ -89,13 +88,13 @@ class McpUpstreams:
         if chosen is Policy.PASSTHROUGH or (ident.policy is None and key is None and ident.run is None):
             return Plan(ident)  # without a key or a run there is nothing to replay into (docs/concepts.md)
         caller.progress_token = message.progress_token
-        request[READDRESS] = caller
+        exchange.readdress = caller
         fp = message.fingerprint(upstream.name, path_qs, whose)
         if key != ident.key:  # the key came in `_meta`
             ident = Identity(key=key, run=ident.run, epoch=ident.epoch, policy=ident.policy,
                              namespace=ident.namespace)
         site = (whose, ident.namespace, ident.run, ident.epoch, fp) if key is None and ident.run else None
-        request[TOOL] = message.name[:MAX_TOOL_SHOWN]
+        exchange.tool = message.name[:MAX_TOOL_SHOWN]
         return Plan(ident, message, fp=fp, site=site)
 
     async def occurrence(self, plan: Plan, count: Callable[[], Awaitable[int]]) -> int:

@@ -11,9 +11,8 @@ from aiohttp.abc import AbstractAccessLogger
 
 from ..config import Settings
 from ..connections import REFUSAL
-from ..errors import OUTCOME, UPSTREAM_S
+from ..exchange import EXCHANGE
 from ..routing import shown_path
-from .facts import FACTS, Facts
 
 
 class AccessLogger(AbstractAccessLogger):
@@ -29,8 +28,9 @@ class AccessLogger(AbstractAccessLogger):
             self.logger.info("%s - - %d rejected %.3fms malformed HTTP: %s", request.remote,
                              response.status, duration * 1000, refused)
             return
+        exchange = request.get(EXCHANGE)
         self.logger.info("%s %s %s %d %s %.3fms", request.remote, request.method, shown_path(request.path),
-                         response.status, request.get(OUTCOME, "-"), duration * 1000)
+                         response.status, exchange.outcome if exchange is not None else "-", duration * 1000)
 
 
 class JsonAccessLogger(AccessLogger):
@@ -46,11 +46,13 @@ def access_logger(settings: Settings) -> type[AccessLogger]:
 
 def access_record(request: web.BaseRequest, response: web.StreamResponse, duration: float) -> str:
     """The request as one JSON object: what it was, what the proxy did, and where time went."""
+    exchange = request.get(EXCHANGE)
     line = {"remote": request.remote, "method": request.method, "path": shown_path(request.path),
-            "status": response.status, "outcome": request.get(OUTCOME), "ms": round(duration * 1000, 3)}
-    facts: Facts | None = request.get(FACTS)
+            "status": response.status, "outcome": exchange.outcome if exchange is not None else None,
+            "ms": round(duration * 1000, 3)}
+    facts = exchange.facts if exchange is not None else None
     if facts is not None:
-        upstream_s = request.get(UPSTREAM_S)
+        upstream_s = exchange.upstream_s
         line.update(upstream=facts.upstream, run=facts.run, epoch=facts.epoch, kid=facts.kid,
                     key_kind=facts.key_kind, model=facts.model,
                     input_tokens=facts.input_tokens, output_tokens=facts.output_tokens,

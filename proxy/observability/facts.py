@@ -11,13 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from aiohttp import web
-
 from ..store.base import Recorded
 from .metrics import MODEL, usage
-
-FACTS = web.RequestKey("facts", object)  # a Facts, set once the handler knows the upstream
-
 
 @dataclass(slots=True)
 class Facts:

@@ -26,8 +26,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from ..config import Settings, upstream_kind
-from ..errors import OUTCOME
-from .facts import FACTS, Facts
+from ..exchange import EXCHANGE
 
 # gen_ai.provider.name's well-known values (semantic conventions 1.37+), by API host
 PROVIDERS = {"api.openai.com": "openai", "api.anthropic.com": "anthropic",
@@ -72,10 +71,11 @@ class Tracing:
         status = response.status if response is not None else 500
         span.set_attribute("http.request.method", request.method)
         span.set_attribute("http.response.status_code", status)
-        span.set_attribute("idemproxy.outcome", str(request.get(OUTCOME, "rejected")))
+        exchange = request.get(EXCHANGE)
+        span.set_attribute("idemproxy.outcome", str(exchange.outcome if exchange is not None else "rejected"))
         if status >= 500:
             span.set_status(Status(StatusCode.ERROR))
-        facts: Facts | None = request.get(FACTS)
+        facts = exchange.facts if exchange is not None else None
         if facts is None:  # refused before the proxy knew the upstream
             return
         span.update_name(f"{request.method} {facts.upstream}")

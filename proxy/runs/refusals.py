@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from aiohttp import web
 
 from ..problems import PROBLEMS, Problem
 from ..store.base import Store, StoreError
@@ -59,6 +58,3 @@ class RunCall:
 
     async def refused(self, problem: Problem) -> None:
         await self.refusals.note(self, problem)
-
-
-RUN_CALL = web.RequestKey("run_call", RunCall)  # set by the handler once a call names its run
