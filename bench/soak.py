@@ -44,12 +44,14 @@ SAMPLE_EVERY_S = 5.0
 
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--store", choices=["postgres", "redis"], required=True)
+    parser.add_argument("--store", choices=["postgres", "redis", "redis-cluster"], required=True)
     parser.add_argument("--minutes", type=float, default=60.0, help="how long faults are injected")
     parser.add_argument("--out", type=Path, required=True, help="folder for the results")
     parser.add_argument("--seed", type=int, help="repeats a fault schedule (default: a new one)")
     parser.add_argument("--agents", type=int, default=4, help="runs in flight at once")
     parser.add_argument("--steps", type=int, default=12, help="steps per run: a model call and a tool call each")
+    parser.add_argument("--fault-every", type=float, default=4.0,
+                        help="mean seconds between two faults (the test's campaign: 1.2)")
     parser.add_argument("--keep", action="store_true", help="keep the logs and event files")
     return parser.parse_args()
 
@@ -90,12 +92,13 @@ async def soak(plan: Plan, folder: Path) -> tuple[dict, list[figures.Sample]]:
 def main() -> int:
     args = arguments()
     seed = args.seed or random.SystemRandom().randrange(1, 10**6)
-    plan = Plan(args.store, seed, args.minutes * 60, agents=args.agents, steps=args.steps)
+    plan = Plan(args.store, seed, args.minutes * 60, agents=args.agents, steps=args.steps,
+                fault_every_s=args.fault_every)
     args.out.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix=f"idem-soak-{args.store}-"))
     logging.basicConfig(filename=folder / "soak.log", level=logging.INFO)
     print(f"soak on {args.store}: seed {seed}, {args.minutes:g} min of faults, {args.agents} agents, "
-          f"{args.steps} steps a run; folder {folder}", flush=True)
+          f"{args.steps} steps a run, a fault every {args.fault_every:g} s on average; folder {folder}", flush=True)
     try:
         report, samples = asyncio.run(soak(plan, folder))
         events = read_events(folder)
@@ -117,7 +120,7 @@ def main() -> int:
     thin = [k for k, n in report.faults.items() if not n] + ([] if report.calls.get("answered as replays")
                                                           else ["no replays"])
     summary = {**{k: v for k, v in asdict(report).items() if k != "fault_log"},
-               "command": " ".join(sys.argv), "agents": args.agents, "steps": args.steps,
+               "command": " ".join(sys.argv), "agents": args.agents, "steps": args.steps, "fault_every_s": args.fault_every,
                "invariants_broken": broken, "campaign_thin": thin,
                "memory": figures.memory_summary(samples)}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))

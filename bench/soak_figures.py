@@ -14,8 +14,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import services
-
 LATENCY_FIELDS = ["minute", "calls", "replays", "p50_ms", "p99_ms", "max_ms", "faults", "store_faults"]
 
 
@@ -28,16 +26,13 @@ class Sample:
 
 
 def rss_mib(pid: int) -> float | None:
-    """Resident memory of a process and its children (a server's workers), or None if gone."""
-    total_kib = 0
-    for one in (pid, *services.children(pid)):
-        try:
-            with open(f"/proc/{one}/status") as f:
-                total_kib += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-        except (OSError, StopIteration):
-            if one == pid:
-                return None
-    return total_kib / 1024
+    """Resident memory of one process (not its children: the supervisor's are the agents its
+    hooks started), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+    except (OSError, StopIteration):
+        return None
 
 
 def origin(events: list[dict]) -> float:
@@ -129,12 +124,16 @@ def plot_latency(path: Path, rows: list[dict], title: str) -> None:
 
 
 def plot_memory(path: Path, samples: list[Sample], began: float, title: str) -> None:
-    """One line per process; a drop to a lower line is a restart after a SIGKILL."""
+    """One colour per process, one line per life of it: a gap is a SIGKILL and its restart."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 4), dpi=110)
-    for process in sorted({s.process for s in samples}):
+    for n, process in enumerate(sorted({s.process for s in samples})):
         mine = [s for s in samples if s.process == process]
-        ax.plot([(s.t - began) / 60 for s in mine], [s.rss_mib for s in mine], linewidth=1, label=process)
+        lives = [[s for s in mine if s.pid == pid] for pid in dict.fromkeys(s.pid for s in mine)]
+        for i, life in enumerate(lives):
+            ax.plot([(s.t - began) / 60 for s in life], [s.rss_mib for s in life], color=f"C{n}",
+                    marker="." if len(life) == 1 else None, markersize=3, linewidth=1,
+                    label=process if i == 0 else None)
     ax.set_xlabel("minutes since the faults began")
     ax.set_ylabel("RSS (MiB)")
     ax.set_ylim(bottom=0)

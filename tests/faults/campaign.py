@@ -32,7 +32,7 @@ REPLICAS = 2
 
 @dataclass(frozen=True)
 class Plan:
-    backend: str  # "postgres" or "redis"
+    backend: str  # "postgres", "redis" or "redis-cluster"
     seed: int
     fault_seconds: float  # how long faults are injected and new runs started
     agents: int = 6  # runs in flight at once
@@ -41,15 +41,16 @@ class Plan:
     drain_s: float = 60.0  # after the last fault, the bound for every run to complete
     timeout_s: float = 3.0  # a run silent this long is restarted by the supervisor
     max_restarts: int = 50
+    fault_every_s: float = 1.2  # mean time between two faults
 
 
-def sections(plan: Plan, ledger: str, store: str, proxies: list[str], agent: list[str], folder: Path,
+def sections(plan: Plan, ledger: str, store: StoreServer, proxies: list[str], agent: list[str], folder: Path,
              deadline: float) -> dict[str, dict]:
     """The configuration every proxy replica and the supervisor share."""
     return {
         "server": {"host": "127.0.0.1", "port": 0, "in_flight_wait": "5s", "access_log": False},
         # a short lease: a killed proxy's claims lapse within seconds, not a minute
-        "store": {"url": store, "timeout": "2s", "lease": "3s"},
+        "store": {"url": store.url, "timeout": "2s", "lease": "3s", **store.settings},
         "upstreams.openai": {"url": ledger, "on_ambiguous": "retry", "read_timeout": "10s"},
         # the tool honours the key the proxy forwards: an ambiguous call can be sent again
         "upstreams.tools": {"url": ledger + "/tools", "kind": "tool", "on_ambiguous": "retry",
@@ -121,7 +122,7 @@ class Campaign:
         deadline = time.time() + self.plan.fault_seconds + self.plan.drain_s + 60
         self.agents = Agents(self.folder, {**_inherited(), **agent_env(self.plan, urls, deadline)})
         config = write_config(self.folder / "campaign.toml", sections(
-            self.plan, f"http://127.0.0.1:{port}", self.store.url, urls, self.agents.argv, self.folder, deadline))
+            self.plan, f"http://127.0.0.1:{port}", self.store, urls, self.agents.argv, self.folder, deadline))
         self.proxies = [idemproxy(f"proxy-{i}", "serve", config, p) for i, p in enumerate(ports)]
         await asyncio.gather(*(asyncio.to_thread(p.start) for p in self.proxies))
         self.supervisor = idemproxy("supervisor", "supervise", config)
@@ -133,8 +134,8 @@ class Campaign:
         began = time.monotonic()
         report = Report(self.plan.backend, self.plan.seed, self.plan.fault_seconds)
         await self._start()
-        chaos = self._chaos = Chaos(Schedule(self.plan.seed), self.store, self.proxies, self.supervisor,
-                                    self.agents)
+        chaos = self._chaos = Chaos(Schedule(self.plan.seed, self.plan.fault_every_s), self.store, self.proxies,
+                                    self.supervisor, self.agents)
         until = time.monotonic() + self.plan.fault_seconds
         async with asyncio.TaskGroup() as both:  # one fails: the other is cancelled
             both.create_task(chaos.inject_until(until))

@@ -25,7 +25,7 @@ KINDS = ("agent", "proxy", "store", "supervisor")
 @dataclass(frozen=True)
 class Schedule:
     seed: int
-    every_s: float = 1.2  # mean time between two faults
+    every_s: float  # mean time between two faults
     weights: tuple[int, ...] = (4, 3, 2, 1)  # per kind, in the order of KINDS
     down_s: tuple[float, float] = (0.2, 2.0)  # how long a killed service stays down
 

@@ -1,4 +1,5 @@
-"""The fault campaign's processes: a store server, proxy replicas, a supervisor, agents.
+"""The fault campaign's processes: a store server (or cluster), proxy replicas, a supervisor,
+agents.
 
 Each runs in a process group (a session) of its own, is killed with SIGKILL on the whole
 group, and can be started again on the same port and data. ``kill_everything`` at the end of
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 import services
+from redis_cluster import RedisCluster
 from services import PrivatePostgres, PrivateRedis
 
 AGENT = Path(__file__).resolve().parent.parent / "agents" / "campaign_agent.py"
@@ -112,26 +114,46 @@ def idemproxy(name: str, command: str, config: Path, port: int | None = None) ->
 
 class StoreServer:
     """A private PostgreSQL or Redis (``appendfsync always``: every acknowledged write is on
-    disk), killed with SIGKILL like a crashed host and started again on its data."""
+    disk), killed with SIGKILL like a crashed host and started again on its data; or a Redis
+    Cluster (``redis-cluster``), whose fault is its master of the campaign's slot killed, its
+    replica promoted, and the killed node started again as that one's replica. ``settings``
+    are the ``[store]`` options the proxies need for it."""
 
     def __init__(self, backend: str):
         self.backend = backend
+        self.settings: dict[str, object] = {}
         if backend == "postgres":
             self.server = PrivatePostgres()
             self.url = f"{self.server.url}?schema=campaign"
         elif backend == "redis":
             self.server = PrivateRedis(appendonly=True, appendfsync="always")
             self.url = f"{self.server.url}?prefix=campaign:"
+        elif backend == "redis-cluster":
+            self.server = RedisCluster(appendonly=True, appendfsync="always")
+            self.url = f"{self.server.url}?prefix=campaign:"
+            # a master killed before its replica had a write would lose it: acknowledge a
+            # claim or a record only once a replica has it
+            self.settings["redis_wait_replicas"] = 1
         else:
-            raise ValueError(f"the campaign kills a store server: postgres or redis, not {backend}")
+            raise ValueError(f"the campaign kills a store server: postgres, redis or redis-cluster, not {backend}")
         self.up = False
+        self._dead_master: int | None = None
 
     def start(self) -> None:
-        self.server.start()
+        if self._dead_master is None:
+            self.server.start()
+        else:  # the replica takes over while the killed master is down, then it rejoins
+            self.server.wait_promoted(self._dead_master)
+            self.server.restart(self._dead_master)
+            self._dead_master = None
         self.up = True
 
     def kill(self) -> None:
         self.up = False
+        if self.backend == "redis-cluster":
+            self._dead_master = self.server.master_of("{campaign:}")  # the prefix is every key's hash tag
+            self.server.kill(self._dead_master)
+            return
         if self.backend == "redis":
             self.server.stop()  # SIGKILL, and reaped
             return
