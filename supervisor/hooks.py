@@ -164,10 +164,10 @@ class Hooks:
                                       "error": error})
         return error
 
-    def has_room(self) -> bool:
+    def has_room(self, starting: int = 0) -> bool:
         """Whether another command hook may start: fewer than ``max_hook_processes`` of those
-        this process started are still running."""
-        return len(self._watchers) < self._max_processes
+        this process started are still running, counting ``starting`` about to start."""
+        return len(self._watchers) + starting < self._max_processes
 
     def keep_standbys(self) -> None:
         """Start keeping ``standby`` processes of each command hook that asks for them (the

@@ -6,7 +6,8 @@ attempt was found lost (its hook-started process exited, its held connection sta
 the store rings every supervisor, which then ticks at once). The store finds them by an
 index of when each run is due, so a tick costs what is due, not what is live; it hands out
 at most ``SILENT_LIMIT`` a tick, each claimed by this supervisor for one interval, so
-replicas share a mass silence instead of all reading it. For each:
+replicas share a mass silence instead of all reading it. It handles ``HANDLED_AT_ONCE`` of
+them at a time. For each:
 
 - claims the restart with a compare-and-set on the epoch (``RunsService.restart``), so
   among many supervisors sharing a store exactly one restarts it, and the new epoch
@@ -48,6 +49,9 @@ from .credentials import missing_credentials
 
 log = logging.getLogger("idemproxy.supervisor")
 DEFERRED = "deferred"  # a restart left for a later tick: this supervisor is at its bounds
+# Runs a tick handles at once: each restart waits on its own store writes (a commit each),
+# so one at a time would make a mass silence take a round trip per run, in sequence
+HANDLED_AT_ONCE = 16
 
 
 class Supervisor:
@@ -59,6 +63,7 @@ class Supervisor:
         self.settings = settings
         self.metrics = metrics
         self._restarted: collections.deque[float] = collections.deque()  # this minute's restarts
+        self._starting = 0  # restarts under way: counted against the bounds before they are made
 
     async def run(self, stop: asyncio.Event) -> None:
         """Tick every ``interval_s`` until ``stop`` is set."""
@@ -99,9 +104,17 @@ class Supervisor:
         # Claimed for one interval: supervisors ticking together each take their share of
         # the runs due; what this one leaves (its bounds, its tick running long) any of them
         # takes after. The restart itself is decided by the epoch's compare-and-set.
-        for run in await self.store.runs.silent(now, SILENT_LIMIT, claim_s=self.settings.supervisor.interval_s):
-            action = await self._handle_silent(run, now)
-            if action:
+        due = await self.store.runs.silent(now, SILENT_LIMIT, claim_s=self.settings.supervisor.interval_s)
+        at_once = asyncio.Semaphore(HANDLED_AT_ONCE)
+
+        async def handle(run: Run) -> str | None:
+            async with at_once:
+                return await self._handle_silent(run, now)
+        for run, action in zip(due, await asyncio.gather(*map(handle, due), return_exceptions=True)):
+            if isinstance(action, BaseException):  # one bad run must not stop the others
+                log.error("run %s/%s not handled: %r", run.namespace, run.run_id, action,
+                          exc_info=None if isinstance(action, StoreUnavailable) else action)
+            elif action:
                 done.append((run.run_id, action))
         deferred = sum(action == DEFERRED for _, action in done)
         if deferred:  # one line a tick, however many wait
@@ -125,8 +138,13 @@ class Supervisor:
             return "backoff"
         if not self._may_restart(now):
             return DEFERRED  # left silent: a later tick with room restarts it; nothing is counted
-        new = await self.runs.restart(run, reason=RESTART, expected_epoch=run.epoch, now=now, window_s=window,
-                                      ended=await with_log_tail(run, supervisor_ending(run, now)))
+        self._starting += 1
+        try:
+            new = await self.runs.restart(run, reason=RESTART, expected_epoch=run.epoch, now=now,
+                                          window_s=window,
+                                          ended=await with_log_tail(run, supervisor_ending(run, now)))
+        finally:
+            self._starting -= 1
         if new is None:
             return None  # another supervisor restarted it, or it ended meanwhile
         self._restarted.append(now)
@@ -138,8 +156,8 @@ class Supervisor:
         """Within this supervisor's bounds: restarts per minute, hook processes at once."""
         while self._restarted and self._restarted[0] <= now - 60:
             self._restarted.popleft()
-        return (len(self._restarted) < self.settings.supervisor.max_restarts_per_minute
-                and self.runs.launcher.has_room())
+        return (len(self._restarted) + self._starting < self.settings.supervisor.max_restarts_per_minute
+                and self.runs.launcher.has_room(self._starting))
 
     def backoff(self, restarts: int) -> float:
         """Extra wait before the next restart, given the restarts already in the window."""

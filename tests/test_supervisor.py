@@ -129,8 +129,9 @@ async def test_two_supervisors_restart_each_silent_run_exactly_once(store_url, t
         for run_id in ids:
             await stores[0].runs.upsert(Run("default", run_id, last_seen=long_ago, started_at=long_ago,
                                            created_at=long_ago, timeout_s=30, grace_s=30, hook="agent"))
-        for _ in range(5):  # both tick at once, over and over
+        for _ in range(5):  # both tick at once, over and over, an interval apart (as Supervisor.run)
             await asyncio.gather(*(s.tick() for s in supervisors))
+            await asyncio.sleep(settings.supervisor.interval_s)
         for s in supervisors:
             await s.runs.launcher.wait_idle()
         runs = {r.run_id: r for r in await stores[1].runs.list()}
