@@ -15,12 +15,13 @@ import pytest
 import redis
 
 from idemproxy.proxy.config import ConfigError, StoreSettings
-from idemproxy.proxy.store import make_store
+from idemproxy.proxy.store import StoreUnavailable, make_store
 from idemproxy.proxy.store.redis.cluster import hash_tagged, seeds, slot_of
+from idemproxy.proxy.store.redis.connection import POLL_S
 from conftest import until
 from redis_cluster import RedisCluster
 from test_store_contract import *  # noqa: F401,F403 - the contract, run again on the cluster
-from test_store_contract import claim_of, scope
+from test_store_contract import REPLY, claim_of, scope
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,26 @@ async def test_every_key_of_a_deployment_is_in_its_prefixs_slot(store_url, clust
         assert {slot_of(key.decode()) for key in keys} == {slot_of(hash_tagged(prefix.strip("{}")))}
     finally:
         await store.aclose()
+
+
+async def woken_by_a_message(writer, waiter) -> bool:
+    """Whether a record made through ``writer`` wakes a wait on ``waiter`` sooner than its poll
+    would (so by the sharded notification)."""
+    try:
+        won = await writer.journal.claim(claim_of(scope(f"wake-{uuid.uuid4().hex[:6]}")))
+        wait = asyncio.create_task(waiter.journal.wait(won.entry.kid, 5.0))
+        await asyncio.sleep(0.05)
+        changed = time.monotonic()
+        await writer.journal.complete(won.entry.kid, won.entry.owner, REPLY)
+        await wait
+        return time.monotonic() - changed < POLL_S / 2
+    except StoreUnavailable:  # a failover under way: its first calls fail, closed
+        return False
+
+
+async def test_a_record_wakes_a_waiter_on_another_instance_by_a_sharded_message(open_store):
+    writer, waiter = await open_store(), await open_store()
+    assert await woken_by_a_message(writer, waiter)
 
 
 def test_cluster_urls_name_their_seeds():
@@ -121,6 +142,10 @@ async def test_a_master_killed_under_load_loses_nothing_acknowledged(own_cluster
                 assert status == 503, body
                 refused += 1
             await asyncio.sleep(0.01)
+    stores = [make_store(StoreSettings(url=url)) for _ in range(2)]
+    for store in stores:
+        await store.open()
+    assert await woken_by_a_message(*stores)
     writers = [asyncio.create_task(writer(n)) for n in range(4)]
     try:
         await until(lambda: asyncio.sleep(0, len(acknowledged) >= 20), 20, "records before the kill")
@@ -135,6 +160,8 @@ async def test_a_master_killed_under_load_loses_nothing_acknowledged(own_cluster
                 return (await _post(http, proxy, f"after-{uuid.uuid4().hex[:6]}"))[0] == 200
             await until(records_again, 10, "a record again after the promotion, with no restart")
         answered = time.monotonic()
+        # the notification reader opened before the kill follows the slot to its new master
+        await until(lambda: woken_by_a_message(*stores), 10, "a waiter woken by a message after the failover")
         status, _, body, _ = await _post(http, safe, "with-no-replica")
         assert status == 503 and b"store-unavailable" in body  # the new master has no replica yet
 
@@ -146,6 +173,8 @@ async def test_a_master_killed_under_load_loses_nothing_acknowledged(own_cluster
     finally:
         stop.set()
         await asyncio.gather(*writers)
+        for store in stores:
+            await store.aclose()
     print(f"\nfailover: promoted {promoted - killed:.1f} s after the kill, records again "
           f"{answered - promoted:.1f} s after; {len(acknowledged)} acknowledged, {refused} refused")
 

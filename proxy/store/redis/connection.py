@@ -277,12 +277,7 @@ class RedisConnection:
     async def _borrow(self) -> tuple[Any, Any]:
         """A link for one pipeline, and the cluster node it is of (None on one Redis)."""
         if self.cluster:
-            client = self.client
-            if self._stale_map:
-                await client.nodes_manager.initialize()
-                self._stale_map = False
-            node = client.nodes_manager.get_node_from_slot(self._slot)
-            return node.acquire_connection(), node
+            return await self._borrow_from_master()
         pool = self.client.connection_pool
         # The link of the last pipeline, kept out of the pool (batches go one at a time):
         # the pool's lock and its accounting cost each pipeline as much CPU as the rest of a
@@ -296,6 +291,28 @@ class RedisConnection:
             await pool.release(conn)
             raise
         return conn, None
+
+    async def _borrow_from_master(self) -> tuple[Any, Any]:
+        """A link to the master of the deployment's slot. A link that cannot connect has sent
+        nothing, so after a failover the slot map is refreshed and the new master tried, once."""
+        client = self.client
+        for attempt in (1, 2):
+            if self._stale_map:
+                await client.nodes_manager.initialize()
+                self._stale_map = False
+            node = client.nodes_manager.get_node_from_slot(self._slot)
+            conn = node.acquire_connection()
+            if conn.is_connected:
+                return conn, node
+            try:
+                await conn.connect()
+                return conn, node
+            except (RedisError, OSError):
+                node.release(conn)
+                self._stale_map = True
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     async def _give_back(self, conn: Any, node: Any, intact: bool) -> None:
         if node is not None:
@@ -324,6 +341,8 @@ class RedisConnection:
             while True:
                 try:
                     if pubsub is None:
+                        if self.cluster:  # the slot may have moved (a failover): ask where it is now
+                            await asyncio.wait_for(self.client.nodes_manager.initialize(), self.timeout)
                         pubsub = await asyncio.wait_for(self._subscribe(self.client), self.timeout)
                         log.info("redis notifications resumed")
                         self.waiters.wake_all()  # changes made meanwhile went unheard
