@@ -16,7 +16,7 @@ from idemproxy.proxy.store.base import Claim, EntryState, Recorded, Scope
 from idemproxy.proxy.store.postgres import PostgresStore
 from idemproxy.proxy.store.postgres.partitions import RANGES, parse_bound
 from idemproxy.proxy.store.postgres.schema import MIGRATIONS
-from test_store_postgres import raw, schema  # noqa: F401 - a fixture
+from test_store_postgres import open_pg, raw, schema  # noqa: F401 - fixtures
 
 PARTITIONED = 10  # the migration that partitions the journal
 # Every row deleted from the journal, by any statement: retention must delete none.
@@ -28,20 +28,9 @@ CREATE TRIGGER watch AFTER DELETE ON journal FOR EACH ROW EXECUTE FUNCTION note_
 
 
 @pytest.fixture
-async def open_pg(schema):  # noqa: F811
+def open_partitioned(open_pg):  # noqa: F811
     """Factory: an open PostgresStore on the test's schema, in one-second partitions."""
-    opened: list[PostgresStore] = []
-
-    async def make(retention: float = 3600.0) -> PostgresStore:
-        store = PostgresStore(f"{services.postgres_url()}?schema={schema}", partition_interval=1.0,
-                              retention=retention)
-        await store.open()
-        opened.append(store)
-        return store
-
-    yield make
-    for store in opened:
-        await store.aclose()
+    return lambda retention=3600.0: open_pg(partition_interval=1.0, retention=retention)
 
 
 def claim_of(key: str, retention_s: float = 3600.0, owner: str = "o") -> Claim:
@@ -58,8 +47,8 @@ async def until_past(expiry: float) -> None:
     await asyncio.sleep(max(0.0, math.floor(expiry) + 1 - time.time()) + 0.05)
 
 
-async def test_a_purge_drops_whole_expired_partitions_and_deletes_no_row(schema, open_pg):  # noqa: F811
-    store = await open_pg()
+async def test_a_purge_drops_whole_expired_partitions_and_deletes_no_row(schema, open_partitioned):  # noqa: F811
+    store = await open_partitioned()
     conn = await raw(schema)
     try:
         await conn.execute(WATCH_DELETES)
@@ -71,26 +60,26 @@ async def test_a_purge_drops_whole_expired_partitions_and_deletes_no_row(schema,
         for claim in live:
             assert (await store.journal.claim(claim)).won
         await store.journal.complete(live[0].scope.kid, "o", Recorded(200, [], b"kept"))
-        await until_past(time.time() + 0.2)
+        later = time.time() + 2.0  # a purge two seconds on: every range of the expired ones is behind it
         held = {name for name, _ in await ranges(conn)}
-        assert await store.journal.purge(time.time()) == len(expired)
+        assert await store.journal.purge(later) == len(expired)
         assert await conn.fetchval("SELECT count(*) FROM deleted") == 0, "a purge deleted rows"
         left = {name for name, _ in await ranges(conn)}
         assert held - left, "no partition was dropped"
         assert await conn.fetchval("SELECT count(*) FROM journal") == len(live)
         assert await store.journal.read_partial(expired[0].scope.kid, -1) == []
         assert (await store.journal.get(live[0].scope.kid)).response.body == b"kept"
-        assert await store.journal.purge(time.time()) == 0
+        assert await store.journal.purge(later) == 0
         # an expired key runs as new, in a range of its own
         assert (await store.journal.claim(claim_of("old-0", owner="again"))).won
     finally:
         await conn.close()
 
 
-async def test_a_claim_whose_expiry_has_no_range_yet_gets_one(schema, open_pg):  # noqa: F811
+async def test_a_claim_whose_expiry_has_no_range_yet_gets_one(schema, open_partitioned):  # noqa: F811
     """Ranges are made ahead for the configured retention; a claim that keeps its entry
     longer (or a range another replica dropped) makes its own before it inserts."""
-    store = await open_pg(retention=60.0)
+    store = await open_partitioned(retention=60.0)
     far = claim_of("far", retention_s=30 * 86400.0)
     assert (await store.journal.claim(far)).won
     conn = await raw(schema)
@@ -117,26 +106,26 @@ async def _previous_schema(schema: str) -> asyncpg.Connection:  # noqa: F811
     return conn
 
 
-async def test_the_migration_keeps_every_entry_and_drops_the_old_table_whole(schema, open_pg):  # noqa: F811
+async def test_the_migration_keeps_every_entry_and_drops_the_old_table_whole(schema, open_partitioned):  # noqa: F811
     conn = await _previous_schema(schema)
     try:
         now = time.time()
         # a thousand recorded answers and a call in flight with its stream so far, as the old
-        # journal held them; all expire in a second and a half
+        # journal held them; all expire in half a minute
         await conn.execute("""
             INSERT INTO journal (kid, tenant, run, upstream, key, fingerprint, namespace, state, status, body,
                                  headers, created_at, completed_at, expires_at)
             SELECT 'old-' || g, 'tenant', 'run-1', 'tools', 'k' || g, 'fp', 'ns', 'complete', 200,
-                   convert_to('answer ' || g, 'UTF8'), '[]', $1::float8, $1, $1 + 1.5
+                   convert_to('answer ' || g, 'UTF8'), '[]', $1::float8, $1, $1 + 30
             FROM generate_series(1, 1000) AS g""", now)
         await conn.execute("INSERT INTO journal (kid, tenant, upstream, key, fingerprint, namespace, state, owner, "
                            "lease_until, created_at, expires_at) VALUES ('streaming', 'tenant', 'tools', 's', 'fp', "
-                           "'ns', 'in_flight', 'o', $1::float8 + 60, $1, $1 + 1.5)", now)
+                           "'ns', 'in_flight', 'o', $1::float8 + 60, $1, $1 + 30)", now)
         await conn.execute("INSERT INTO partials VALUES ('streaming', 0, 'half')")
-        store = await open_pg()  # migrates
+        store = await open_partitioned()  # migrates
         assert await conn.fetchval("SELECT max(version) FROM schema_migrations") >= PARTITIONED
         (name, (lo, hi)), *_ = await ranges(conn)
-        assert name == "journal_unpartitioned" and lo == -math.inf and hi > now + 1.5
+        assert name == "journal_unpartitioned" and lo == -math.inf and hi > now + 30
         entry = await store.journal.get("old-7")
         assert (entry.state, entry.response.body) == (EntryState.COMPLETE, b"answer 7")
         assert (await store.journal.get("streaming")).state == EntryState.IN_FLIGHT
@@ -144,8 +133,7 @@ async def test_the_migration_keeps_every_entry_and_drops_the_old_table_whole(sch
         new = claim_of("new")
         assert (await store.journal.claim(new)).won  # an hour ahead: past the old table's range
         await conn.execute(WATCH_DELETES)
-        await asyncio.sleep(max(0.0, hi - time.time()) + 0.05)
-        assert await store.journal.purge(time.time()) == 1001
+        assert await store.journal.purge(hi) == 1001  # a purge once they all expired
         assert await conn.fetchval("SELECT count(*) FROM deleted") == 0
         assert "journal_unpartitioned" not in {name for name, _ in await ranges(conn)}
         assert await conn.fetchval("SELECT count(*) FROM partials") == 0

@@ -36,11 +36,12 @@ def schema():
 
 @pytest.fixture
 async def open_pg(schema):
-    """Factory: ``await open_pg(url=None, timeout=5.0)`` -> an open PostgresStore; closed at teardown."""
+    """Factory: ``await open_pg(url=None, timeout=5.0, **options)`` -> an open PostgresStore (options:
+    its partition_interval, retention); closed at teardown."""
     opened: list[PostgresStore] = []
 
-    async def make(url: str | None = None, timeout: float = 5.0) -> PostgresStore:
-        store = PostgresStore(url or f"{services.postgres_url()}?schema={schema}", timeout=timeout)
+    async def make(url: str | None = None, timeout: float = 5.0, **options) -> PostgresStore:
+        store = PostgresStore(url or f"{services.postgres_url()}?schema={schema}", timeout=timeout, **options)
         await store.open()
         opened.append(store)
         return store

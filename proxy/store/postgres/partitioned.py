@@ -17,6 +17,12 @@ locks, so it sees every claim of the same keys committed before it. Invariant: a
 one row per kid has ``expires_at > now``; expired rows of a kid stay, unread, until their
 partition is dropped.
 
+The other tables are not partitioned. The runs registry rewrites a run's row all its life
+(``last_seen`` at every heartbeat), so a time key would move rows between partitions at
+every beat; it holds a row per run, not per call, and its purge deletes ended runs in
+batches. Occurrence counters extend their expiry at every use (the same objection); the
+stream bytes (``partials``) only ever hold calls in flight.
+
 The migration is metadata plus one scan: today's ``journal`` is renamed and attached as
 the first partition, ``[MINVALUE, its last expiry)``, so no row is copied; that range is
 dropped whole once its last entry expires. The scan is PostgreSQL's check that every row

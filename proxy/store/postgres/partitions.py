@@ -19,8 +19,9 @@ since the epoch, named ``journal_<start>``.
   retention. The stream bytes (``partials``) of entries that expired mid-call are deleted
   first: that table only ever holds calls in flight.
 - Counted: a purge reports the entries it dropped, exactly for a range under
-  ``EXACT_COUNT_PAGES`` pages, else PostgreSQL's estimate (``reltuples``): counting a
-  large range exactly would cost a scan of it.
+  ``EXACT_COUNT_PAGES`` pages, else PostgreSQL's estimate (``reltuples``, kept by
+  autovacuum's ANALYZE): counting a large range exactly would cost a scan of it (which
+  is done only for a range never analyzed, having no estimate).
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ class Partitions:
         return dropped
 
     async def _count(self, name: str, pages: int, tuples: float) -> int:
-        if pages < EXACT_COUNT_PAGES:
+        if pages < EXACT_COUNT_PAGES or tuples < 0:  # (-1: never analyzed, no estimate to give)
             return (await self._db.fetchrow("purge", f'SELECT count(*) FROM "{name}"'))[0]
         return max(int(tuples), 0)
 
