@@ -346,13 +346,15 @@ async def test_entries_quarantined_before_the_upgrade_are_counted_after_a_migrat
 
 
 async def test_wait_replicas_acknowledges_nothing_no_replica_has_and_replays_never_wait(shared_url, make_proxy,
-                                                                                        provider, http):
-    """redis_wait_replicas = 1 on a Redis with no replica: a new key's claim is not acknowledged
-    (503, nothing forwarded, the key given back), while a replay answers at once."""
+                                                                                        provider, http, caplog):
+    """redis_wait_replicas = 1 on a Redis with no replica (said at start): a new key's claim is not
+    acknowledged (503, nothing forwarded, the key given back), while a replay answers at once."""
     url, _ = shared_url
     plain = await make_proxy(url)
-    waiting = await make_proxy(url, store={"redis_wait_replicas": 1, "timeout": "1s", "answer_cache_bytes": 0,
-                                           "replay_cache_bytes": 0})
+    with caplog.at_level(logging.WARNING, "idemproxy.store"):
+        waiting = await make_proxy(url, store={"redis_wait_replicas": 1, "timeout": "1s", "answer_cache_bytes": 0,
+                                               "replay_cache_bytes": 0})
+    assert "redis_wait_replicas = 1, but the master has 0 replica(s)" in caplog.text
     chat, body = "/openai/v1/chat/completions", {"model": "m", "messages": []}
 
     async def post(proxy, key: str) -> tuple[int, str, dict]:

@@ -152,6 +152,7 @@ class RedisConnection:
                     appendonly, appendfsync = await self._persistence(client)
                     self.durability = (durability_of(appendonly, appendfsync)
                                        + replication_of(self.cluster, self.wait_replicas))
+                    replicas = await self._replicas(client) if self.wait_replicas else 0
                     pubsub = await self._subscribe(client)
         except (StoreUnavailable, StoreMisconfigured):
             await client.aclose()
@@ -162,11 +163,20 @@ class RedisConnection:
         self._listener = asyncio.create_task(self._listen(pubsub), name="idemproxy-redis-notifications")
         if (appendonly, appendfsync) != ("yes", "always"):
             log.warning("redis durability: %s", self.durability)
+        if replicas < self.wait_replicas:
+            log.warning("redis_wait_replicas = %d, but the master has %d replica(s): new keys are refused (503) "
+                        "until it has enough", self.wait_replicas, replicas)
+
+    def _master(self, client: Any) -> dict[str, Any]:
+        """Where a server command goes: on a cluster, to the master of the deployment's slot."""
+        return {"target_nodes": client.get_node_from_key(self.anchor)} if self.cluster else {}
+
+    async def _replicas(self, client: Any) -> int:
+        return int((await client.info("replication", **self._master(client))).get("connected_slaves", 0))
 
     async def _persistence(self, client: Any) -> tuple[str | None, str | None]:
-        try:  # on a cluster, the settings of the master of the deployment's slot
-            where = {"target_nodes": client.get_node_from_key(self.anchor)} if self.cluster else {}
-            config = await client.config_get("append*", **where)
+        try:
+            config = await client.config_get("append*", **self._master(client))
         except ResponseError:  # CONFIG renamed away or refused by an ACL
             return None, None
         config = {text(name): text(value) for name, value in config.items()}
@@ -209,8 +219,8 @@ class RedisConnection:
         """One SCAN step over the keys matching ``pattern``; on a cluster, over the master of
         the deployment's slot, which holds every key of it."""
         if self.cluster:
-            node = self.client.get_node_from_key(self.anchor)
-            cursors, names = await self.do(self.client.scan(cursor, match=pattern, count=1000, target_nodes=node))
+            cursors, names = await self.do(self.client.scan(cursor, match=pattern, count=1000,
+                                                            **self._master(self.client)))
             return next(iter(cursors.values())), names  # the cluster client answers {node: cursor}
         return await self.do(self.client.scan(cursor, match=pattern, count=1000))
 
