@@ -5,9 +5,10 @@ than their ``timeout_s`` (and past the ``grace_s`` that follows each start), or 
 attempt was found lost (its hook-started process exited, its held connection stayed gone:
 the store rings every supervisor, which then ticks at once). The store finds them by an
 index of when each run is due, so a tick costs what is due, not what is live; it hands out
-at most ``SILENT_LIMIT`` a tick, each claimed by this supervisor for one interval, so
-replicas share a mass silence instead of all reading it. It handles ``HANDLED_AT_ONCE`` of
-them at a time. For each:
+at most ``SILENT_LIMIT`` a tick (and no more than this supervisor may restart), each
+claimed by this supervisor until it is handled (``CLAIM_S`` at most), so replicas share a
+mass silence instead of all reading it. It handles ``HANDLED_AT_ONCE`` of them at a time.
+For each:
 
 - claims the restart with a compare-and-set on the epoch (``RunsService.restart``), so
   among many supervisors sharing a store exactly one restarts it, and the new epoch
@@ -52,6 +53,9 @@ DEFERRED = "deferred"  # a restart left for a later tick: this supervisor is at 
 # Runs a tick handles at once: each restart waits on its own store writes (a commit each),
 # so one at a time would make a mass silence take a round trip per run, in sequence
 HANDLED_AT_ONCE = 16
+# How long a supervisor's claim on the runs it read lasts (at least its interval): long enough
+# to handle them all; should it die meanwhile, the other replicas restart them after that
+CLAIM_S = 10.0
 
 
 class Supervisor:
@@ -100,11 +104,14 @@ class Supervisor:
     async def tick(self, now: float | None = None) -> list[tuple[str, str]]:
         """One pass: what was done, as (run_id, action) pairs."""
         now = time.time() if now is None else now
-        done = []
-        # Claimed for one interval: supervisors ticking together each take their share of
-        # the runs due; what this one leaves (its bounds, its tick running long) any of them
-        # takes after. The restart itself is decided by the epoch's compare-and-set.
-        due = await self.store.runs.silent(now, SILENT_LIMIT, claim_s=self.settings.supervisor.interval_s)
+        done, deferred = [], []
+        # The runs due, claimed: supervisors ticking together each take their share. No
+        # more than this one may restart this minute (one at least: runs to bury need no
+        # room); those it leaves for a later tick are let go at once, for a replica with room.
+        # The restart itself is decided by the epoch's compare-and-set.
+        room = self.settings.supervisor.max_restarts_per_minute - len(self._restarted)
+        due = await self.store.runs.silent(now, max(1, min(SILENT_LIMIT, room)),
+                                           claim_s=max(self.settings.supervisor.interval_s, CLAIM_S))
         at_once = asyncio.Semaphore(HANDLED_AT_ONCE)
 
         async def handle(run: Run) -> str | None:
@@ -116,10 +123,13 @@ class Supervisor:
                           exc_info=None if isinstance(action, StoreUnavailable) else action)
             elif action:
                 done.append((run.run_id, action))
-        deferred = sum(action == DEFERRED for _, action in done)
+                if action == DEFERRED:
+                    deferred.append(run)
+        for run in deferred:
+            await self.store.runs.set_state(run.namespace, run.run_id, None, now, claimed_until=0)
         if deferred:  # one line a tick, however many wait
             log.warning("%d restart(s) deferred: at [supervisor] max_restarts_per_minute (%d) or "
-                        "max_hook_processes", deferred, self.settings.supervisor.max_restarts_per_minute)
+                        "max_hook_processes", len(deferred), self.settings.supervisor.max_restarts_per_minute)
         return done
 
     async def _handle_silent(self, run: Run, now: float) -> str | None:
