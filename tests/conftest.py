@@ -93,6 +93,9 @@ def backend_url(backend: str, tmp_path: Path) -> tuple[str, Any]:
     if backend == "redis":
         base, prefix = services.redis_url(), f"t{tag}:"
         return f"{base}?prefix={prefix}", lambda: _drop_redis_prefix(base, prefix)
+    if backend == "redis-cluster":  # by choice only: tests/test_store_redis_cluster.py runs in CI
+        import redis_cluster
+        return f"{redis_cluster.shared_url()}/?prefix=t{tag}:", lambda: None  # the cluster goes at exit
     raise ValueError(backend)
 
 

@@ -8,6 +8,7 @@
     new = cluster.wait_promoted(port)     # ... and wait until its replica serves the slots
     cluster.restart(port)                 # back, as the new master's replica
     cluster.destroy()                     # stop every node, delete the folder
+    shared_url()                          # one cluster per test process, stopped at exit
 
 ``appendonly`` and ``appendfsync`` are passed to every node, ``node_timeout_ms`` is the
 cluster's ``cluster-node-timeout``: a dead master's replica is promoted about two of them
@@ -16,6 +17,7 @@ after the kill. Importable from bench scripts (``sys.path`` to tests/) as well a
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -178,3 +180,15 @@ class RedisCluster:
     def destroy(self) -> None:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_shared: list[RedisCluster] = []
+
+
+def shared_url() -> str:
+    """The URL of a cluster shared by a whole test process (``IDEMPROXY_TEST_BACKENDS=redis-cluster``
+    runs every store test on it), started at the first call and destroyed at exit."""
+    if not _shared:
+        _shared.append(RedisCluster().start())
+        atexit.register(_shared[0].destroy)
+    return _shared[0].url
