@@ -108,7 +108,7 @@ async def test_a_proxy_records_and_replays_on_the_cluster(store_url, make_proxy,
 @pytest.fixture
 def own_cluster():
     """A cluster of the test's own: it kills a master."""
-    started = RedisCluster().start()
+    started = RedisCluster(node_timeout_ms=1500).start()  # a failover within ~3 s of the kill
     yield started
     started.destroy()
 
