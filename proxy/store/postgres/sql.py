@@ -167,23 +167,11 @@ ON CONFLICT (tenant, run_id) DO UPDATE SET epoch = excluded.epoch, started_at = 
 WHERE excluded.epoch = runs.epoch + 1
 RETURNING epoch"""
 
-# A flush of heartbeats in one statement: $1 namespaces, $2 run ids, $3 times, $4 epochs
-# (NULL: unfenced), one beat each. The runs are locked first, in byte order as claims lock
-# them (CLAIM_MANY), so two proxies beating for the same runs never deadlock; a superseded
-# attempt's beat (its epoch below the run's) changes nothing. Traffic after a restart means
-# the new attempt is up.
-TOUCH_MANY = f"""
-WITH beats AS (
-    SELECT * FROM unnest($1::text[], $2::text[], $3::float8[], $4::bigint[]) AS b(tenant, run_id, at, epoch)),
-locked AS (
-    SELECT tenant, run_id, epoch FROM runs WHERE (tenant, run_id) IN (SELECT tenant, run_id FROM beats)
-    ORDER BY tenant COLLATE "C", run_id COLLATE "C" FOR UPDATE),
-newest AS (
-    SELECT l.tenant, l.run_id, max(b.at) AS at FROM locked l JOIN beats b USING (tenant, run_id)
-    WHERE b.epoch IS NULL OR l.epoch <= b.epoch GROUP BY l.tenant, l.run_id)
-UPDATE runs SET last_seen = greatest(last_seen, newest.at),
+# $1 at, $2 namespace, $3 run_id. Traffic after a restart means the new attempt is up.
+TOUCH = f"""
+UPDATE runs SET last_seen = greatest(last_seen, $1),
     state = CASE WHEN state = '{RunState.RESTARTING}' THEN '{RunState.RUNNING}' ELSE state END
-FROM newest WHERE runs.tenant = newest.tenant AND runs.run_id = newest.run_id"""
+WHERE tenant = $2 AND run_id = $3 AND ($4::bigint IS NULL OR epoch <= $4)"""
 # $1 at, $2 namespace, $3 run_id, $4 epoch (NULL: unfenced). A superseded attempt's beat
 # changes nothing (no row comes back).
 HEARTBEAT = f"""
