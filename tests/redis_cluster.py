@@ -7,6 +7,7 @@
     cluster.kill(port)                    # SIGKILL it ...
     new = cluster.wait_promoted(port)     # ... and wait until its replica serves the slots
     cluster.restart(port)                 # back, as the new master's replica
+    cluster.move_slot(b"{idem:}", other)  # reshard: that key's slot, and its keys, to another master
     cluster.destroy()                     # stop every node, delete the folder
     shared_url()                          # one cluster per test process, stopped at exit
 
@@ -149,6 +150,24 @@ class RedisCluster:
             if "master" in flags and "fail" not in flags and any(lo <= slot <= hi for lo, hi in ranges):
                 return port
         raise RuntimeError(f"no master serves slot {slot}")
+
+    def _node_id(self, port: int) -> str:
+        return self.cli(port, "cluster", "myid").strip()
+
+    def move_slot(self, key: bytes | str, to: int) -> None:
+        """Move ``key``'s slot, with its keys, from its master to the master on port ``to``, as
+        ``redis-cli --cluster reshard`` does: IMPORTING/MIGRATING, MIGRATE, then SETSLOT NODE."""
+        key = key.decode() if isinstance(key, bytes) else key
+        source = self.master_of(key)
+        slot = self.cli(source, "cluster", "keyslot", key).strip()
+        source_id, target_id = self._node_id(source), self._node_id(to)
+        self.cli(to, "cluster", "setslot", slot, "importing", source_id)
+        self.cli(source, "cluster", "setslot", slot, "migrating", target_id)
+        while keys := self.cli(source, "cluster", "getkeysinslot", slot, "100").split():
+            self.cli(source, "migrate", "127.0.0.1", str(to), "", "0", "5000", "keys", *keys)
+        for port in self.procs:
+            if "master" in self.cli(port, "role").split("\n", 1)[0]:
+                self.cli(port, "cluster", "setslot", slot, "node", target_id)
 
     def kill(self, port: int) -> None:
         """SIGKILL one node: no shutdown, no last write to its files."""

@@ -74,6 +74,27 @@ async def test_a_record_wakes_a_waiter_on_another_instance_by_a_sharded_message(
     assert await woken_by_a_message(writer, waiter)
 
 
+async def test_a_slot_moved_to_another_master_is_followed(open_store, cluster):
+    """Resharding moves the deployment's slot, with its keys, to another master: the next calls
+    follow it (MOVED: the slot map refreshed, the commands sent again), records included, and so
+    do the notifications."""
+    store, other = await open_store(), await open_store()
+    first = claim_of(scope("before-the-move"))
+    assert (await store.journal.claim(first)).won
+    assert await store.journal.complete(first.scope.kid, first.owner, REPLY)
+    source = cluster.master_of(store.connection.prefix)
+    target = next(port for port in cluster.ports[:3] if port != source)  # the first three start as masters
+    await asyncio.to_thread(cluster.move_slot, store.connection.prefix, target)
+    assert cluster.master_of(store.connection.prefix) == target
+
+    second = claim_of(scope("after-the-move"))
+    assert (await store.journal.claim(second)).won  # no error: MOVED is followed, not returned
+    assert await store.journal.complete(second.scope.kid, second.owner, REPLY)
+    for entry in (first, second):
+        assert (await other.journal.get(entry.scope.kid)).response.body == REPLY.body
+    await until(lambda: woken_by_a_message(store, other), 10, "a waiter woken by a message after the move")
+
+
 def test_cluster_urls_name_their_seeds():
     assert seeds("redis+cluster://u:p@a:1,b:2/?prefix=x:") == [("a", 1), ("b", 2)]
     with pytest.raises(ValueError):
