@@ -168,8 +168,10 @@ class SQLiteRuns:
 
     async def silent(self, now: float, limit: int = SILENT_LIMIT, claim_s: float = 0.0) -> list[Run]:
         # the index on due_at (schema.DUE_AT) finds the runs due; the exact condition (silent
-        # for longer than timeout_s, not "as long") is then checked on those rows only
-        query = (f"SELECT {RUN_COLUMNS} FROM runs WHERE due_at <= :now AND state IN (:running, :restarting) "
+        # for longer than timeout_s, not "as long") is then checked on those rows only. Named,
+        # or the planner takes runs_by_state for "state IN" and reads every live run.
+        query = (f"SELECT {RUN_COLUMNS} FROM runs INDEXED BY runs_due "
+                 "WHERE due_at <= :now AND state IN (:running, :restarting) "
                  "AND ((last_seen + timeout_s < :now AND started_at + grace_s < :now) "
                  "OR (lost_epoch = epoch AND hook IS NOT NULL)) AND next_restart_at <= :now "
                  "ORDER BY due_at LIMIT :limit")
