@@ -282,7 +282,12 @@ class RedisConnection:
             self._stale_map = self.cluster  # a failover, perhaps: ask for the slot map again
             raise
         finally:
-            await self._give_back(conn, node, intact)
+            if node is not None:
+                node.release(conn)
+            elif intact and self._kept is None and self._client is not None:
+                self._kept = conn
+            elif self._client is not None:
+                await self._client.connection_pool.release(conn)
 
     async def _borrow(self) -> tuple[Any, Any]:
         """A link for one pipeline, and the cluster node it is of (None on one Redis)."""
@@ -323,14 +328,6 @@ class RedisConnection:
                 if attempt == 2:
                     raise
         raise AssertionError("unreachable")
-
-    async def _give_back(self, conn: Any, node: Any, intact: bool) -> None:
-        if node is not None:
-            node.release(conn)
-        elif intact and self._kept is None and self._client is not None:
-            self._kept = conn
-        elif self._client is not None:
-            await self._client.connection_pool.release(conn)
 
     # -- notifications --------------------------------------------------------------------
 
