@@ -23,7 +23,6 @@ from .config import Settings
 from .connections import request_started
 from .errors import problem_middleware
 from .forward import make_pool
-from .handler import Proxy
 from .heartbeats import Heartbeats
 from .identity import TenantResolver, tenant_secret
 from .observability import pricing, tracing
@@ -31,6 +30,7 @@ from .observability.metrics import Metrics
 from .problems import Problem
 from .ratelimit import AuthGuard, Clients
 from .replay import server_timing
+from .request_path.handler import Proxy
 from .routing import NOT_OURS, origin_form
 from .runs import Launcher, RunsService, admin, api, attach
 from .store import Store, StoreUnavailable, open_store, retried

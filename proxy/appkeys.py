@@ -4,10 +4,10 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from .config import Settings
-from .handler import Proxy
 from .identity import TenantResolver
-from .ratelimit import AuthGuard, Clients
 from .observability.metrics import Metrics
+from .ratelimit import AuthGuard, Clients
+from .request_path.handler import Proxy
 from .runs import RunsService
 from .runs.held import Attachments
 from .store import Store

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"proxy": "idemproxy.proxy", "supervisor": "idemproxy.supervisor"}
 COMPOSITION_ROOT = "idemproxy.proxy.cli"  # the package: its modules compose
 # what the supervisor may not reach into: the proxy's HTTP app and request path
-PROXY_HTTP = ("idemproxy.proxy.app", "idemproxy.proxy.appkeys", "idemproxy.proxy.handler",
+PROXY_HTTP = ("idemproxy.proxy.app", "idemproxy.proxy.appkeys", "idemproxy.proxy.request_path",
               "idemproxy.proxy.forward", "idemproxy.proxy.calls", "idemproxy.proxy.replay",
               "idemproxy.proxy.server", "idemproxy.proxy.runs.api", "idemproxy.proxy.runs.admin")
 

@@ -8,7 +8,7 @@ passed through.
     outcome.py      what an answer to tools/call means for its journal entry
     readdress.py    a recorded answer (cut once around its id) and the proxy's refusals under the
                     caller's own JSON-RPC id and progress token
-    upstream.py     the steps Proxy._mcp (proxy/handler.py) takes with them
+    upstream.py     the steps Proxy._mcp (proxy/request_path/handler.py) takes with them
 """
 
 from .outcome import ToolAnswer

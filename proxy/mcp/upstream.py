@@ -1,8 +1,8 @@
 """The MCP side of the request path (docs/mcp.md): what to do with one request to a
 ``kind = "mcp"`` upstream, and what follows once it is answered.
 
-``proxy/handler.py`` (``Proxy._mcp``) drives it with the machinery every upstream uses:
-the fence, passthrough, and ``_record``'s claim, record, replay and join.
+``proxy/request_path/handler.py`` (``Proxy._mcp``) drives it with the machinery every
+upstream uses: the fence, passthrough, and the lookup chain's claim, record, replay and join.
 """
 
 from __future__ import annotations
