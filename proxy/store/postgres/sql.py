@@ -254,9 +254,10 @@ NEW_ATTEMPT = ("UPDATE runs SET epoch = $1, restarts = $2, state = $3, started_a
                "history = $5, restart_times = $6, claimed_until = 0 WHERE tenant = $7 AND run_id = $8")
 # $1 now, $2 limit: the runs due, soonest due first. The index on due_at (migration 8) finds
 # them; the exact condition (silent for longer than timeout_s, not "as long") is then
-# checked on those rows only.
-_DUE = (f"due_at <= $1 AND state IN ('{RunState.RUNNING}', '{RunState.RESTARTING}') "
-        "AND ((last_seen + timeout_s < $1 AND started_at + grace_s < $1) "
+# checked on those rows only. An ended run's due_at is NULL, so no condition names the
+# state: one would let the planner, before statistics exist, read every running run by
+# runs_by_state and sort them.
+_DUE = ("due_at <= $1 AND ((last_seen + timeout_s < $1 AND started_at + grace_s < $1) "
         "OR (lost_epoch = epoch AND hook IS NOT NULL)) "
         "AND next_restart_at <= $1")
 SILENT_RUNS = f"SELECT {RUN_COLUMNS} FROM runs WHERE {_DUE} ORDER BY due_at LIMIT $2"
