@@ -24,13 +24,18 @@ REPLY = Recorded(201, [("content-type", "application/json"), ("x-request-id", "r
 
 
 @pytest.fixture
-async def open_store(store_url):
+def store_settings(store_url) -> StoreSettings:
+    # PostgreSQL's journal in one-second partitions: the purges below drop whole ones
+    return StoreSettings(url=store_url, partition_interval=1.0)
+
+
+@pytest.fixture
+async def open_store(store_settings):
     """Factory: another instance on the same store (as a second proxy replica would be)."""
     opened: list[Store] = []
 
     async def make() -> Store:
-        # PostgreSQL's journal in one-second partitions: the purges below drop whole ones
-        store = make_store(StoreSettings(url=store_url, partition_interval=1.0))
+        store = make_store(store_settings)
         await store.open()
         opened.append(store)
         return store

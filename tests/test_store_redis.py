@@ -21,6 +21,7 @@ from idemproxy.proxy.config.validation import validate
 from idemproxy.proxy.store.base import Claim, Recorded, Run, Scope, StoreUnavailable
 from idemproxy.proxy.store.redis import RedisStore
 from idemproxy.proxy.store.redis.connection import POLL_S, split_url
+from idemproxy.proxy.store.redis.durability import ReplicasBehind
 from services import PrivateRedis, free_port, redis_url
 
 REPLY = Recorded(200, [("content-type", "application/json")], b'{"ok": true}')
@@ -376,3 +377,21 @@ def test_wait_replicas_is_validated():
         validate(Settings(store=StoreSettings(url="sqlite:///x.db", redis_wait_replicas=1)))
     with pytest.raises(ConfigError, match="redis_wait_replicas"):
         validate(Settings(store=StoreSettings(url="redis://127.0.0.1:6379/0", redis_wait_replicas=-1)))
+
+
+async def test_with_wait_replicas_every_write_waits_and_no_read_does(shared_url):
+    """Not only claims and records: a run's change, a quarantine, a release are confirmed by WAIT
+    too (none here: the Redis has no replica), while reads answer."""
+    url, _ = shared_url
+    store = RedisStore(url, timeout=1.0, wait_replicas=1)
+    await store.open()
+    try:
+        for write in (store.runs.upsert(Run("default", "run-1", created_at=time.time())),
+                      store.journal.quarantine("0" * 64, None, "unknown"),
+                      store.journal.release("0" * 64, "nobody")):
+            with pytest.raises(ReplicasBehind):
+                await write
+        assert await store.journal.get("0" * 64) is None
+        assert await store.journal.recorded("default", "run-1", 1 << 20) == ({}, True)
+    finally:
+        await store.aclose()

@@ -1,8 +1,9 @@
 """The store on a real Redis Cluster (3 masters, 3 replicas: tests/redis_cluster.py): the
 whole store contract, and what only a cluster has (the one slot, sharded notifications).
 
-The contract's tests are imported here, so they run once more with ``store_url`` naming a
-fresh key prefix on the cluster; the cluster is started once for this module.
+The contract's tests are imported here, so they run twice more with ``store_url`` naming a
+fresh key prefix on the cluster, with and without ``redis_wait_replicas``; the cluster is
+started once for this module.
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ def cluster():
 @pytest.fixture
 def store_url(cluster):
     return f"{cluster.url}/?prefix=t{uuid.uuid4().hex[:10]}:"
+
+
+@pytest.fixture(params=[0, 1], ids=["wait-0", "wait-1"])
+def store_settings(store_url, request) -> StoreSettings:
+    """The contract, as is and with every write confirmed by a replica (redis_wait_replicas)."""
+    return StoreSettings(url=store_url, redis_wait_replicas=request.param)
 
 
 async def test_every_key_of_a_deployment_is_in_its_prefixs_slot(store_url, cluster):

@@ -120,8 +120,8 @@ class StoreSettings:
     # How long both caches trust their last look at the journal's generation (proxy/freshness.py);
     # a journal delete waits this long before it answers. Every replica must use the same.
     cache_lease: float = 1.0
-    # Redis: a claim or a record is acknowledged only once WAIT says this many replicas have it
-    # (else 503), so a failover cannot lose it; 0: asynchronous replication (docs/deployment.md).
+    # Redis: a claim, a record or a run's change is acknowledged only once WAIT says this many
+    # replicas have it (else 503), so a failover cannot lose it; 0: asynchronous (docs/deployment.md).
     redis_wait_replicas: int = 0
 
     def __repr__(self) -> str:

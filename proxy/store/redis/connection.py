@@ -7,9 +7,10 @@ is lost; the reader resubscribes by itself after an outage. On Redis Cluster (:m
 the same, on the one slot the deployment lives in.
 
 With ``wait_replicas`` (``[store] redis_wait_replicas``) a pipeline that wrote a claim or a
-record sends ``WAIT`` on the same link before answering (WAIT counts the writes of the link
-it is sent on; :mod:`.durability`): fewer replicas than asked within half the timeout fail
-those writes. Reads, and claims that found the key taken (replays), never wait.
+record, and every script that writes, sends ``WAIT`` on the same link before answering (WAIT
+counts the writes of the link it is sent on; :mod:`.durability`): fewer replicas than asked
+within half the timeout fail those writes. Reads, and claims that found the key taken
+(replays), never wait.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ...config import mask_url
 from ..base import RUN_LOST, Bell, StoreMisconfigured, StoreUnavailable, Waiters
 from .cluster import cluster_client, hash_tagged, is_cluster, seeds, slot_of
 from .durability import confirm, durability_of, replication_of
-from .scripts import SCRIPTS, sharded
+from .scripts import READ_ONLY, SCRIPTS, sharded
 
 log = logging.getLogger("idemproxy.store")
 
@@ -210,10 +211,21 @@ class RedisConnection:
                 return await awaitable
 
     def script(self, name: str, keys: list[str], args: list[Any]) -> Awaitable[Any]:
-        """A script; one that names no key is routed by :attr:`anchor` (a cluster needs one)."""
+        """A script; one that names no key is routed by :attr:`anchor` (a cluster needs one).
+        With ``wait_replicas``, a script that writes answers once WAIT confirms it."""
         if self._client is None:
             raise StoreUnavailable("store is closed")
-        return self.do(self._scripts[name](keys=keys or [self.anchor], args=args))
+        keys = keys or [self.anchor]
+        if self.wait_replicas and name not in READ_ONLY:
+            return self._confirmed_script(name, keys, args)
+        return self.do(self._scripts[name](keys=keys, args=args))
+
+    async def _confirmed_script(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        """The script on one link, then WAIT on it (:meth:`pipeline`)."""
+        result, = await self.pipeline([self.evalsha(name, keys, args)], lambda i, result: True)
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     async def scan(self, cursor: int, pattern: str) -> tuple[int, list[bytes]]:
         """One SCAN step over the keys matching ``pattern``; on a cluster, over the master of

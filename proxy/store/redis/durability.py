@@ -1,6 +1,6 @@
-"""What an acknowledged claim or record survives on Redis: the server's own persistence, and
-replication (``[store] redis_wait_replicas``: WAIT on the link that wrote, so a failover to a
-replica keeps what was acknowledged).
+"""What an acknowledged write survives on Redis: the server's own persistence, and replication
+(``[store] redis_wait_replicas``: WAIT on the link that wrote, so a failover to a replica keeps
+what was acknowledged).
 
 WAIT counts the writes of the connection it is sent on, so :func:`confirm` is sent on the
 link of the pipeline that wrote; writes it cannot confirm fail as :class:`ReplicasBehind`.
@@ -17,8 +17,8 @@ from ..base import StoreUnavailable
 
 
 class ReplicasBehind(StoreUnavailable):
-    """WAIT heard fewer replicas than ``redis_wait_replicas`` confirm a claim or a record: it
-    is on the master only, and a failover now could lose it, so it is not acknowledged."""
+    """WAIT heard fewer replicas than ``redis_wait_replicas`` confirm a write: it is on the
+    master only, and a failover now could lose it, so it is not acknowledged."""
 
 
 def durability_of(appendonly: str | None, appendfsync: str | None) -> str:
@@ -40,8 +40,8 @@ def durability_of(appendonly: str | None, appendfsync: str | None) -> str:
 def replication_of(cluster: bool, wait_replicas: int) -> str:
     """What replication adds to :func:`durability_of`: said for a cluster, or when replicas are awaited."""
     if wait_replicas:
-        return (f"; a claim or record is acknowledged once {wait_replicas} replica(s) have it "
-                "(redis_wait_replicas), so a failover keeps it")
+        return (f"; a claim, a record or a run's change is acknowledged once {wait_replicas} replica(s) "
+                "have it (redis_wait_replicas), so a failover keeps it")
     if cluster:
         return ("; replication is asynchronous (redis_wait_replicas = 0): a failover loses the claims and "
                 "records its master acknowledged in the last moments before it died")

@@ -490,6 +490,9 @@ redis.call('PUBLISH', ARGV[6], 'RUN_LOST')
 return 1
 """.replace("RUN_LOST", RUN_LOST)
 
+READ_ONLY = frozenset({"read", "recorded", "read_partial"})  # the scripts that write nothing
+
+
 def sharded(source: str) -> str:
     """A script for Redis Cluster: its notifications on the sharded channel, in its own slot."""
     return source.replace("redis.call('PUBLISH',", "redis.call('SPUBLISH',")
