@@ -93,10 +93,11 @@ async def timed(op, reps: int) -> float:
 async def measure_ticks(store, sizes: list[int], due: int, reps: int) -> list[dict]:
     rows, live = [], 0
     for size in sizes:
-        now = time.time()
-        await seed(store, [f"live-{i}" for i in range(live, size)], now)
-        await store.runs.touch({(NS, f"live-{i}", None): now for i in range(live)})
+        await seed(store, [f"live-{i}" for i in range(live, size)], time.time())
+        now = time.time()  # seeding takes a while: every live run is seen now, none is due
+        await store.runs.touch({(NS, f"live-{i}", None): now for i in range(size)})
         live = size
+        assert await store.runs.silent(time.time()) == []
         idle = await timed(lambda: store.runs.silent(time.time()), reps)
         silent_ids = [f"silent-{size}-{i}" for i in range(due)]
         await seed(store, silent_ids, now - 10 * TIMEOUT_S)
