@@ -15,7 +15,8 @@ since the epoch, named ``journal_<start>``.
   reads and writes; ``CREATE TABLE … PARTITION OF`` would lock it whole.
 - Dropped: a range wholly before now holds only expired entries. It is detached
   ``CONCURRENTLY`` (reads and writes go on; a detach cut short is finished by the next
-  purge) and dropped: constant time, whatever it holds. Rows are never deleted for
+  purge) and dropped: no row is read, locked or written to the WAL; what is left of the
+  time is the file system freeing the files (docs/sizing.md). Rows are never deleted for
   retention. The stream bytes (``partials``) of entries that expired mid-call are deleted
   first: that table only ever holds calls in flight.
 - Counted: a purge reports the entries it dropped, exactly for a range under
