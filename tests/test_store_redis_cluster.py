@@ -14,10 +14,11 @@ import uuid
 
 import pytest
 import redis
+from redis.asyncio.connection import SSLConnection
 
 from idemproxy.proxy.config import ConfigError, StoreSettings
 from idemproxy.proxy.store import StoreUnavailable, make_store
-from idemproxy.proxy.store.redis.cluster import hash_tagged, seeds, slot_of
+from idemproxy.proxy.store.redis.cluster import cluster_client, hash_tagged, seeds, slot_of
 from idemproxy.proxy.store.redis.connection import POLL_S
 from conftest import until
 from redis_cluster import RedisCluster
@@ -102,8 +103,17 @@ async def test_a_slot_moved_to_another_master_is_followed(open_store, cluster):
     await until(lambda: woken_by_a_message(store, other), 10, "a waiter woken by a message after the move")
 
 
-def test_cluster_urls_name_their_seeds():
+async def test_cluster_urls_name_their_seeds_credentials_and_tls():
     assert seeds("redis+cluster://u:p@a:1,b:2/?prefix=x:") == [("a", 1), ("b", 2)]
+    tls, plain = (cluster_client("rediss+cluster://user:pw@h1:1,h2:2?ssl_cert_reqs=none", 1.0),
+                  cluster_client("redis+cluster://h1:1", 1.0))
+    options = tls.connection_kwargs
+    assert (options["connection_class"], options["ssl_cert_reqs"]) == (SSLConnection, "none")
+    assert (options["username"], options["password"]) == ("user", "pw")
+    assert [(n.host, n.port) for n in tls.nodes_manager.startup_nodes.values()] == [("h1", 1), ("h2", 2)]
+    assert plain.connection_kwargs["connection_class"] is not SSLConnection
+    await tls.aclose()
+    await plain.aclose()
     with pytest.raises(ValueError):
         seeds("redis+cluster://a:1/3")
     with pytest.raises(ValueError):
