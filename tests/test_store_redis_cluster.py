@@ -22,6 +22,7 @@ from idemproxy.proxy.store.redis.cluster import cluster_client, hash_tagged, see
 from idemproxy.proxy.store.redis.connection import POLL_S
 from conftest import until
 from redis_cluster import RedisCluster
+from test_cli import idemproxy
 from test_store_contract import *  # noqa: F401,F403 - the contract, run again on the cluster
 from test_store_contract import REPLY, claim_of, scope
 
@@ -221,3 +222,13 @@ async def test_a_master_killed_under_load_loses_nothing_acknowledged(own_cluster
         status, headers, replayed, _ = await _post(http, bare, key, key)
         assert (status, headers["Idempotent-Replayed"], replayed) == (200, "true", body), key
     assert provider.calls["chat"] == calls  # nothing acknowledged went upstream twice
+
+
+def test_check_opens_the_store_on_a_cluster_and_says_what_a_failover_loses(store_url, tmp_path):
+    """``idemproxy check`` on a cluster: 0, with the durability that names replication, and what
+    redis_wait_replicas changes (a malformed URL or value: test_cluster_urls..., test_store_redis)."""
+    result = idemproxy("check", "--store", store_url, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "a failover loses the claims and records" in result.stderr
+    result = idemproxy("check", "--store", store_url, "--set", "store.redis_wait_replicas=1", cwd=tmp_path)
+    assert result.returncode == 0 and "1 replica(s) have it" in result.stderr, result.stderr
