@@ -34,7 +34,7 @@ import redis  # noqa: E402
 
 from idemproxy.proxy.store.base import Claim, Recorded, Scope  # noqa: E402
 from idemproxy.proxy.store.redis import RedisStore  # noqa: E402
-from redis_cluster import RedisCluster  # noqa: E402
+from redis_cluster import STEADY_MS, RedisCluster  # noqa: E402
 from services import PrivateRedis  # noqa: E402
 
 BODY = b'{"id":"chatcmpl-bench","object":"chat.completion","choices":[{"index":0,"message":' + b"x" * 370 + b"}]}"
@@ -141,7 +141,7 @@ def main() -> None:
     args = parser.parse_args()
 
     single = PrivateRedis().start()
-    cluster = RedisCluster().start()
+    cluster = RedisCluster(node_timeout_ms=STEADY_MS).start()
     try:
         cluster_url, master = f"{cluster.url}/?prefix=bench:", cluster.master_of("{bench:}")
         setups = {"one Redis": (single.url + "?prefix=bench:", single.port, 0),

@@ -13,8 +13,8 @@
 
 ``appendonly`` and ``appendfsync`` are passed to every node, ``node_timeout_ms`` is the
 cluster's ``cluster-node-timeout``: a dead master's replica is promoted about two of them
-after the kill. The default, 5 s, is long enough that a busy machine's stalls cause no
-failover nobody asked for; a test that kills a master sets a shorter one. Importable from bench scripts (``sys.path`` to tests/) as well as tests.
+after the kill. Clusters that no test fails over use ``STEADY_MS``: a busy machine's stalls
+then start no failover nobody asked for. Importable from bench scripts (``sys.path`` to tests/) as well as tests.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import time
 from services import free_port, reachable
 
 MASTERS, REPLICAS_EACH = 3, 1
+STEADY_MS = 5000  # a node timeout for clusters no test fails over
 
 
 def _cluster_port() -> int:
@@ -57,7 +58,7 @@ def _binary(name: str) -> str:
 class RedisCluster:
     """Six nodes; see the module docstring."""
 
-    def __init__(self, appendonly: bool = False, appendfsync: str = "everysec", node_timeout_ms: int = 5000):
+    def __init__(self, appendonly: bool = False, appendfsync: str = "everysec", node_timeout_ms: int = 1000):
         self.dir = tempfile.mkdtemp(prefix="idem-redis-cluster-")
         self.ports = [_cluster_port() for _ in range(MASTERS * (1 + REPLICAS_EACH))]
         self.procs: dict[int, subprocess.Popen] = {}  # the live nodes
@@ -209,6 +210,6 @@ def shared_url() -> str:
     """The URL of a cluster shared by a whole test process (``IDEMPROXY_TEST_BACKENDS=redis-cluster``
     runs every store test on it), started at the first call and destroyed at exit."""
     if not _shared:
-        _shared.append(RedisCluster().start())
+        _shared.append(RedisCluster(node_timeout_ms=STEADY_MS).start())
         atexit.register(_shared[0].destroy)
     return _shared[0].url

@@ -21,7 +21,7 @@ from idemproxy.proxy.store import StoreUnavailable, make_store
 from idemproxy.proxy.store.redis.cluster import cluster_client, hash_tagged, seeds, slot_of
 from idemproxy.proxy.store.redis.connection import POLL_S
 from conftest import until
-from redis_cluster import RedisCluster
+from redis_cluster import STEADY_MS, RedisCluster
 from test_cli import idemproxy
 from test_store_contract import *  # noqa: F401,F403 - the contract, run again on the cluster
 from test_store_contract import REPLY, claim_of, scope
@@ -29,7 +29,7 @@ from test_store_contract import REPLY, claim_of, scope
 
 @pytest.fixture(scope="module")
 def cluster():
-    started = RedisCluster().start()
+    started = RedisCluster(node_timeout_ms=STEADY_MS).start()
     yield started
     started.destroy()
 
