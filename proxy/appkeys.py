@@ -1,7 +1,7 @@
 """The typed state an idemproxy app keeps (aiohttp ``web.AppKey``), in one place."""
 
 from aiohttp import web
-from aiohttp.typedefs import Middleware
+from aiohttp.typedefs import Handler
 
 from .config import Settings
 from .identity import TenantResolver
@@ -21,5 +21,5 @@ TENANTS = web.AppKey("tenants", TenantResolver)
 ATTACHMENTS = web.AppKey("attachments", Attachments)
 CLIENTS = web.AppKey("clients", Clients)  # who a request's client is, for ratelimit.py's counts
 AUTH = web.AppKey("auth", AuthGuard)  # wrong admin tokens, per client
-# What a proxied call passes through when the front door takes it past the router (app.front_door)
-STRAIGHT = web.AppKey("straight", list[Middleware])
+# The data plane: the proxy handler under its middleware chain (data_plane.py), once it exists
+DATA_PLANE = web.AppKey("data_plane", Handler)

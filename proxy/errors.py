@@ -35,10 +35,12 @@ from .store import StoreUnavailable
 log = logging.getLogger("idemproxy.proxy")
 
 
-def problem_middleware(metrics: Metrics, admit: Callable[[web.Request], None] | None = None) -> Middleware:
-    """The app's one middleware (each one more costs every request a coroutine and a call),
-    and the error boundary of what the front door sends straight to the proxy
-    (app.front_door): ``admit`` checks the request first, its refusals answered like any other."""
+def problem_middleware(metrics: Metrics, admit: Callable[[web.Request], None] | None = None,
+                       observes: bool = True) -> Middleware:
+    """The error boundary of each plane, its one middleware there (each one more costs every
+    request a coroutine and a call): ``admit`` checks the request first, its refusals answered
+    like any other. ``observes``: counts each proxied call's outcome and time in metrics, once
+    its outcome is final (the data plane's; the control plane hands proxied calls to it)."""
     @web.middleware
     async def problems(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
@@ -65,7 +67,7 @@ def problem_middleware(metrics: Metrics, admit: Callable[[web.Request], None] | 
                 raise  # not the client's connection: a bug
             return web.Response(status=499)  # nginx's "client closed request"; never sent
         finally:
-            exchange = request.get(EXCHANGE)
+            exchange = request.get(EXCHANGE) if observes else None
             if exchange is not None and exchange.started is not None:
                 metrics.observe(exchange.outcome, time.perf_counter() - exchange.started, exchange.upstream_s)
     return problems

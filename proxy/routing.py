@@ -112,7 +112,7 @@ def _refuse_escapes(path: str) -> None:
                 raise Problem("invalid-request", "path segments '.' and '..' are refused")
         # a line break or another control character, encoded: no upstream path holds one, and
         # one that decodes it would split or rewrite the request line (aiohttp's router found no
-        # route for a line break either; the front door asks us)
+        # route for a line break either; the data plane asks us)
         if CONTROL.search(seen):
             raise Problem("invalid-request", "control characters in the path are refused")
         decoded = unquote(seen)

@@ -11,10 +11,10 @@ from typing import Any, Callable, Coroutine
 
 from aiohttp import web
 
-from .app import open_front_door
 from .codings import REQUEST_HANDLING
 from .config import Settings
 from .connections import Gate, ProxySite
+from .data_plane import open_planes
 from .eventloop import run, until_signalled
 from .observability.access_log import access_logger
 
@@ -33,7 +33,7 @@ async def start_serving(app: web.Application, settings: Settings, *,
     runner = web.AppRunner(app, handler_cancellation=False, shutdown_timeout=s.shutdown_timeout)
     await runner.setup()
     try:
-        open_front_door(runner)
+        open_planes(runner)
         gate = Gate(runner.server, s, access_log_class=access_logger(settings),
                     access_log=access_log if s.access_log else None, keepalive_timeout=s.idle_timeout,
                     **REQUEST_HANDLING)  # the Gate makes its connections itself, not from handler_args

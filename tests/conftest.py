@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 import fake_provider  # noqa: E402
 import services  # noqa: E402
 
-from idemproxy.proxy.app import open_front_door  # noqa: E402
 from idemproxy.proxy.appkeys import PROXY, STORE  # noqa: E402
 from idemproxy.proxy.cli.serving import build_app  # noqa: E402
 from idemproxy.proxy.config import Settings, load_settings  # noqa: E402
+from idemproxy.proxy.data_plane import open_planes  # noqa: E402
 
 BACKENDS = [b for b in os.environ.get("IDEMPROXY_TEST_BACKENDS", "sqlite,postgres,redis").split(",") if b]
 REPO = Path(__file__).resolve().parent.parent
@@ -207,7 +207,7 @@ async def make_proxy(request, tmp_path, provider):
         app = build_app(settings, supervise=settings.supervisor.enabled)
         server = TestServer(app, host="127.0.0.1", port=port)
         await server.start_server()
-        open_front_door(server.runner)  # as `idemproxy serve` does; no connection has come yet
+        open_planes(server.runner)  # as `idemproxy serve` does; no connection has come yet
         started.append(server)
         return RunningProxy(str(server.make_url("")).rstrip("/"), app, settings, server)
 

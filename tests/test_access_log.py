@@ -14,9 +14,9 @@ import services
 from conftest import proxy_sections, write_config
 from idemproxy.proxy import server
 from idemproxy.proxy.observability.access_log import access_logger
-from idemproxy.proxy.app import open_front_door
 from idemproxy.proxy.cli.serving import build_app
 from idemproxy.proxy.config import ConfigError, load_settings
+from idemproxy.proxy.data_plane import open_planes
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ async def logged_proxy(tmp_path, provider, caplog):
         test_server = TestServer(app, host="127.0.0.1", port=services.free_port())
         await test_server.start_server(access_log_class=access_logger(settings),
                                        access_log=server.access_log)
-        open_front_door(test_server.runner)
+        open_planes(test_server.runner)
         started.append(test_server)
         return str(test_server.make_url("")).rstrip("/")
 

@@ -1,9 +1,10 @@
-"""The front door (app.front_door): proxied calls go straight to the proxy handler, past
-aiohttp's router, and no answer changes for it.
+"""The two planes (data_plane.py, control_plane.py): the dispatcher hands proxied calls to the
+data plane past aiohttp's router, and no answer changes for it.
 
-Every target below is sent over a raw socket to two servers of one configuration: one
-with the front door, as ``idemproxy serve`` runs, and one without, where aiohttp's router
-decides everything. Both must answer alike, refusals included.
+Every target below is sent over a raw socket to two servers of one configuration: one that
+dispatches, as ``idemproxy serve`` runs, and one where the control plane's router decides
+everything (handing what it finds to be a proxied call to the data plane). Both must answer
+alike, refusals included.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestServer
 
-from idemproxy.proxy.app import goes_straight
 from idemproxy.proxy.cli.serving import build_app
+from idemproxy.proxy.data_plane import proxied_target
 from rawhttp import raw_request
 
 CHAT = orjson.dumps({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]})
@@ -21,12 +22,12 @@ UPSTREAMS = {"openai": None, "tools": None}
 
 
 @pytest.fixture
-async def two_doors(make_proxy, sqlite_url):
-    """(with the front door, routed only): two servers on one store and configuration."""
-    front = await make_proxy(sqlite_url)
-    routed = TestServer(build_app(front.settings, supervise=False), host="127.0.0.1")
+async def two_ways(make_proxy, sqlite_url):
+    """(dispatched, routed only): two servers on one store and configuration."""
+    dispatched = await make_proxy(sqlite_url)
+    routed = TestServer(build_app(dispatched.settings, supervise=False), host="127.0.0.1")
     await routed.start_server()
-    yield front.url, str(routed.make_url("")).rstrip("/")
+    yield dispatched.url, str(routed.make_url("")).rstrip("/")
     await routed.close()
 
 
@@ -44,7 +45,7 @@ async def answers(url: str, method: str, target: str, *headers: str, body: bytes
     ("GET", "/openai/v1/models?limit=2"),
     ("POST", "/runs/fd-run/epochs/0/openai/v1/chat/completions"),
     ("POST", "/runs/fd-run/openai/v1/chat/completions"),
-    ("POST", "/runs/fd%2Frun/epochs/0/openai/v1/chat/completions"),  # the router decodes: not straight
+    ("POST", "/runs/fd%2Frun/epochs/0/openai/v1/chat/completions"),  # the router decodes: not dispatched
     ("POST", "/runs/fd-run/epochs/0%31/openai/v1/chat/completions"),
     ("POST", "/runs/fd-run/epochs/x/openai/v1/chat/completions"),
     ("POST", "/runs/fd-run?a=/epochs/0/openai/v1/chat/completions"),
@@ -64,18 +65,18 @@ async def answers(url: str, method: str, target: str, *headers: str, body: bytes
     ("POST", "/runs/fd-run/epochs/0/openai/v1/chat/completions%0A"),
     ("GET", "/openai/v1/models%0D"),
 ])
-async def test_the_front_door_changes_no_answer(two_doors, method, target):
-    front, routed = two_doors
+async def test_the_dispatch_changes_no_answer(two_ways, method, target):
+    dispatched, routed = two_ways
     headers = ("Content-Type: application/json", "Idem-Policy: passthrough")
     body = CHAT if method == "POST" else b""
-    assert await answers(front, method, target, *headers, body=body) == \
+    assert await answers(dispatched, method, target, *headers, body=body) == \
         await answers(routed, method, target, *headers, body=body)
 
 
-async def test_a_recorded_call_is_the_same_through_either_door(two_doors, provider):
-    """Recorded through the front door, replayed through the router, and the other way."""
-    front, routed = two_doors
-    for first, second, key in ((front, routed, "fd-1"), (routed, front, "fd-2")):
+async def test_a_recorded_call_is_the_same_either_way(two_ways, provider):
+    """Recorded through the dispatcher, replayed through the router, and the other way."""
+    dispatched, routed = two_ways
+    for first, second, key in ((dispatched, routed, "fd-1"), (routed, dispatched, "fd-2")):
         headers = ("Content-Type: application/json", f"Idempotency-Key: {key}")
         recorded = await raw_request(first, "\n".join([
             "POST /openai/v1/chat/completions HTTP/1.1", "Host: proxy", *headers,
@@ -90,16 +91,16 @@ async def test_a_recorded_call_is_the_same_through_either_door(two_doors, provid
     assert provider.calls["chat"] == 2
 
 
-async def test_expect_100_continue_is_answered_before_the_body(two_doors, http):
-    """aiohttp's router sends 100 Continue; the front door leaves such requests to it."""
-    front, _ = two_doors
-    async with http.post(front + "/openai/v1/chat/completions", data=CHAT, expect100=True,
+async def test_expect_100_continue_is_answered_before_the_body(two_ways, http):
+    """aiohttp's router sends 100 Continue; the dispatcher leaves such requests to it."""
+    dispatched, _ = two_ways
+    async with http.post(dispatched + "/openai/v1/chat/completions", data=CHAT, expect100=True,
                          headers={"Content-Type": "application/json", "Idempotency-Key": "fd-expect"}) as resp:
         assert resp.status == 200
         assert resp.headers["Idempotent-Replayed"] == "false"
 
 
-@pytest.mark.parametrize("target, straight", [
+@pytest.mark.parametrize("target, proxied", [
     ("/openai/v1/chat/completions", True),
     ("/openai/", True),
     ("/tools/x?y=1", True),
@@ -116,14 +117,14 @@ async def test_expect_100_continue_is_answered_before_the_body(two_doors, http):
     ("*", False),
     ("example.com:443", False),
 ])
-def test_which_targets_go_straight(target, straight):
-    assert goes_straight(target, UPSTREAMS) is straight
+def test_which_targets_the_dispatcher_gives_the_data_plane(target, proxied):
+    assert proxied_target(target, UPSTREAMS) is proxied
 
 
 @pytest.mark.parametrize("line", ["POST /tools/send%0A HTTP/1.1", "CONNECT /tools/send HTTP/1.1",
                                   "POST /tools/send%00 HTTP/1.1"])
 async def test_a_refused_target_reaches_no_upstream(make_proxy, sqlite_url, provider, line):
-    """From the review of the front door: these went straight to the upstream, and were recorded."""
+    """Targets that once went straight to the upstream, and were recorded: refused before it."""
     proxy = await make_proxy(sqlite_url)
     resp = await raw_request(proxy.url, line + "\nHost: p\nIdempotency-Key: k1\nContent-Type: application/json"
                                                "\nContent-Length: 2", b"{}")
