@@ -197,8 +197,23 @@ def postgres_template(url: str, plain_key: str, run_key: str) -> Template:
     return Template(rows[Scope.agent_key(plain_key)], rows[Scope.agent_key(run_key)])
 
 
+async def _ranges_for(url: str, layout: Layout) -> None:
+    """The journal's ranges (partitioned by expiry) for every seeded entry, the expired ones too,
+    made as the proxy makes them (the default partition_interval, a day)."""
+    from idemproxy.proxy.store.postgres import PostgresStore
+
+    store = PostgresStore(url, retention=layout.retention)
+    await store.open()
+    try:
+        first, last = layout.created(0) + layout.retention, layout.created(layout.n) + layout.retention
+        await store.journal.partitions.cover([first + h * 3600.0 for h in range(int((last - first) // 3600) + 2)])
+    finally:
+        await store.aclose()
+
+
 def postgres_seed(url: str, t: Template, layout: Layout) -> None:
     columns = list(t.plain)
+    asyncio.run(_ranges_for(url, layout))
 
     async def work(conn, schema):
         await conn.copy_records_to_table("journal", schema_name=schema, columns=columns,
@@ -209,9 +224,10 @@ def postgres_seed(url: str, t: Template, layout: Layout) -> None:
 
 
 def postgres_bytes(url: str) -> int:
-    """The journal's table, TOAST and indexes (pg_total_relation_size)."""
+    """The journal's table, TOAST and indexes (pg_total_relation_size), over its ranges."""
     async def work(conn, schema):
-        return await conn.fetchval("SELECT pg_total_relation_size('journal')")
+        return await conn.fetchval("SELECT coalesce(sum(pg_total_relation_size(relid)), 0)::bigint "
+                                   "FROM pg_partition_tree('journal') WHERE isleaf")
     return asyncio.run(_pg(url, work))
 
 

@@ -189,8 +189,8 @@ GROUP BY j.namespace, j.run"""
 
 # -- short statements, named so the store reads as what it does ---------------------------
 # $1 kids, $2 now: the live entries among several (gets that arrived together). One index
-# probe per kid: LIMIT 1 keeps the planner from turning the lookups into a join that
-# reads every live entry (by journal_by_expiry).
+# probe per kid and live range: LIMIT 1 keeps the planner from turning the lookups into a
+# join that reads every live entry.
 GET_MANY = (f"SELECT j.* FROM unnest($1::text[]) AS wanted(kid), LATERAL ("
             f"SELECT {ENTRY_COLUMNS}, status, headers, body, streamed, timing, evidence FROM journal "
             "WHERE journal.kid = wanted.kid AND expires_at > $2 LIMIT 1) AS j")
