@@ -4,11 +4,11 @@ Every ``[supervisor] interval_s`` it asks the store for running runs silent for 
 than their ``timeout_s`` (and past the ``grace_s`` that follows each start), or whose
 attempt was found lost (its hook-started process exited, its held connection stayed gone:
 the store rings every supervisor, which then ticks at once). The store finds them by an
-index of when each run is due, so a tick costs what is due, not what is live; it hands out
-at most ``SILENT_LIMIT`` a tick (and no more than this supervisor may restart), each
-claimed by this supervisor until it is handled (``CLAIM_S`` at most), so replicas share a
-mass silence instead of all reading it. It handles ``HANDLED_AT_ONCE`` of them at a time.
-For each:
+index of when each run is due, so a tick costs what is due, not what is live; it hands
+them out in batches of ``BATCH`` (no more than this supervisor may restart), ``SILENT_LIMIT`` a
+tick at most, each claimed by this supervisor until it is handled (``CLAIM_S`` at most), so
+replicas share a mass silence instead of all reading it. It handles ``HANDLED_AT_ONCE`` of
+them at a time. For each:
 
 - claims the restart with a compare-and-set on the epoch (``RunsService.restart``), so
   among many supervisors sharing a store exactly one restarts it, and the new epoch
@@ -53,6 +53,9 @@ DEFERRED = "deferred"  # a restart left for a later tick: this supervisor is at 
 # Runs a tick handles at once: each restart waits on its own store writes (a commit each),
 # so one at a time would make a mass silence take a round trip per run, in sequence
 HANDLED_AT_ONCE = 16
+# Runs claimed at a time: a few rounds of HANDLED_AT_ONCE, so that supervisors ticking
+# together split a mass silence finely instead of one taking a thousand at once
+BATCH = 4 * HANDLED_AT_ONCE
 # How long a supervisor's claim on the runs it read lasts (at least its interval): long enough
 # to handle them all; should it die meanwhile, the other replicas restart them after that
 CLAIM_S = 10.0
@@ -102,35 +105,52 @@ class Supervisor:
             lost.cancel()
 
     async def tick(self, now: float | None = None) -> list[tuple[str, str]]:
-        """One pass: what was done, as (run_id, action) pairs."""
-        now = time.time() if now is None else now
-        done, deferred = [], []
-        # The runs due, claimed: supervisors ticking together each take their share. No
-        # more than this one may restart this minute (one at least: runs to bury need no
-        # room); those it leaves for a later tick are let go at once, for a replica with room.
-        # The restart itself is decided by the epoch's compare-and-set.
-        room = self.settings.supervisor.max_restarts_per_minute - len(self._restarted)
-        due = await self.store.runs.silent(now, max(1, min(SILENT_LIMIT, room)),
-                                           claim_s=max(self.settings.supervisor.interval_s, CLAIM_S))
+        """One pass: what was done, as (run_id, action) pairs. ``now``: the time of the whole
+        pass (tests), else the clock's at each batch."""
+        done: list[tuple[str, str]] = []
+        deferred: list[Run] = []
+        read = 0
+        # Batches of runs due, each claimed: supervisors ticking together take their share
+        # batch by batch, until a batch comes back short, one is deferred or SILENT_LIMIT were
+        # read. A batch holds no more than this supervisor may still restart this minute (one
+        # at least: runs to bury need no room); what it defers is let go at once, for a
+        # replica with room. The restart itself is decided by the epoch's compare-and-set.
+        while read < SILENT_LIMIT and not deferred:
+            at = time.time() if now is None else now
+            limit = max(1, min(BATCH, SILENT_LIMIT - read,
+                               self.settings.supervisor.max_restarts_per_minute - len(self._restarted)))
+            batch = await self.store.runs.silent(at, limit,
+                                                 claim_s=max(self.settings.supervisor.interval_s, CLAIM_S))
+            read += len(batch)
+            for run, action in await self._handle_batch(batch, at):
+                done.append((run.run_id, action))
+                if action == DEFERRED:
+                    deferred.append(run)
+            if len(batch) < limit:
+                break
+        for run in deferred:
+            await self.store.runs.set_state(run.namespace, run.run_id, None, time.time() if now is None else now,
+                                            claimed_until=0)
+        if deferred:  # one line a tick, however many wait
+            log.warning("%d restart(s) deferred: at [supervisor] max_restarts_per_minute (%d) or "
+                        "max_hook_processes", len(deferred), self.settings.supervisor.max_restarts_per_minute)
+        return done
+
+    async def _handle_batch(self, batch: list[Run], now: float) -> list[tuple[Run, str]]:
+        """Each run of ``batch`` handled, HANDLED_AT_ONCE at a time: what was done with each."""
         at_once = asyncio.Semaphore(HANDLED_AT_ONCE)
 
         async def handle(run: Run) -> str | None:
             async with at_once:
                 return await self._handle_silent(run, now)
-        for run, action in zip(due, await asyncio.gather(*map(handle, due), return_exceptions=True)):
+        handled = []
+        for run, action in zip(batch, await asyncio.gather(*map(handle, batch), return_exceptions=True)):
             if isinstance(action, BaseException):  # one bad run must not stop the others
                 log.error("run %s/%s not handled: %r", run.namespace, run.run_id, action,
                           exc_info=None if isinstance(action, StoreUnavailable) else action)
             elif action:
-                done.append((run.run_id, action))
-                if action == DEFERRED:
-                    deferred.append(run)
-        for run in deferred:
-            await self.store.runs.set_state(run.namespace, run.run_id, None, now, claimed_until=0)
-        if deferred:  # one line a tick, however many wait
-            log.warning("%d restart(s) deferred: at [supervisor] max_restarts_per_minute (%d) or "
-                        "max_hook_processes", len(deferred), self.settings.supervisor.max_restarts_per_minute)
-        return done
+                handled.append((run, action))
+        return handled
 
     async def _handle_silent(self, run: Run, now: float) -> str | None:
         if not run.hook:
