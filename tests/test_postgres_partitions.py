@@ -12,7 +12,7 @@ import pytest
 
 import services
 from idemproxy.proxy.config import ConfigError, load_settings
-from idemproxy.proxy.store.base import Claim, EntryState, Recorded, Scope
+from idemproxy.proxy.store.model import Claim, EntryState, Recorded, Run, Scope
 from idemproxy.proxy.store.postgres import PostgresStore
 from idemproxy.proxy.store.postgres.partitions import RANGES, parse_bound
 from idemproxy.proxy.store.postgres.schema import MIGRATIONS
@@ -166,3 +166,50 @@ def test_partition_interval_is_whole_seconds(interval, error):
     else:
         with pytest.raises(ConfigError, match=error):
             load_settings(env={}, overrides={"store.partition_interval": interval})
+
+
+async def test_claims_racing_to_take_a_key_over_have_one_winner(schema, open_partitioned):  # noqa: F811
+    """A takeover replaces the old row instead of updating it (no unique index on the key to
+    conflict on): replicas racing for a retried key, or for a dead proxy's lapsed claim, still
+    leave one winner and one unexpired row."""
+    stores = [await open_partitioned() for _ in range(3)]
+    retried, lapsed = claim_of("retried"), Claim(Scope("tenant", "run-1", "tools", "lapsed"), "fp", "dead", 0.01,
+                                                 3600.0, namespace="ns")
+    for claim in (retried, lapsed):
+        assert (await stores[0].journal.claim(claim)).won
+    await stores[0].journal.quarantine(retried.scope.kid, "o", "upstream answered 502")
+    assert await stores[0].journal.resolve(retried.scope.kid, None)
+    await asyncio.sleep(0.05)  # the lapsed claim's lease ends
+    for key in ("retried", "lapsed"):
+        racers = [claim_of(key, owner=f"racer-{i}") for i in range(12)]
+        results = await asyncio.gather(*(stores[i % 3].journal.claim(c) for i, c in enumerate(racers)))
+        assert sum(r.won for r in results) == 1, key
+        conn = await raw(schema)
+        try:
+            rows = await conn.fetch("SELECT owner, state FROM journal WHERE key = $1 AND expires_at > $2",
+                                    key, time.time())
+        finally:
+            await conn.close()
+        winner = next(c.owner for c, r in zip(racers, results) if r.won)
+        assert [tuple(r) for r in rows] == [(winner, EntryState.IN_FLIGHT)]
+
+
+async def test_claims_of_a_new_key_held_up_together_have_one_winner(schema, open_partitioned):  # noqa: F811
+    """Three replicas' claims of one new key, all held up (a restart holding the run's row)
+    after they started: each must see the others' insert when it goes on, which only the
+    key's lock gives (their statements began before any of them wrote)."""
+    stores = [await open_partitioned() for _ in range(3)]
+    await stores[0].runs.observe_epoch("ns", "run-1", 0, Run("ns", "run-1"), time.time())
+    conn = await raw(schema)
+    try:
+        async with conn.transaction():  # a supervisor's restart, not yet committed
+            await conn.execute("SELECT 1 FROM runs WHERE tenant = 'ns' AND run_id = 'run-1' FOR UPDATE")
+            racers = [Claim(Scope("tenant", "run-1", "tools", "new"), "fp", f"racer-{i}", 30.0, 3600.0, epoch=0,
+                            namespace="ns") for i in range(3)]
+            claims = [asyncio.create_task(store.journal.claim(c)) for store, c in zip(stores, racers)]
+            await asyncio.sleep(0.3)
+        results = await asyncio.wait_for(asyncio.gather(*claims), 5.0)
+        assert sum(r.won for r in results) == 1
+        assert await conn.fetchval("SELECT count(*) FROM journal WHERE key = 'new'") == 1
+    finally:
+        await conn.close()

@@ -31,7 +31,7 @@ lies in that range (docs/sizing.md gives its time per million entries).
 
 from __future__ import annotations
 
-from ..base import EntryState
+from ..model import EntryState
 
 ENTRY_COLUMNS = ("kid, tenant, run, epoch, upstream, key, fingerprint, state, owner, lease_until, "
                  "created_at, completed_at, expires_at, replays, detail, method, path, namespace")
