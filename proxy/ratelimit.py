@@ -16,12 +16,14 @@ one client).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import hmac
 import ipaddress
 import math
 import time
-from typing import Iterable
+from typing import AsyncIterator, Callable, Iterable
 
 from multidict import CIMultiDictProxy
 
@@ -33,10 +35,32 @@ EVERYONE = "*"  # the name of a count over every client
 
 
 class Counted:
-    """At most ``limit`` events per name within ``window`` seconds, for every process."""
+    """At most ``limit`` events per name within ``window`` seconds, for every process.
+
+    A count read and the event it lets through are written one name at a time in this
+    process (:meth:`one_at_a_time`): tries sent at once would otherwise each be judged on
+    counts that none of them has written yet, and all pass."""
 
     def __init__(self, audit: Audit, limit: int, window: float):
         self._audit, self.limit, self.window = audit, limit, window
+        self._turns: dict[str, list] = {}  # name -> [its lock, callers holding or awaiting it]
+
+    @contextlib.asynccontextmanager
+    async def one_at_a_time(self, names: list[str]) -> AsyncIterator[None]:
+        """Each name's callers one after another (names locked in sorted order: no cycle); a
+        name's lock is forgotten once nobody holds or awaits it, so memory follows the callers."""
+        async with contextlib.AsyncExitStack() as stack:
+            for name in sorted(set(names)):
+                turn = self._turns.setdefault(name, [asyncio.Lock(), 0])
+                turn[1] += 1
+                stack.callback(self._leave, name, turn)
+                await stack.enter_async_context(turn[0])
+            yield
+
+    def _leave(self, name: str, turn: list) -> None:
+        turn[1] -= 1
+        if not turn[1]:
+            del self._turns[name]
 
     async def look(self, name: str, now: float) -> tuple[int, float]:
         """(events of ``name`` within the window, seconds until it may have another: 0 now)."""
@@ -70,17 +94,22 @@ class AuthGuard:
         self._clients = Counted(audit, settings.max_failures, settings.failure_window)
         self._everyone = Counted(audit, settings.max_failures_total, settings.failure_window)
 
-    async def admit(self, client: str) -> None:
-        """Raise 429 before a token is compared, for a client that may not try now."""
-        now = time.time()
-        failed, wait = await self._clients.look(_wrong(client), now)
-        if not wait and failed:
-            wait = (await self._everyone.look(_wrong(EVERYONE), now))[1]
-        if wait:
-            raise too_many("too many wrong admin tokens", wait)
-
-    async def failed(self, client: str) -> None:
-        await self._clients.add([_wrong(client), _wrong(EVERYONE)], time.time())
+    async def check(self, client: str, matches: Callable[[], bool]) -> bool:
+        """Whether the token ``matches()``; 429 before it is looked at, for a client that may
+        not try now. A wrong one is counted before the client's next try is judged
+        (Counted.one_at_a_time); the count over every client may lag by the tries in flight."""
+        wrong = _wrong(client)
+        async with self._clients.one_at_a_time([wrong]):
+            now = time.time()
+            failed, wait = await self._clients.look(wrong, now)
+            if not wait and failed:
+                wait = (await self._everyone.look(_wrong(EVERYONE), now))[1]
+            if wait:
+                raise too_many("too many wrong admin tokens", wait)
+            if matches():
+                return True
+            await self._clients.add([wrong, _wrong(EVERYONE)], time.time())
+            return False
 
 
 def _wrong(client: str) -> str:

@@ -156,3 +156,25 @@ async def test_the_limits_hold_across_replicas_over_one_store(make_proxy, store_
     codes = [await status_of(attacker, "POST", f"{replicas[n % 2].url}/runs/f{n}", headers=key, json={})
              for n in range(6)]
     assert codes == [201] * 4 + [429] * 2
+
+
+async def test_wrong_tokens_and_registrations_sent_at_once_get_the_budget_once(make_proxy, store_url, client_at):
+    """Tries sent together, each read of the counts before any write of one: a replica holds
+    the tries it let through until their counts are written, so a burst gets max_failures
+    wrong tokens compared (and registrations_per_minute new runs), not every one it sent."""
+    import asyncio
+    proxy = await make_proxy(store_url, admin={"max_failures": 3, "failure_window": "30s"},
+                             runs={"registrations_per_minute": 3},
+                             tenants={"runs": "credential", "anonymous": "shared"})
+    attacker, operator = client_at("127.0.0.2"), client_at("127.0.0.3")
+    tries = await asyncio.gather(*(status_of(attacker, "GET", f"{proxy.url}/admin/runs", headers=WRONG)
+                                   for _ in range(40)))
+    assert sorted(tries).count(401) == 3 and set(tries) == {401, 429}
+    # an operator's requests at once are all let in: a right token holds nothing back
+    assert set(await asyncio.gather(*(status_of(operator, "GET", f"{proxy.url}/admin/runs", headers=ADMIN)
+                                      for _ in range(10)))) == {200}
+    key = {"Authorization": "Bearer sk-flooder"}
+    codes = await asyncio.gather(*(status_of(attacker, "POST", f"{proxy.url}/runs/b{n}", headers=key, json={})
+                                   for n in range(30)))
+    assert codes.count(201) == 3 and set(codes) == {201, 429}
+    assert len(await proxy.store.runs.list()) == 3

@@ -29,9 +29,9 @@ async def login(request: web.Request) -> web.Response:
     if not expected_form or not hmac.compare_digest(given_form, expected_form):
         return _login(request, "The login form expired; try again.", status=403)
     guard, client = request.config_dict[AUTH], request.config_dict[CLIENTS].of(request.headers, request.remote)
-    await guard.admit(client)  # 429 for a client past its wrong tokens, before this one is compared
-    if not same_token(str(form.get("token", "")), str(request.config_dict[SETTINGS].admin.token)):
-        await guard.failed(client)
+    # 429 for a client past its wrong tokens, before this one is compared; a wrong one is counted
+    if not await guard.check(client, lambda: same_token(str(form.get("token", "")),
+                                                         str(request.config_dict[SETTINGS].admin.token))):
         return _login(request, "That is not the admin token.", status=401)
     response = see_other(_back(request.query.get("next"), "/ui/runs"))
     set_cookie(response, request, COOKIE, (await console(request).sessions(request)).issue(), SESSION_S)

@@ -80,10 +80,9 @@ async def _require_token(request: web.Request, handler) -> web.StreamResponse:
         raise Problem("unauthorized", "the admin API is disabled: no [admin] token is configured",
                       headers=CHALLENGE)
     guard, client = request.config_dict[AUTH], request.config_dict[CLIENTS].of(request.headers, request.remote)
-    await guard.admit(client)  # 429 for a client past its wrong tokens, before this one is compared
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not same_token(given.strip(), str(token)):
-        await guard.failed(client)
+    # 429 for a client past its wrong tokens, before this one is compared; a wrong one is counted
+    if not await guard.check(client, lambda: scheme.lower() == "bearer" and same_token(given.strip(), str(token))):
         raise Problem("unauthorized", "send Authorization: Bearer <admin token>", headers=CHALLENGE)
     return await handler(request)
 

@@ -127,17 +127,20 @@ class RunsService:
         """Registrations need no token, and each may carry max_metadata_bytes: 429 past
         ``[runs] registrations_per_minute`` from the namespace or the client, or past
         ``max_live_runs`` runs of the namespace not ended."""
-        now = time.time()
         keys = [f"registrations namespace {namespace}"] + ([f"registrations client {client}"] if client else [])
-        wait = max([(await self._registrations.look(key, now))[1] for key in keys])
-        if wait:
-            raise too_many(f"more than {self.settings.runs.registrations_per_minute} new runs a minute "
-                           "from this namespace or client", wait)
-        cap = self.settings.runs.max_live_runs
-        if cap and await self.store.runs.live(namespace, cap) >= cap:
-            raise Problem("too-many-runs", f"namespace {namespace!r} has {cap} runs not ended, the most "
-                          "[runs] max_live_runs allows: complete or fail some first", max_live_runs=cap)
-        await self._registrations.add(keys, now)
+        # one registration of a namespace or client at a time here (ratelimit.Counted): those
+        # sent together are not each judged on counts none of them has written yet
+        async with self._registrations.one_at_a_time(keys):
+            now = time.time()
+            wait = max([(await self._registrations.look(key, now))[1] for key in keys])
+            if wait:
+                raise too_many(f"more than {self.settings.runs.registrations_per_minute} new runs a minute "
+                               "from this namespace or client", wait)
+            cap = self.settings.runs.max_live_runs
+            if cap and await self.store.runs.live(namespace, cap) >= cap:
+                raise Problem("too-many-runs", f"namespace {namespace!r} has {cap} runs not ended, the most "
+                              "[runs] max_live_runs allows: complete or fail some first", max_live_runs=cap)
+            await self._registrations.add(keys, now)
 
     def new_run(self, namespace: str, run_id: str, now: float, *, operator: bool = False) -> Run:
         """A run at epoch 0 with the configured ``[runs]`` defaults; its ``hook`` only for an
