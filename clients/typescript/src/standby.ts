@@ -8,7 +8,7 @@
  * hook-started agent. `Run.start()` calls it, so import what you can before it.
  */
 
-import { fstatSync } from "node:fs";
+import { fstatSync, writeSync } from "node:fs";
 import { Socket } from "node:net";
 
 export const STANDBY_ENV = "IDEM_STANDBY";
@@ -63,8 +63,14 @@ function assignment(): Promise<Record<string, string>> {
     return Promise.reject(new Error(`${STANDBY_ENV}=1, but stdin is not a supervisor's standby channel; `
       + `unset ${STANDBY_ENV}`));
   }
+  let channel: NodeJS.ReadableStream & { destroy(): void };
+  try {
+    channel = sayReady();
+  } catch (error) {
+    const code = (error as NodeJS.ErrnoException).code;
+    return Promise.reject(code === "EPIPE" || code === "ECONNRESET" ? new StandbyDismissed() : error);
+  }
   return new Promise((resolve, reject) => {
-    const channel = new Socket({ fd: 0, readable: true, writable: true });
     let line = "";
     let settled = false;
     const settle = (error: Error | undefined, facts?: Record<string, string>) => {
@@ -91,8 +97,24 @@ function assignment(): Promise<Record<string, string>> {
     channel.on("end", () => settle(new StandbyDismissed()));
     channel.on("error", (error: NodeJS.ErrnoException) =>
       settle(error.code === "EPIPE" || error.code === "ECONNRESET" ? new StandbyDismissed() : error));
-    channel.write(READY);
   });
+}
+
+/**
+ * Say `ready` on the channel (fd 0) and return what reads it. Node and Bun write it with
+ * writeSync and read through `process.stdin` (Bun's net.Socket cannot adopt an inherited
+ * descriptor); Deno's fs cannot write to a socket (ENOSYS), its net.Socket on fd 0 does both.
+ */
+function sayReady(): NodeJS.ReadableStream & { destroy(): void } {
+  try {
+    writeSync(0, READY);
+    return process.stdin;
+  } catch (error) {
+    if ((error as NodeJS.ErrnoException).code !== "ENOSYS") throw error;
+  }
+  const socket = new Socket({ fd: 0, readable: true, writable: true });
+  socket.write(READY);
+  return socket;
 }
 
 function parseFacts(line: string): Record<string, string> {

@@ -177,6 +177,28 @@ export async function startProxy(upstream, sections = {}) {
   };
 }
 
+let scripts; // the folder of moduleCommand's files, removed when the test process exits
+
+/**
+ * The command that runs the ES module `code` (written to a file of its own) on the runtime
+ * running these tests, as `[command, ...args]`: `node` and `bun` take the file, `deno` wants
+ * `run -A` before it.
+ */
+export function moduleCommand(code, ...args) {
+  if (scripts === undefined) {
+    scripts = mkdtempSync(join(tmpdir(), "idemproxy-ts-scripts-"));
+    process.once("exit", () => rmSync(scripts, { recursive: true, force: true }));
+  }
+  const file = join(mkdtempSync(join(scripts, "m-")), "script.mjs");
+  writeFileSync(file, code);
+  return scriptCommand(file, ...args);
+}
+
+/** `[command, ...args]` running the script `file` on the runtime running these tests. */
+export function scriptCommand(file, ...args) {
+  return [process.execPath, ...(globalThis.Deno ? ["run", "-A"] : []), file, ...args];
+}
+
 /** Until `predicate()` is truthy (returned), or fail after `seconds`. */
 export async function until(predicate, seconds, what) {
   const deadline = Date.now() + seconds * 1000;

@@ -10,6 +10,8 @@ import { join } from "node:path";
 import { test } from "node:test";
 import { fileURLToPath } from "node:url";
 
+import { scriptCommand } from "./helpers.mjs";
+
 const PACKAGE = fileURLToPath(new URL("..", import.meta.url));
 const GOLDEN = JSON.parse(readFileSync(new URL("../../golden/step_keys.json", import.meta.url), "utf8"));
 const NPM = process.platform === "win32" ? "npm.cmd" : "npm";
@@ -53,7 +55,8 @@ test("npm pack from a clean copy installs offline into a fresh project", () => {
       const fenced = new Superseded(412, "stale-epoch", "") instanceof ProblemError;
       console.log(JSON.stringify({ key, run: typeof Run.start, fenced }));
     `);
-    assert.deepEqual(JSON.parse(run(process.execPath, ["check.mjs"], fresh)), { key: vector.key, run: "function", fenced: true });
+    const [command, ...args] = scriptCommand("check.mjs");
+    assert.deepEqual(JSON.parse(run(command, args, fresh)), { key: vector.key, run: "function", fenced: true });
 
     writeFileSync(join(fresh, "check.ts"), `
       import { Run, stepKey, type RunOptions, type RunInfo } from "@idemproxy/client";
@@ -67,9 +70,10 @@ test("npm pack from a clean copy installs offline into a fresh project", () => {
         return stepKey(run.runId, "x") ? run.complete() : run.fail("reason");
       }
     `);
-    run(process.execPath, [join(PACKAGE, "node_modules", "typescript", "bin", "tsc"), "--noEmit", "--strict",
-      "--module", "nodenext", "--moduleResolution", "nodenext", "--target", "es2022",
-      "--typeRoots", join(PACKAGE, "node_modules", "@types"), "--types", "node", "check.ts"], fresh);
+    const [runtime, ...tsc] = scriptCommand(join(PACKAGE, "node_modules", "typescript", "bin", "tsc"), "--noEmit",
+      "--strict", "--module", "nodenext", "--moduleResolution", "nodenext", "--target", "es2022",
+      "--typeRoots", join(PACKAGE, "node_modules", "@types"), "--types", "node", "check.ts");
+    run(runtime, tsc, fresh);
   } finally {
     rmSync(work, { recursive: true, force: true });
   }

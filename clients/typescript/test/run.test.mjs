@@ -10,7 +10,7 @@ import {
   IdemProxyError, ProblemError, ProxyUnreachable, Run, RunEnded, RunExists, RunNotFound, RunState, Superseded,
   stepKey,
 } from "../dist/index.js";
-import { freePort, startProxy, startUpstream, until } from "./helpers.mjs";
+import { freePort, moduleCommand, startProxy, startUpstream, until } from "./helpers.mjs";
 
 const DIST = fileURLToPath(new URL("../dist/index.js", import.meta.url));
 let upstream;
@@ -203,8 +203,8 @@ test("refusals and an absent proxy are errors of their own classes", async () =>
 function child(code, env = {}) {
   return new Promise((resolve) => {
     const started = Date.now();
-    const script = `import { Run } from ${JSON.stringify(DIST)};\n${code}`;
-    const proc = spawn(process.execPath, ["--input-type=module", "-e", script], {
+    const [command, ...args] = moduleCommand(`import { Run } from ${JSON.stringify(DIST)};\n${code}`);
+    const proc = spawn(command, args, {
       env: { ...process.env, ...env }, stdio: ["ignore", "pipe", "pipe"],
     });
     let output = "";
@@ -252,14 +252,15 @@ test("a process that forgets to end its run still exits; the run stays running, 
 
 test("a killed process's held connection marks its attempt lost, its exit seen on this host", async () => {
   const runId = newId("killed");
-  const proc = spawn(process.execPath, ["--input-type=module", "-e", `
+  const [command, ...args] = moduleCommand(`
     import { Run } from ${JSON.stringify(DIST)};
     const run = await Run.start({ runId: ${JSON.stringify(runId)}, proxyUrl: ${JSON.stringify(proxy.url)},
       timeoutS: 30, heartbeat: false, attach: true, env: {} });
     await run.attachment.waitAttached(5);
     console.log("attached");
     setInterval(() => {}, 1000); // at work
-  `], { stdio: ["ignore", "pipe", "inherit"] });
+  `);
+  const proc = spawn(command, args, { stdio: ["ignore", "pipe", "inherit"] });
   await new Promise((resolve) => proc.stdout.once("data", resolve));
   proc.kill("SIGKILL");
   const lost = await until(async () => (await proxy.adminRun(runId)).history

@@ -9,7 +9,7 @@ import { join } from "node:path";
 import { after, before, test } from "node:test";
 import { fileURLToPath } from "node:url";
 
-import { ADMIN_TOKEN, startProxy, startUpstream, until } from "./helpers.mjs";
+import { ADMIN_TOKEN, scriptCommand, startProxy, startUpstream, until } from "./helpers.mjs";
 
 const DIST = fileURLToPath(new URL("../dist/index.js", import.meta.url));
 const AGENT = `
@@ -35,7 +35,7 @@ before(async () => {
   proxy = await startProxy(upstream, {
     supervisor: { enabled: true, interval_s: 0.2 },
     runs: { timeout_s: 60, grace_s: 30, backoff_base_s: 0.2 },
-    "hooks.agent": { command: [process.execPath, join(dir, "agent.mjs"), join(dir, "said.jsonl")], standby: 1,
+    "hooks.agent": { command: scriptCommand(join(dir, "agent.mjs"), join(dir, "said.jsonl")), standby: 1,
       log_dir: join(dir, "logs"), allow_tenants: ["default"] },
   });
 });
