@@ -33,8 +33,8 @@ import pytest
 
 import services
 
-# a venv, a proxy, a provider and agents as processes: 45-65 s on a quiet machine, most of it the
-# venv; the timeout leaves room for a loaded one
+# a venv, a proxy, a provider and agents as processes, most of the time the venv; the timeout
+# leaves room for a loaded machine
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 REPO = Path(__file__).resolve().parent.parent
