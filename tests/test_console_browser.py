@@ -276,3 +276,35 @@ async def test_what_an_operator_needs_in_a_real_browser_light_and_dark(make_prox
         assert len(list(screenshots.glob("*.png"))) == 8
     finally:
         await tools.stop()
+
+
+async def test_refused_calls_under_their_attempt_in_a_real_browser(make_proxy, sqlite_url, http, chromium,
+                                                                   screenshots, tmp_path):
+    """A crashed and resumed run whose dead attempt's zombie keeps calling (412), whose new
+    attempt reuses a key with another body (422) and calls an upstream that is down (502)."""
+    proxy = await make_proxy(sqlite_url, **hook_sections(tmp_path),
+                             upstreams__down={"url": "http://127.0.0.1:9", "kind": "tool"})
+    await crashed_and_resumed(http, proxy)
+    zombie, current = f"{proxy.url}/runs/{RUN}/epochs/0", f"{proxy.url}/runs/{RUN}/epochs/1"
+    for path, body, key, status in ((f"{zombie}/tools/send", {"to": "carl"}, "late-1", 412),
+                                    (f"{zombie}/openai/v1/chat/completions", {"model": "m", "messages": []}, None, 412),
+                                    (f"{current}/tools/send", {"to": "ann", "invoice": 99}, "email-invoice-41", 422),
+                                    (f"{current}/down/ledger", {"entry": 7}, "ledger-7", 502)):
+        headers = {"Idempotency-Key": key} if key else {}
+        async with http.post(path, json=body, headers=headers) as resp:
+            assert resp.status == status, await resp.text()
+    page = Page(chromium, proxy.url, screenshots)
+    await page.open("/ui/login")
+    await page.type("#token", "test-admin-token")
+    await page.submit("button.primary")
+    await page.open(f"/ui/runs/{RUN}?namespace=default")
+    assert (await page.do(lambda: chromium.find_element(By.ID, "refused").text)).startswith("4")
+    await page.shot("00-run-with-refusals")
+    refused = await page.do(lambda: [row.text for row in chromium.find_elements(By.CSS_SELECTOR, "#refused-0 tbody tr")])
+    assert len(refused) == 2 and all("412 stale-epoch" in row for row in refused), refused
+    refused = await page.do(lambda: [row.text for row in chromium.find_elements(By.CSS_SELECTOR, "#refused-1 tbody tr")])
+    assert ["422 key-reused" in refused[0], "502 upstream-unavailable" in refused[1]] == [True, True], refused
+    await page.do(chromium.execute_script, "document.getElementById('refused-0').scrollIntoView()")
+    await page.shot("01-refused-in-the-crashed-attempt")
+    await page.do(chromium.execute_script, "document.getElementById('refused-1').scrollIntoView()")
+    await page.shot("02-refused-in-the-resumed-attempt")
