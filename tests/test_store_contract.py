@@ -631,7 +631,9 @@ async def test_expired_entries_run_as_new_and_are_purged(store):
     assert await store.journal.get(old[0].kid) is None  # expired: gone for readers at once
     assert (await store.journal.claim(claim_of(old[0], owner="new"))).won  # and runs as new
     purged = await store.journal.purge(time.time(), batch=2)  # batches are small; one call does all
-    assert isinstance(purged, int) and purged <= 4
+    # (at most 4 where old-0's row was taken over in place, 5 where its expired row stays
+    # beside the new one until its range is dropped: PostgreSQL's partitioned journal)
+    assert isinstance(purged, int) and purged <= 5
     listed = {e.key for e in await store.journal.entries(NS, "run-1")}
     assert listed == {"keep", "old-0"}
     assert (await store.journal.get(keep.kid)).state == EntryState.IN_FLIGHT
