@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import redis  # noqa: E402
 
-from idemproxy.proxy.store.base import Claim, Recorded, Scope  # noqa: E402
+from idemproxy.proxy.store.model import Claim, Recorded, Scope  # noqa: E402
 from idemproxy.proxy.store.redis import RedisStore  # noqa: E402
 from redis_cluster import STEADY_MS, RedisCluster  # noqa: E402
 from services import PrivateRedis  # noqa: E402

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import asyncpg
 
-from idemproxy.proxy.store.base import Claim, Recorded, Scope
+from idemproxy.proxy.store.model import Claim, Recorded, Scope
 from idemproxy.proxy.store.postgres import PostgresStore
 from idemproxy.proxy.store.postgres.schema import MIGRATIONS
 

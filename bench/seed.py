@@ -29,7 +29,7 @@ from typing import Iterator
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from idemproxy.proxy.store import sqlite_path
-from idemproxy.proxy.store.base import Scope
+from idemproxy.proxy.store.model import Scope
 
 SEED_PREFIXES = "abcd"  # one per load run that replays seeded keys (warm-up and measure, 1 and 32)
 OTHER_TENANTS = 97

@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict
 
 from .freshness import Freshness
-from .store.base import Entry, EntryState
+from .store.model import Entry, EntryState
 
 ENTRY_OVERHEAD = 512  # bytes an entry costs in memory besides its body and headers (its fields)
 

@@ -32,7 +32,7 @@ from .evidence import evidence
 from .forward import failure_slug, is_stream, never_sent, response_headers, storable_headers
 from .policy import OnAmbiguous, Verdict, verdict
 from .store import Store, StoreUnavailable
-from .store.base import Recorded
+from .store.model import Recorded
 from .upstream.connection import UpstreamResponse
 from .upstream.pool import UpstreamPool
 

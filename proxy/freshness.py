@@ -36,7 +36,7 @@ import time
 from typing import Callable
 
 from .store import StoreUnavailable
-from .store.base import Journal
+from .store.composed import Journal
 
 log = logging.getLogger("idemproxy.proxy")
 

@@ -29,7 +29,8 @@ from multidict import CIMultiDictProxy
 
 from .config import AdminSettings
 from .problems import Problem
-from .store.base import EVENT_BUCKETS, Audit
+from .store.administration import Audit
+from .store.rules import EVENT_BUCKETS
 
 EVERYONE = "*"  # the name of a count over every client
 

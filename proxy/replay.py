@@ -12,7 +12,7 @@ from .calls import Call
 from .exchange import EXCHANGE, Readdress
 from .problems import Problem
 from .store import Store
-from .store.base import Entry, EntryState, Recorded
+from .store.model import Entry, EntryState, Recorded
 from .upstream.wire import Answer, StreamedAnswer
 
 REPLAYED = "Idempotent-Replayed"

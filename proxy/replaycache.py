@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 from .freshness import Freshness
 from .store import StoreUnavailable
-from .store.base import Entry, Journal
+from .store.composed import Journal
+from .store.model import Entry
 
 log = logging.getLogger("idemproxy.proxy")
 

@@ -39,7 +39,7 @@ from ..proxy.config import ENV_PREFIX, HookSettings, Settings
 from ..proxy.identity import TenantResolver, tenant_secret
 from ..proxy.runs.endings import log_tail
 from ..proxy.store import Store, StoreUnavailable
-from ..proxy.store.base import Run
+from ..proxy.store.model import Run
 from .reaper import describe, exit_facts, exited
 from .spawn import SpawnError, spawn_detached
 from .standby import StandbyPool

@@ -45,7 +45,8 @@ from ..proxy.observability.metrics import Metrics
 from ..proxy.runs.endings import supervisor_ending, with_log_tail
 from ..proxy.runs.service import RESTART, RunsService
 from ..proxy.store import StoreUnavailable
-from ..proxy.store.base import SILENT_LIMIT, Run, RunState
+from ..proxy.store.model import Run, RunState
+from ..proxy.store.rules import SILENT_LIMIT
 from .credentials import missing_credentials
 
 log = logging.getLogger("idemproxy.supervisor")

@@ -23,7 +23,7 @@ import pytest
 
 from idemproxy.proxy.appkeys import METRICS
 from idemproxy.proxy.runs.process import LocalProcess, start_ticks
-from idemproxy.proxy.store.base import Run as StoredRun
+from idemproxy.proxy.store.model import Run as StoredRun
 from conftest import proxy_sections, until
 from idemproxy_client import AsyncRun, Attachment, Run, Superseded
 from idemproxy_client.process import process_token

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from idemproxy.proxy.store.base import StoreUnavailable
+from idemproxy.proxy.store.errors import StoreUnavailable
 from idemproxy.proxy.store.batching import AGAIN_S, Batches, GiveBack
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from console_traffic import (DEAD_RUN, QUARANTINED_KEY, RUN, buried, crashed_and_resumed, hook_sections,
                              quarantined_kid)
-from idemproxy.proxy.store.base import EntryState, RunState
+from idemproxy.proxy.store.model import EntryState, RunState
 
 HTML = {"Accept": "text/html"}
 

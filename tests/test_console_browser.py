@@ -27,7 +27,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from console_traffic import (DEAD_RUN, MCP_RUN, MCP_TOOL, QUARANTINED_KEY, RUN, buried, crashed_and_resumed,
                              hook_sections, mcp_tool_call, quarantined_kid)
-from idemproxy.proxy.store.base import EntryState, RunState
+from idemproxy.proxy.store.model import EntryState, RunState
 from test_mcp import ToolServer
 
 pytestmark = pytest.mark.slow  # a browser process and a dozen page loads

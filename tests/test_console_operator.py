@@ -13,7 +13,7 @@ import time
 from console_traffic import (DEAD_RUN, MCP_RUN, MCP_TOOL, QUARANTINED_KEY, RUN, buried, crashed_and_resumed,
                              hook_sections, mcp_tool_call, quarantined_kid)
 from idemproxy.proxy.config import RunSettings
-from idemproxy.proxy.store.base import EntryState, Run, RunState
+from idemproxy.proxy.store.model import EntryState, Run, RunState
 from test_console import browser, csrf_of, login, text  # noqa: F401 - the fixture, shared
 from test_mcp import ToolServer
 

@@ -8,7 +8,8 @@ import pytest
 from multidict import CIMultiDict
 
 from idemproxy.proxy.config import ConfigError, load_settings, mask_url
-from idemproxy.proxy.store.base import EntryState, Scope, Waiters
+from idemproxy.proxy.store.model import EntryState, Scope
+from idemproxy.proxy.store.waking import Waiters
 from conftest import write_config
 from rawhttp import problem, raw_request
 

@@ -29,7 +29,7 @@ from idemproxy.proxy.config import load_settings
 from idemproxy.proxy.runs import RunsService
 from idemproxy.proxy.runs.endings import TAIL_BYTES, TAIL_LINES, log_tail
 from idemproxy.proxy.store import open_store
-from idemproxy.proxy.store.base import Run, RunState
+from idemproxy.proxy.store.model import Run, RunState
 from idemproxy.supervisor.hooks import Hooks
 from idemproxy.supervisor.loop import Supervisor
 

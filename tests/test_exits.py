@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import until
-from idemproxy.proxy.store.base import Run
+from idemproxy.proxy.store.model import Run
 
 pytestmark = pytest.mark.slow  # agent processes, killed and restarted
 

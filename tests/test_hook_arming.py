@@ -17,7 +17,7 @@ from conftest import proxy_sections, write_config
 from idemproxy.proxy.config import load_settings
 from idemproxy.proxy.runs import RunsService
 from idemproxy.proxy.store import open_store
-from idemproxy.proxy.store.base import Run
+from idemproxy.proxy.store.model import Run
 from idemproxy.supervisor.hooks import Hooks
 from idemproxy.supervisor.loop import DEFERRED, Supervisor
 from rawhttp import problem

@@ -17,7 +17,7 @@ from conftest import proxy_sections, write_config
 from idemproxy.proxy.store import open_store
 from idemproxy.proxy.config import load_settings
 from idemproxy.proxy.identity import TenantResolver, tenant_secret
-from idemproxy.proxy.store.base import Run
+from idemproxy.proxy.store.model import Run
 from idemproxy.supervisor.hooks import Hooks
 
 # Writes its environment, session and pid to argv[1], talks on both streams, exits 7.

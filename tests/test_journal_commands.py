@@ -16,7 +16,7 @@ import pytest
 
 from conftest import proxy_sections, write_config
 from idemproxy.proxy.cli import main
-from idemproxy.proxy.store.base import RunState, Scope
+from idemproxy.proxy.store.model import RunState, Scope
 
 PROBLEM = "https://idemproxy.dev/problems/"
 ADMIN = {"Authorization": "Bearer test-admin-token"}

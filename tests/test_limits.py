@@ -10,7 +10,7 @@ import pytest
 
 from idemproxy.proxy.config import StoreSettings
 from idemproxy.proxy.store import make_store
-from idemproxy.proxy.store.base import EntryState
+from idemproxy.proxy.store.model import EntryState
 from rawhttp import problem, raw_problem, raw_request
 
 CHAT = "/openai/v1/chat/completions"

@@ -27,7 +27,7 @@ from conftest import proxy_sections, until
 from idemproxy.proxy.config import load_settings
 from idemproxy.proxy.runs import RunsService
 from idemproxy.proxy.store import open_store
-from idemproxy.proxy.store.base import Run
+from idemproxy.proxy.store.model import Run
 from idemproxy.supervisor.hooks import Hooks
 from idemproxy.supervisor.loop import Supervisor
 

@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 
 from conftest import proxy_sections, write_config
-from idemproxy.proxy.store.base import RunState
+from idemproxy.proxy.store.model import RunState
 
 ADMIN = {"Authorization": "Bearer test-admin-token"}
 TOKEN_OPERATOR = "admin:token:" + hashlib.sha256(b"test-admin-token").hexdigest()[:8]

@@ -22,7 +22,7 @@ import pytest
 
 from conftest import proxy_sections, until
 from idemproxy.proxy.appkeys import RUNS
-from idemproxy.proxy.store.base import Run
+from idemproxy.proxy.store.model import Run
 
 pytestmark = pytest.mark.slow  # agent processes, started ahead, killed and restarted
 

@@ -14,7 +14,7 @@ import pytest
 
 from idemproxy.proxy.config import StoreSettings
 from idemproxy.proxy.store import Store, make_store
-from idemproxy.proxy.store.base import (Claim, EntryState, Recorded, Run, RunState, Scope)
+from idemproxy.proxy.store.model import Claim, EntryState, Recorded, Run, RunState, Scope
 
 TENANT = "tenant-a"  # whose credential made the call
 NS = "ns-a"  # whose runs these are: a run's journal spans its tenants
@@ -471,7 +471,7 @@ async def test_quarantined_entries_are_counted(store):
 
 
 async def test_operator_actions_are_kept_by_entry_and_by_run(store, open_store):
-    from idemproxy.proxy.store.base import Action
+    from idemproxy.proxy.store.model import Action
     now = time.time()
     retry = Action(now, "admin:alice", "resolve-retry", NS, "run-1", "k" * 64, {"status": None})
     revive = Action(now + 1, "console:alice", "revive", NS, "run-1", None, {"epoch": 2})

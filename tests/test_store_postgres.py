@@ -12,7 +12,7 @@ import pytest
 import services
 from idemproxy.proxy.config import StoreSettings
 from idemproxy.proxy.store import StoreUnavailable, make_store
-from idemproxy.proxy.store.base import Claim, EntryState, Recorded, Run, Scope
+from idemproxy.proxy.store.model import Claim, EntryState, Recorded, Run, Scope
 from idemproxy.proxy.store.postgres import PostgresStore, sql
 from idemproxy.proxy.store.postgres.schema import MIGRATIONS
 

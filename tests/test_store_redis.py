@@ -18,7 +18,8 @@ import redis.asyncio as redis_asyncio
 from conftest import until
 from idemproxy.proxy.config import ConfigError, Settings, StoreSettings
 from idemproxy.proxy.config.validation import validate
-from idemproxy.proxy.store.base import Claim, Recorded, Run, Scope, StoreUnavailable
+from idemproxy.proxy.store.errors import StoreUnavailable
+from idemproxy.proxy.store.model import Claim, Recorded, Run, Scope
 from idemproxy.proxy.store.redis import RedisStore
 from idemproxy.proxy.store.redis.connection import POLL_S, split_url
 from idemproxy.proxy.store.redis.durability import ReplicasBehind

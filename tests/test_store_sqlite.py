@@ -11,7 +11,8 @@ import pytest
 
 from idemproxy.proxy.config import StoreSettings
 from idemproxy.proxy.store import make_store
-from idemproxy.proxy.store.base import Claim, Run, Scope, StoreUnavailable
+from idemproxy.proxy.store.errors import StoreUnavailable
+from idemproxy.proxy.store.model import Claim, Run, Scope
 from idemproxy.proxy.store.sqlite.disk import DiskThread
 
 
@@ -209,7 +210,7 @@ async def test_an_early_claim_still_lands_when_a_write_beside_it_fails(sqlite_ur
 def test_parameters_registered_as_themselves_are_stored_as_before():
     """connection.py registers bytes, None and the state enums with sqlite3 as themselves
     (a cheaper look-up); each must still be stored as a BLOB, a NULL and TEXT."""
-    from idemproxy.proxy.store.base import EntryState, RunState
+    from idemproxy.proxy.store.model import EntryState, RunState
     from idemproxy.proxy.store.sqlite import connection  # noqa: F401 - registers them
     conn = sqlite3.connect(":memory:")
     row = conn.execute("SELECT typeof(?), ?, typeof(?), typeof(?), ?, typeof(?), ?",

@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
-from idemproxy.proxy.store.base import EntryState, Scope
+from idemproxy.proxy.store.model import EntryState, Scope
 from rawhttp import problem
 
 CHAT = "/openai/v1/chat/completions"

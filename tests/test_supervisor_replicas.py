@@ -19,7 +19,8 @@ from conftest import proxy_sections, write_config
 from idemproxy.proxy.config import load_settings
 from idemproxy.proxy.runs import RunsService
 from idemproxy.proxy.store import open_store
-from idemproxy.proxy.store.base import SILENT_LIMIT, Run
+from idemproxy.proxy.store.model import Run
+from idemproxy.proxy.store.rules import SILENT_LIMIT
 from idemproxy.supervisor.hooks import Hooks
 from idemproxy.supervisor.loop import Supervisor
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..evidence import decoded
 from ..runs.bodies import readable
-from ..store.base import EntryState, Recorded
+from ..store.model import EntryState, Recorded
 
 KID_SHOWN = 12  # digits of a kid in tables: unique among millions of entries, and short
 

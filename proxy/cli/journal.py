@@ -16,7 +16,7 @@ from ..runs import RunsService
 from ..runs.operators import cli_operator
 from ..runs.options import JOURNAL_STATES, journal_state, resolution
 from ..runs.views import agent_key, entry_json
-from ..store.base import Entry
+from ..store.model import Entry
 from .common import CONFIG_ERROR, OK, leaf, print_json, with_runs
 from .describe import KID_SHOWN, ago, describe_entry, table
 

@@ -12,7 +12,7 @@ from ..config import Settings
 from ..runs import RunsService
 from ..runs.operators import cli_operator
 from ..runs.views import listing_json, run_json, step_json
-from ..store.base import RUN_STATES, Run, RunState
+from ..store.model import RUN_STATES, Run, RunState
 from .common import OK, leaf, print_json, report, with_runs
 from .describe import ago, describe, table
 

@@ -17,7 +17,7 @@ from ..config import Settings
 from ..observability.metrics import spend
 from ..problems import Problem
 from ..runs import RunsService
-from ..store.base import Entry, EntryState
+from ..store.model import Entry, EntryState
 
 CACHE_SIZE = 20_000  # entries whose spend is remembered
 

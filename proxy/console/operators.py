@@ -10,7 +10,7 @@ from typing import Any
 from ..evidence import decoded
 from ..runs.bodies import readable
 from ..problems import Problem
-from ..store.base import Entry, Recorded
+from ..store.model import Entry, Recorded
 
 PREVIEW_CHARS = 160  # of a body, on the quarantine page
 PREVIEWED = 100  # quarantined entries whose evidence the quarantine page reads

@@ -15,7 +15,7 @@ from ..problems import Problem
 from ..runs.api import run_id
 from ..runs.bodies import readable
 from ..runs.views import agent_key
-from ..store.base import RUN_STATES, EntryState, Run, RunState
+from ..store.model import RUN_STATES, EntryState, Run, RunState
 from . import charts
 from .formats import num, usd
 from .ledger import Saved

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from ..appkeys import RUNS, SETTINGS, STORE
 from ..problems import Problem
-from ..store.base import RunState
+from ..store.model import RunState
 from .formats import FILTERS
 from .ledger import Ledger
 from .sessions import COOKIE, Session, Sessions, check_csrf

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..runs.endings import How, endings
-from ..store.base import ANSWERED_BY_OPERATOR, ENDED, Entry, EntryState, Run, RunState
+from ..store.model import ANSWERED_BY_OPERATOR, ENDED, Entry, EntryState, Run, RunState
 from .ledger import NOTHING, Spend
 
 STARTS = {"restart": "restarted by the supervisor", "admin-restart": "restarted by an operator",

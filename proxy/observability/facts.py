@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ..store.base import Recorded
+from ..store.model import Recorded
 from .metrics import MODEL, usage
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from prometheus_client.registry import Collector
 from ..config import UpstreamSettings
 from ..outcomes import Outcome
 from ..problems import PROBLEMS
-from ..store.base import RUN_STATES, Recorded
+from ..store.model import RUN_STATES, Recorded
 from .pricing import cost_usd
 
 BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,

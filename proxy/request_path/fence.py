@@ -35,7 +35,7 @@ from ..problems import Problem
 from ..replaycache import CachedAttempt, ReplayCache
 from ..runs.endings import superseded_ending
 from ..store import Store, StoreUnavailable
-from ..store.base import ClaimResult, Run
+from ..store.model import ClaimResult, Run
 
 log = logging.getLogger("idemproxy.proxy")
 

@@ -31,7 +31,7 @@ from ..replay import in_flight, join_remote, key_reused, listen, outcome_unknown
 from ..replaycache import CachedAttempt, ReplayCache
 from ..routing import Route
 from ..store import Store
-from ..store.base import Claim, ClaimResult, Entry, EntryState, Scope
+from ..store.model import Claim, ClaimResult, Entry, EntryState, Scope
 from .fence import Fence
 from .intake import tenant_of
 from .record import Recorder

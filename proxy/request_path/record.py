@@ -23,7 +23,7 @@ from ..policy import OnAmbiguous
 from ..replay import listen
 from ..routing import Route
 from ..store import Store, StoreUnavailable
-from ..store.base import Entry, EntryState
+from ..store.model import Entry, EntryState
 from ..upstream.pool import UpstreamPool
 
 log = logging.getLogger("idemproxy.proxy")

@@ -44,7 +44,7 @@ from ..appkeys import AUTH, CLIENTS, METRICS, RUNS, SETTINGS
 from ..ratelimit import same_token
 from ..identity import TENANT_NAME
 from ..problems import Problem
-from ..store.base import RUN_STATES, RunState
+from ..store.model import RUN_STATES, RunState
 from ..upstream.wire import as_text
 from .api import answer, json_response, proxy_url, read_json, run_id
 from .operators import token_operator

@@ -48,7 +48,7 @@ from ..appkeys import CLIENTS, RUNS, SETTINGS, TENANTS
 from ..codings import decoded
 from ..identity import ANONYMOUS, parse_run, private_namespace
 from ..problems import Problem
-from ..store.base import Run, RunState
+from ..store.model import Run, RunState
 from .attach import hold
 from .options import attempt_epoch, json_object, run_options
 from .views import run_json

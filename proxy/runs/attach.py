@@ -31,7 +31,7 @@ from aiohttp import web
 from ..appkeys import ATTACHMENTS, RUNS, SETTINGS
 from ..problems import Problem
 from ..store import StoreUnavailable
-from ..store.base import ENDED, Run
+from ..store.model import ENDED, Run
 from .held import Attachments, Ending
 from .process import HEADER, LocalProcess
 from .service import RunsService

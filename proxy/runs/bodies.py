@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import orjson
 
-from ..store.base import Recorded
+from ..store.model import Recorded
 
 MAX_SHOWN = 512 * 1024  # longer bodies are cut here, with a line that says so
 

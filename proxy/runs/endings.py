@@ -20,7 +20,7 @@ import os
 from enum import StrEnum
 from typing import Any
 
-from ..store.base import Run
+from ..store.model import Run
 
 ENDED = "ended"  # the history event
 TAIL_LINES, TAIL_BYTES = 20, 4096

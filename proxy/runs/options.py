@@ -16,7 +16,7 @@ import orjson
 from ..config import Settings, parse_duration
 from ..identity import EPOCH, parse_epoch
 from ..problems import Problem
-from ..store.base import EntryState, Recorded
+from ..store.model import EntryState, Recorded
 from ..upstream.wire import from_text
 
 RUN_OPTIONS = ("timeout_s", "grace_s", "hook", "max_restarts", "metadata")

@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass
 
 from ..problems import PROBLEMS, Problem
-from ..store.base import Store, StoreError
+from ..store.composed import Store
+from ..store.errors import StoreError
 
 log = logging.getLogger("idemproxy.proxy")
 

@@ -20,7 +20,7 @@ from ..forward import NEVER_STORED, NOT_FORWARDED, storable_headers
 from ..problems import Problem
 from ..ratelimit import Counted, too_many
 from ..store import Store
-from ..store.base import ENDED, Action, Entry, EntryState, Recorded, Run, RunState, Scope
+from ..store.model import ENDED, Action, Entry, EntryState, Recorded, Run, RunState, Scope
 from .endings import end_ending, operator_ending, superseded_ending, with_log_tail
 from .operators import body_digest
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-from ..store.base import Entry, Run, Scope
+from ..store.model import Entry, Run, Scope
 from .endings import endings
 
 

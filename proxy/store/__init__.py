@@ -14,7 +14,8 @@ from typing import Awaitable, Callable, TypeVar
 from urllib.parse import unquote, urlsplit
 
 from ..config import ConfigError, Settings, StoreSettings
-from .base import SchemaNotCurrent, Store, StoreError, StoreMisconfigured, StoreUnavailable
+from .composed import Store
+from .errors import SchemaNotCurrent, StoreError, StoreMisconfigured, StoreUnavailable
 
 __all__ = ["SchemaNotCurrent", "Store", "StoreError", "StoreMisconfigured", "StoreUnavailable", "make_store",
            "open_store", "retried"]

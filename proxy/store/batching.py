@@ -25,7 +25,7 @@ import logging
 import time
 from typing import Awaitable, Callable, Generic, Sequence, TypeVar
 
-from .base import StoreUnavailable
+from .errors import StoreUnavailable
 
 log = logging.getLogger("idemproxy.store")
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import asyncpg
 
-from ..base import EVENT_BUCKETS, Action, event_bucket
+from ..model import Action
+from ..rules import EVENT_BUCKETS, event_bucket
 from . import sql
 from .connection import PostgresConnection
 

@@ -23,7 +23,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import asyncpg
 import orjson
 
-from ..base import RUN_LOST, Bell, StoreMisconfigured, StoreUnavailable, Waiters
+from ..errors import StoreMisconfigured, StoreUnavailable
+from ..waking import RUN_LOST, Bell, Waiters
 from .schema import check, migrate
 
 log = logging.getLogger("idemproxy.store")

@@ -16,8 +16,9 @@ import time
 
 import asyncpg
 
-from ..base import (Claim, ClaimResult, Entry, EntryState, Recorded, StoreUnavailable, counted,
-                    replayed_from)
+from ..errors import StoreUnavailable
+from ..model import Claim, ClaimResult, Entry, EntryState, Recorded
+from ..rules import counted, replayed_from
 from ..batching import Batches, GiveBack
 from ..purging import paced
 from . import sql

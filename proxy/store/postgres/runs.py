@@ -10,8 +10,9 @@ from typing import Any
 
 import asyncpg
 
-from ..base import (ENDED, HISTORY_LIMIT, RUN_STATES, SILENT_LIMIT, Run, RunState, advance_attempt,
-                    check_settable, ending_event, remembered, revive_attempt)
+from ..model import ENDED, RUN_STATES, Run, RunState
+from ..rules import (HISTORY_LIMIT, SILENT_LIMIT, advance_attempt, check_settable, ending_event, remembered,
+                     revive_attempt)
 from . import sql
 from .connection import PostgresConnection
 

@@ -6,7 +6,7 @@ import hashlib
 
 import asyncpg
 
-from ..base import SchemaNotCurrent
+from ..errors import SchemaNotCurrent
 from .partitioned import PARTITION_JOURNAL
 
 # Append only: a deployed migration never changes; the next change is version N+1.

@@ -8,7 +8,9 @@ each statement.
 
 from __future__ import annotations
 
-from ..base import ANSWERED_BY_OPERATOR, HISTORY_LIMIT, RUN_LOST, EntryState, RunState
+from ..model import ANSWERED_BY_OPERATOR, EntryState, RunState
+from ..rules import HISTORY_LIMIT
+from ..waking import RUN_LOST
 
 ENTRY_COLUMNS = ("kid, tenant, run, epoch, upstream, key, fingerprint, state, owner, lease_until, "
                  "created_at, completed_at, expires_at, replays, detail, method, path, namespace")

@@ -32,7 +32,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from ...config import mask_url
-from ..base import RUN_LOST, Bell, StoreMisconfigured, StoreUnavailable, Waiters
+from ..errors import StoreMisconfigured, StoreUnavailable
+from ..waking import RUN_LOST, Bell, Waiters
 from .cluster import cluster_client, hash_tagged, is_cluster, seeds, slot_of
 from .durability import confirm, durability_of, replication_of
 from .scripts import READ_ONLY, SCRIPTS, sharded

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import hiredis
 
-from ..base import StoreUnavailable
+from ..errors import StoreUnavailable
 
 
 class ReplicasBehind(StoreUnavailable):

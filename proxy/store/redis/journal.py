@@ -14,7 +14,8 @@ from typing import Any, Awaitable
 
 import orjson
 
-from ..base import ANSWERED_BY_OPERATOR, Claim, ClaimResult, Entry, EntryState, Recorded, counted, replayed_from
+from ..model import ANSWERED_BY_OPERATOR, Claim, ClaimResult, Entry, EntryState, Recorded
+from ..rules import counted, replayed_from
 from ..batching import Batches, GiveBack
 from ..purging import paced
 from .connection import RedisConnection, field, maybe, run_ref, text

@@ -12,7 +12,8 @@ from typing import Any, Awaitable
 
 import orjson
 
-from ..base import HISTORY_LIMIT, RUN_STATES, SILENT_LIMIT, Run, RunState, check_settable
+from ..model import RUN_STATES, Run, RunState
+from ..rules import HISTORY_LIMIT, SILENT_LIMIT, check_settable
 from .connection import RedisConnection, field, maybe, run_ref, text
 
 

@@ -9,7 +9,9 @@ shared with the other stores (run states, the history's length) are written into
 script text from :mod:`..base`, so they are defined once.
 """
 
-from ..base import ENDED, HISTORY_LIMIT, RUN_LOST, RUN_STATES
+from ..model import ENDED, RUN_STATES
+from ..rules import HISTORY_LIMIT
+from ..waking import RUN_LOST
 
 ENTRY_FIELDS = ("kid", "tenant", "run", "epoch", "upstream", "key", "fingerprint", "state", "owner",
                 "lease_until", "created_at", "completed_at", "expires_at", "replays", "detail",

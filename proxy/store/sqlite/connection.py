@@ -23,7 +23,9 @@ import time
 from typing import Any, Callable, Iterator
 from urllib.parse import quote
 
-from ..base import Bell, EntryState, RunState, SchemaNotCurrent, StoreMisconfigured, StoreUnavailable, Waiters
+from ..errors import SchemaNotCurrent, StoreMisconfigured, StoreUnavailable
+from ..model import EntryState, RunState
+from ..waking import Bell, Waiters
 from ..batching import Watchdog
 from .disk import DiskThread
 from .schema import SCHEMA_VERSION, migrate

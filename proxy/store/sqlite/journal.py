@@ -11,8 +11,8 @@ import time
 
 import orjson
 
-from ..base import (ANSWERED_BY_OPERATOR, Claim, ClaimResult, Entry, EntryState, Recorded, counted,
-                    replayed_from, tallied)
+from ..model import ANSWERED_BY_OPERATOR, Claim, ClaimResult, Entry, EntryState, Recorded
+from ..rules import counted, replayed_from, tallied
 from ..purging import paced
 from .connection import SQLiteConnection
 

@@ -11,8 +11,9 @@ from typing import Any
 
 import orjson
 
-from ..base import (ENDED, HISTORY_LIMIT, RUN_STATES, SILENT_LIMIT, Run, RunState, advance_attempt,
-                    check_settable, ending_event, remembered, revive_attempt)
+from ..model import ENDED, RUN_STATES, Run, RunState
+from ..rules import (HISTORY_LIMIT, SILENT_LIMIT, advance_attempt, check_settable, ending_event, remembered,
+                     revive_attempt)
 from .connection import SQLiteConnection
 
 RUN_COLUMNS = ("tenant, run_id, state, epoch, restarts, last_seen, started_at, timeout_s, grace_s, "
