@@ -36,16 +36,25 @@ def node() -> str:
     return path
 
 
-async def test_openai_agents_js_resumes_paying_and_charging_once(provider, tmp_path):
-    """OpenAI Agents JS on the Responses API, its client set by ``setDefaultOpenAIClient``."""
-    outcome, proxy_log = await run_recipe(provider, tmp_path, "js/openai_agents_agent.mjs", "js_openai_agents",
-                                          run_id="agents-js", python=node())
+async def resumed_at_the_receipt(provider, tmp_path, recipe: str, hook: str, model_api: str):
+    """Run ``recipe`` through its crash and restart; check that the restarted attempt was answered
+    the email and the charge from the journal and went live at the receipt, with four model
+    calls on ``model_api`` in all (two live before the crash, replayed after it, then two live).
+    Returns the outcome, the restarted attempt's output, and what explains a failure."""
+    outcome, proxy_log = await run_recipe(provider, tmp_path, recipe, hook, run_id=hook.replace("_", "-"),
+                                          python=node())
     again = check_resumed(outcome, proxy_log)
     why = outcome.explain(proxy_log)
     assert outcome.served(again) == [("send_email", "replayed"), ("charge_card", "replayed"),
                                      ("send_receipt", "live")], why
-    # four model calls in all: two live before the crash, replayed after it, then two live
-    assert {k: provider.calls[k] for k in ("responses", *SIDE_EFFECTS)} == {"responses": 4, **SIDE_EFFECTS}, why
+    assert {k: provider.calls[k] for k in (model_api, *SIDE_EFFECTS)} == {model_api: 4, **SIDE_EFFECTS}, why
+    return outcome, again, why
+
+
+async def test_openai_agents_js_resumes_paying_and_charging_once(provider, tmp_path):
+    """OpenAI Agents JS on the Responses API, its client set by ``setDefaultOpenAIClient``."""
+    outcome, again, why = await resumed_at_the_receipt(provider, tmp_path, "js/openai_agents_agent.mjs",
+                                                       "js_openai_agents", "responses")
     assert provider.calls["chat"] == 0
     assert provider.calls["traces"] >= 1, why  # the SDK's tracing stayed on, through the proxy
     # The restarted attempt was told what the crashed one was: the same tool answers.
@@ -56,10 +65,7 @@ async def test_langgraph_js_resumes_paying_and_charging_once(provider, tmp_path)
     """LangGraph.js with ``ChatOpenAI({ configuration })`` on Chat Completions, no checkpoint
     across processes: the restarted graph runs from the start, every call the crashed attempt
     made is answered from the journal, and it goes live at the receipt."""
-    outcome, proxy_log = await run_recipe(provider, tmp_path, "js/langgraph_agent.mjs", "js_langgraph",
-                                          run_id="langgraph-js", python=node())
-    again = check_resumed(outcome, proxy_log)
-    why = outcome.explain(proxy_log)
-    assert outcome.served(again) == [("send_email", "replayed"), ("charge_card", "replayed"),
-                                     ("send_receipt", "live")], why
-    assert {k: provider.calls[k] for k in ("chat", *SIDE_EFFECTS)} == {"chat": 4, **SIDE_EFFECTS}, why
+    outcome, again, why = await resumed_at_the_receipt(provider, tmp_path, "js/langgraph_agent.mjs",
+                                                       "js_langgraph", "chat")
+    assert provider.calls["responses"] == 0
+    assert ANSWERED.findall(again)[:2] == ANSWERED.findall(outcome.first), why
