@@ -213,3 +213,22 @@ async def test_claims_of_a_new_key_held_up_together_have_one_winner(schema, open
         assert await conn.fetchval("SELECT count(*) FROM journal WHERE key = 'new'") == 1
     finally:
         await conn.close()
+
+
+async def test_a_drop_outlasts_the_store_timeout_when_it_must_wait(schema, open_pg):  # noqa: F811
+    """DETACH … CONCURRENTLY waits for the transactions using the journal, and a large range's
+    files take seconds to free: the drop is not bound by the request path's timeout."""
+    store = await open_pg(timeout=0.5, partition_interval=1.0)
+    assert (await store.journal.claim(claim_of("short", retention_s=0.2))).won
+    conn = await raw(schema)
+    try:
+        reading = conn.transaction()
+        await reading.start()
+        await conn.fetchval("SELECT count(*) FROM journal")  # a reader still in its transaction
+        purge = asyncio.create_task(store.journal.purge(time.time() + 2.0))
+        await asyncio.sleep(1.0)  # twice the store's timeout
+        assert not purge.done()
+        await reading.rollback()
+        assert await asyncio.wait_for(purge, 5.0) == 1
+    finally:
+        await conn.close()

@@ -23,8 +23,10 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import asyncpg
 import orjson
 
+from ...config import mask_url
 from ..errors import StoreMisconfigured, StoreUnavailable
 from ..waking import RUN_LOST, Bell, Waiters
+from . import sql
 from .schema import check, migrate
 
 log = logging.getLogger("idemproxy.store")
@@ -32,6 +34,9 @@ log = logging.getLogger("idemproxy.store")
 POLL_S = 0.5  # a waiter looks again this often, in case a notification was lost
 LISTENER_CHECK_S = 5.0  # how often the idle listener connection proves it is alive
 MIGRATE_TIMEOUT_S = 60.0
+# A partition's drop frees its files at commit: seconds per ten gigabytes (docs/sizing.md),
+# longer than a request may take, so it runs on a connection without the pool's timeouts.
+MAINTENANCE_TIMEOUT_S = 600.0
 # SQLSTATE classes that mean "the server cannot serve us now", not "the query is wrong":
 # connection (08), transaction rollback (40: deadlock, serialization), resources (53),
 # operator intervention, shutdown and our statement_timeout (57), system (58); a read-only
@@ -121,6 +126,7 @@ class PostgresConnection:
     """The pool and the listener of one store; see the module docstring."""
 
     def __init__(self, url: str, timeout: float):
+        self.url = url
         self.timeout = timeout
         self._dsn, self.schema, self._pool_size = _parse_url(url)
         self.channel = f"idemproxy:{self.schema}"[:63]  # NOTIFY channel names are identifiers
@@ -184,6 +190,15 @@ class PostgresConnection:
                     raise
         self._listening = conn
         self._listener = asyncio.create_task(self._listen(conn), name="idemproxy-pg-listener")
+
+    def __repr__(self) -> str:
+        return f"PostgresConnection({mask_url(self.url)!r})"
+
+    async def ping(self) -> None:
+        await self.use("ping", lambda c: c.fetchval("SELECT 1"))
+
+    async def secret(self, name: str, generate: bytes) -> bytes:
+        return (await self.fetchrow("secret", sql.SECRET, name, generate))[0]
 
     async def aclose(self) -> None:
         if self._listener is not None:
@@ -249,6 +264,18 @@ class PostgresConnection:
                         self._kept[what] = conn
                     else:
                         await pool.release(conn)
+
+    async def alone(self, what: str, work: Callable[[asyncpg.Connection], Awaitable[Any]],
+                    timeout: float = MAINTENANCE_TIMEOUT_S) -> Any:
+        """``work`` on a connection of its own, bounded by ``timeout`` instead of the store's:
+        maintenance that may outlast any request (a large partition's drop)."""
+        with translated(what, timeout):
+            args = self._connect_args("idemproxy-maintain")  # (no statement_timeout: not the pool)
+            conn = await asyncpg.connect(self._dsn, **{**args, "command_timeout": timeout})
+            try:
+                return await work(conn)
+            finally:
+                await conn.close()
 
     async def batch(self, what: str, query: str, *args: Any) -> list[asyncpg.Record]:
         """A batch's statement, on the connection kept for batches of its kind."""

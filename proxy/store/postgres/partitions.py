@@ -139,24 +139,28 @@ class Partitions:
         await self._db.execute("purge", ORPHAN_PARTIALS, now)
         for (name,) in await self._db.fetch("purge", DETACHED):  # a purge cut short between detach and drop
             await self._db.execute("purge", f'DROP TABLE IF EXISTS "{name}"')
-        rows = await self._db.fetch("purge", RANGES)
+        rows = [row for row in await self._db.fetch("purge", RANGES) if parse_bound(row[1])[1] <= now]
         dropped = 0
-        for name, bound, pending, pages, tuples in rows:
-            if parse_bound(bound)[1] > now:
-                continue
+        for name, _, pending, pages, tuples in rows:
             count = await self._count(name, pages, tuples)
-            finish = " FINALIZE" if pending else " CONCURRENTLY"
-            try:
-                await self._db.execute("purge", f'ALTER TABLE journal DETACH PARTITION "{name}"{finish}')
-            except asyncpg.UndefinedTableError:
-                pass  # another replica's purge got there first
-            except asyncpg.ObjectNotInPrerequisiteStateError:
-                continue  # another replica is detaching it now
-            await self._db.execute("purge", f'DROP TABLE IF EXISTS "{name}"')
-            log.info("journal partition %s dropped (%d entries)", name, count)
-            dropped += count
+            if await self._db.alone("purge", lambda conn: self._detach_and_drop(conn, name, pending)):
+                log.info("journal partition %s dropped (%d entries)", name, count)
+                dropped += count
         await self.refresh()
         return dropped
+
+    @staticmethod
+    async def _detach_and_drop(conn: asyncpg.Connection, name: str, pending: bool) -> bool:
+        """Whether this call dropped it (False: another replica is detaching it now)."""
+        finish = " FINALIZE" if pending else " CONCURRENTLY"
+        try:
+            await conn.execute(f'ALTER TABLE journal DETACH PARTITION "{name}"{finish}')
+        except asyncpg.UndefinedTableError:
+            pass  # another replica's purge detached it, or dropped it too
+        except asyncpg.ObjectNotInPrerequisiteStateError:
+            return False
+        await conn.execute(f'DROP TABLE IF EXISTS "{name}"')
+        return True
 
     async def _count(self, name: str, pages: int, tuples: float) -> int:
         if pages < EXACT_COUNT_PAGES or tuples < 0:  # (-1: never analyzed, no estimate to give)
