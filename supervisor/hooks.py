@@ -49,9 +49,10 @@ log = logging.getLogger("idemproxy.supervisor")
 HTTP_TIMEOUT_S = 10.0     # per delivery try
 HTTP_BACKOFF_S = 0.5      # first wait between tries; doubles each time
 HTTP_BACKOFF_MAX_S = 30.0
-# http hooks delivered at once; the others wait their turn. Each delivery ends in a store
-# write, and a mass restart must not take every connection of the store's pool.
-DELIVERIES_AT_ONCE = 32
+# what became of hook deliveries, recorded at once; the others wait their turn: a mass
+# restart's deliveries each end in a store write, which must not take every connection of
+# the store's pool. The deliveries themselves are bounded by the HTTP session's connections.
+RECORDED_AT_ONCE = 32
 SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 FACTS_PREFIX = "IDEM_"  # the facts of a call (HookCall.environment), and a standby's marker
 # Credentials of the supervisor's own stores and cloud account, by their well-known names.
@@ -135,7 +136,7 @@ class Hooks:
         self._proxy_url = settings.proxy_url
         self._store = store
         self._deliveries: set[asyncio.Task] = set()  # http hooks being delivered
-        self._delivering = asyncio.Semaphore(DELIVERIES_AT_ONCE)
+        self._recording = asyncio.Semaphore(RECORDED_AT_ONCE)
         self._watchers: set[asyncio.Task] = set()  # started commands, until they exit
         self._session: aiohttp.ClientSession | None = None
         self._max_processes = settings.supervisor.max_hook_processes
@@ -285,8 +286,7 @@ class Hooks:
             headers["Idem-Signature"] = sign(str(hook.secret), body)
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S))
-        async with self._delivering:
-            await self._post(hook, call, body, headers)
+        await self._post(hook, call, body, headers)
 
     async def _post(self, hook: HookSettings, call: HookCall, body: bytes, headers: dict[str, str]) -> None:
         error = "not tried"
@@ -315,7 +315,8 @@ class Hooks:
 
     async def _record(self, call: HookCall, event: dict) -> None:
         try:
-            await self._store.runs.set_state(call.namespace, call.run_id, None, time.time(), event)
+            async with self._recording:  # not the delivery: a receiver that never answers holds up no other
+                await self._store.runs.set_state(call.namespace, call.run_id, None, time.time(), event)
         except StoreUnavailable as exc:
             log.warning("could not record %s for run %s: %s", event["event"], call.run_id, exc)
 

@@ -235,3 +235,38 @@ def test_hook_env_options_load_from_toml_and_never_show_their_values(tmp_path):
     hook = load_settings(write_config(tmp_path / "env.toml", sections),
                          env={"IDEMPROXY_HOOKS_AGENT_PASS_ENV": '["PATH", "HOME"]'}).hooks["agent"]
     assert (dict(hook.env), hook.pass_env) == ({}, ("PATH", "HOME"))  # unset: inherit (see above)
+
+
+async def test_a_receiver_that_does_not_answer_holds_up_no_other_hook(hooks_on, receiver):
+    """RECORDED_AT_ONCE bounds the store writes that record deliveries, not the deliveries:
+    a receiver that takes every try to its timeout (down, behind a firewall) must not keep
+    another hook's receiver from hearing of its restarts meanwhile."""
+    import asyncio
+    from idemproxy.supervisor.hooks import RECORDED_AT_ONCE
+    url, got, _ = receiver
+    release = asyncio.Event()
+
+    async def silent(request: web.Request) -> web.Response:
+        await release.wait()
+        return web.Response(text="late")
+    app = web.Application()
+    app.router.add_post("/hook", silent)
+    stuck = TestServer(app, host="127.0.0.1")
+    await stuck.start_server()
+    hooks, store = await hooks_on(stuck={"url": str(stuck.make_url("/hook")), "retries": 0},
+                                  pager={"url": url, "retries": 0})
+    try:
+        for _ in range(RECORDED_AT_ONCE):
+            assert await hooks.fire("stuck", *_call()) is None
+        await asyncio.sleep(0.2)  # every stuck delivery is waiting on its receiver
+        assert await hooks.fire("pager", *_call()) is None
+        deadline = time.monotonic() + 3  # a stuck try lasts HTTP_TIMEOUT_S (10 s)
+        while not got and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert len(got) == 1
+    finally:
+        release.set()
+        await hooks.wait_idle()
+        await stuck.close()
+    delivered = [e for e in await _history(store) if e["event"] == "hook-delivered"]
+    assert len(delivered) == RECORDED_AT_ONCE + 1
