@@ -136,8 +136,9 @@ export async function startProxy(upstream, sections = {}) {
   const config = join(dir, "idemproxy.toml");
   writeFileSync(config, toml);
   const output = [];
+  const { IDEMPROXY_BIN: _, ...env } = process.env; // the proxy reads IDEMPROXY_* as its options
   const child = spawn(idemproxyBin(), ["serve", "--config", config], {
-    cwd: dir, stdio: ["ignore", "pipe", "pipe"], env: { ...process.env },
+    cwd: dir, stdio: ["ignore", "pipe", "pipe"], env,
   });
   child.stdout.on("data", (chunk) => output.push(chunk));
   child.stderr.on("data", (chunk) => output.push(chunk));
