@@ -20,7 +20,7 @@ the store's own run registry (the code the proxy and the supervisor run):
 
     python bench/runs_scale.py                          # all three stores; several minutes
     python bench/runs_scale.py --stores postgres --live 1000,100000
-    python bench/runs_scale.py --stores redis --redis-url redis+cluster://127.0.0.1:7000
+    python bench/runs_scale.py --stores redis-cluster         # a private 3-master cluster
 
 Times are wall-clock medians of ``--reps`` on a shared machine: read them as orders of
 magnitude and against each other within one run. Writes a JSON of every figure (``--out``).
@@ -48,7 +48,9 @@ import redis.asyncio as redis_asyncio
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from processes import make_store  # noqa: E402
+from redis_cluster import STEADY_MS, RedisCluster  # noqa: E402
 
 from idemproxy.proxy.config import load_settings  # noqa: E402
 from idemproxy.proxy.runs import RunsService  # noqa: E402
@@ -255,8 +257,9 @@ async def run_store(url: str, a: argparse.Namespace) -> dict:
     try:
         sizes = [int(s) for s in a.live.split(",")]
         out = {"ticks": await measure_ticks(store, sizes, a.due, a.reps)}
-        out["bytes_per_run"] = await bytes_per_run(url, sizes[-1])
-        print(f"    {out['bytes_per_run']:,.0f} bytes per run", flush=True)
+        if "+cluster" not in url:  # a cluster keeps the same keys as one Redis
+            out["bytes_per_run"] = await bytes_per_run(url, sizes[-1])
+            print(f"    {out['bytes_per_run']:,.0f} bytes per run", flush=True)
         out["heartbeats"] = await measure_beats(store, sizes[-1], min(a.beats, sizes[-1]))
         if a.restart:
             out["restart"] = await measure_restart(url, store, sizes[-1], a.restart, a.replicas, a.interval)
@@ -267,7 +270,7 @@ async def run_store(url: str, a: argparse.Namespace) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--stores", default="sqlite,postgres,redis")
+    p.add_argument("--stores", default="sqlite,postgres,redis", help="and redis-cluster")
     p.add_argument("--live", default="1000,10000,100000", help="live runs at each tick measurement")
     p.add_argument("--due", type=int, default=1000, help="runs silent at once, for the busy tick")
     p.add_argument("--beats", type=int, default=20000, help="beats in one flush (100,000 runs every 5 s)")
@@ -284,7 +287,11 @@ def main() -> None:
     results = {"args": vars(a), "stores": {}}
     with tempfile.TemporaryDirectory(prefix="runs-scale-") as tmp:
         for kind in a.stores.split(","):
-            url, drop = make_store(kind, Path(tmp), a.postgres_url, a.redis_url)
+            if kind == "redis-cluster":  # a private one: 3 masters, 3 replicas (tests/redis_cluster.py)
+                cluster = RedisCluster(node_timeout_ms=STEADY_MS).start()
+                url, drop = f"{cluster.url}/?prefix=bench:", cluster.destroy
+            else:
+                url, drop = make_store(kind, Path(tmp), a.postgres_url, a.redis_url)
             if kind == "postgres":  # four stores open at once (the bench's, three supervisors')
                 url += f"&pool_size={a.pool_size}"
             print(f"  {kind}:", flush=True)
