@@ -9,10 +9,10 @@ showing its run once, in one namespace, completed by the client; step 4's crash 
 Substituted, and only this: free ports instead of 8787 and 9100, and a temporary journal and
 log folder instead of examples/ (``IDEMPROXY_*`` variables, as docs/configuration.md allows;
 the agents find the proxy through ``IDEM_PROXY_URL``, as step 3 says). The fresh venv's
-dependencies (and the setuptools that builds the editable packages) come from the test venv,
-through one .pth file, instead of the package index: the install line itself runs and installs
-both packages and the ``idemproxy`` command into the new venv in seconds, where downloading them
-takes minutes; scripts/test installs the same extras from the index.
+dependencies (pip, and the setuptools that builds the editable packages, too) come from the test
+venv through one .pth file, instead of the package index: the install line itself runs and
+installs both packages and the ``idemproxy`` command into the new venv in seconds, where
+downloading them takes minutes; scripts/test installs the same extras from the index.
 """
 
 from __future__ import annotations
@@ -33,9 +33,8 @@ import pytest
 
 import services
 
-# a venv, a proxy, a provider and agents as processes, most of the time the venv; the timeout
-# leaves room for a loaded machine
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+# a venv, a proxy, a provider and agents as processes; the timeout leaves room for a loaded machine
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 REPO = Path(__file__).resolve().parent.parent
 PAGE = REPO / "docs" / "getting-started.md"
@@ -129,10 +128,15 @@ class Shell:
 def installed(tmp_path: Path) -> Path:
     """Step 1 in a fresh venv (see the module's docstring for where its dependencies come from)."""
     venv = tmp_path / "venv"
-    subprocess.run([sys._base_executable, "-m", "venv", str(venv)], check=True, timeout=60)
+    # without ensurepip's copy of pip: pip too comes from the test venv, through the .pth, and
+    # bin/pip is the launcher ensurepip would write
+    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
     purelib = subprocess.run([venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              capture_output=True, text=True, check=True).stdout.strip()
     Path(purelib, "test_venv_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    launcher = venv / "bin" / "pip"
+    launcher.write_text(f"#!{venv}/bin/python\nimport sys\nfrom pip._internal.cli.main import main\nsys.exit(main())\n")
+    launcher.chmod(0o755)
     (install,) = [line for line in commands(1) if "pip install" in line]
     assert commands(1)[0].startswith("python3 -m venv .venv && . .venv/bin/activate")
     # pip's PIP_NO_BUILD_ISOLATION=0 means no build isolation: the editable builds use the
