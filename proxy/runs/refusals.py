@@ -46,7 +46,7 @@ class Refusals:
             log.warning("refusal of run %s not counted: %s", call.run, exc)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made for every call of a run, and a frozen one costs 5x to make
 class RunCall:
     """A proxied call of a run, as its refusal is kept: ``path`` is within the upstream."""
     refusals: Refusals
