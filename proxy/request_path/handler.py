@@ -55,9 +55,11 @@ class Proxy:
     recorder: Recorder = field(init=False)
     lookup: Lookup = field(init=False)
     mcp: McpUpstreams = field(default_factory=McpUpstreams)  # kind = "mcp" upstreams' state
+    _max_body: int = field(init=False)  # [server] max_request_bytes
 
     def __post_init__(self) -> None:
         settings, store = self.settings, self.store
+        self._max_body = settings.server.max_request_bytes
         self.on_ambiguous = {name: policy.on_ambiguous(up) for name, up in settings.upstreams.items()}
         self.forwarding = Forwarding(settings.server.trusted_proxies)
         self.refusals = Refusals(store, settings.store.retention)
@@ -82,7 +84,7 @@ class Proxy:
                 return await self._mcp(request, exchange, route)
             ident, chosen = identify(self.tenants, request, route)
             self._enter(request, exchange, route, ident)
-            body, content = await self._read(request, exchange)
+            body, content = exchange.body, exchange.content = await read_body(request, self._max_body)
             facts = note(exchange, route, ident, content)
             recorded = chosen is Policy.RECORD
             if recorded:  # before the fence: a refused call changes nothing
@@ -105,17 +107,12 @@ class Proxy:
             exchange.run_call = RunCall(self.refusals, ident.namespace, ident.run, ident.epoch,
                                         route.upstream.name, request.method, route.path)
 
-    async def _read(self, request: web.Request, exchange: Exchange) -> tuple[bytes, bytes]:
-        body, content = await read_body(request, self.settings.server.max_request_bytes)
-        exchange.body, exchange.content = body, content
-        return body, content
-
     async def _mcp(self, request: web.Request, exchange: Exchange, route: Route) -> web.StreamResponse:
         """A ``kind = "mcp"`` upstream (docs/mcp.md): a tools/call is recorded under what it means
         and replayed under the caller's JSON-RPC id; everything else passes through."""
         ident = identify(self.tenants, request, route, decide=False)[0]
         self._enter(request, exchange, route, ident)
-        body, content = await self._read(request, exchange)
+        body, content = exchange.body, exchange.content = await read_body(request, self._max_body)
         facts = note(exchange, route, ident, content)
         plan = self.mcp.plan(request, route.upstream, route.path_qs, ident,
                              lambda: tenant_of(self.tenants, request, exchange), content)
