@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO / "tests"))
 import redis  # noqa: E402
 
 from idemproxy.proxy.store.model import Claim, Recorded, Scope  # noqa: E402
-from idemproxy.proxy.store.redis import RedisStore  # noqa: E402
+from idemproxy.proxy.store.redis import redis_store  # noqa: E402
 from redis_cluster import STEADY_MS, RedisCluster  # noqa: E402
 from services import PrivateRedis  # noqa: E402
 
@@ -78,7 +78,7 @@ def waits(port: int) -> int:
 async def measure(url: str, port: int, wait: int, seconds: float,
                   concurrency: int) -> dict[str, tuple[float, float, float, float]]:
     """{operation: (operations/s, p50 ms, p99 ms, WAITs per operation)}"""
-    store = RedisStore(url, timeout=5.0, wait_replicas=wait)
+    store = redis_store(url, timeout=5.0, wait_replicas=wait)
     await store.open()
     tag = uuid.uuid4().hex[:8]
     try:
@@ -116,7 +116,7 @@ async def measure(url: str, port: int, wait: int, seconds: float,
 
 async def bytes_per_entry(url: str, master_port: int) -> float:
     raw = redis.Redis(port=master_port)
-    store = RedisStore(url, timeout=5.0)
+    store = redis_store(url, timeout=5.0)
     await store.open()
     try:
         raw.execute_command("MEMORY", "PURGE")

@@ -5,7 +5,7 @@ allows (issue 28, item 2). Not a test: it fills tens of gigabytes.
                                [--out bench/results/partitions.json]
 
 In a database of its own (``idem_bench_partitions``, dropped at the end), on the store's
-own code (``PostgresStore``), with 32 concurrent callers as the proxy's requests would be:
+own code (``postgres_store``), with 32 concurrent callers as the proxy's requests would be:
 
 1. rates and p99: claim (a new key), record (its answer), replay (a claim of a key with an
    answer) on an empty journal, then the same after the journal is filled with N entries,
@@ -43,7 +43,8 @@ from pathlib import Path
 import asyncpg
 
 from idemproxy.proxy.store.model import Claim, Recorded, Scope
-from idemproxy.proxy.store.postgres import PostgresStore
+from idemproxy.proxy.store.composed import Store
+from idemproxy.proxy.store.postgres import postgres_store
 from idemproxy.proxy.store.postgres.schema import MIGRATIONS
 
 SERVER = os.environ.get("BENCH_POSTGRES", "postgresql://postgres@127.0.0.1:5432")
@@ -99,7 +100,7 @@ async def timed_ops(ops: list, work) -> dict:
     return {"rate": len(ops) / (time.perf_counter() - began), "p99_ms": p99(latencies) * 1000}
 
 
-async def rates(stores: dict[str, tuple[PostgresStore, int]], ops: int, rounds_n: int = 3) -> dict:
+async def rates(stores: dict[str, tuple[Store, int]], ops: int, rounds_n: int = 3) -> dict:
     """For each store (name: store, entries seeded), in alternation, a warm-up round then
     ``rounds_n`` rounds of claim, record, replay (and replay-seeded where entries were
     seeded): the median of each figure."""
@@ -115,7 +116,7 @@ async def rates(stores: dict[str, tuple[PostgresStore, int]], ops: int, rounds_n
     return figures
 
 
-async def one_store_rates(store: PostgresStore, ops: int, seeded: int, rounds_n: int) -> dict:
+async def one_store_rates(store: Store, ops: int, seeded: int, rounds_n: int) -> dict:
     rounds: dict[str, list[dict]] = {}
     for _ in range(rounds_n):
         tag = uuid.uuid4().hex[:8]
@@ -199,9 +200,9 @@ async def sizes(conn: asyncpg.Connection) -> dict:
 
 async def big_journal(args: argparse.Namespace, url: str) -> dict:
     now = time.time()
-    store = PostgresStore(f"{url}?schema=big&pool_size=16", timeout=60.0, partition_interval=DAY, retention=DAY)
+    store = postgres_store(f"{url}?schema=big&pool_size=16", timeout=60.0, partition_interval=DAY, retention=DAY)
     await store.open()
-    empty = PostgresStore(f"{url}?schema=empty&pool_size=16", timeout=60.0, partition_interval=DAY, retention=DAY)
+    empty = postgres_store(f"{url}?schema=empty&pool_size=16", timeout=60.0, partition_interval=DAY, retention=DAY)
     await empty.open()
     out: dict = {}
     try:
@@ -264,7 +265,7 @@ async def retention(args: argparse.Namespace, url: str) -> dict:
     per_day, out = args.day, {}
     old = await asyncpg.connect(url)
     await old_schema(old, "old")
-    store = PostgresStore(f"{url}?schema=new&pool_size=16", timeout=60.0, partition_interval=DAY, retention=DAY)
+    store = postgres_store(f"{url}?schema=new&pool_size=16", timeout=60.0, partition_interval=DAY, retention=DAY)
     await store.open()
     new = await asyncpg.connect(url, server_settings={"search_path": "new"})
     try:
@@ -293,7 +294,7 @@ async def retention(args: argparse.Namespace, url: str) -> dict:
         out["live_entries"] = await new.fetchval("SELECT count(*) FROM journal")
         rows = await old.fetchval("SELECT count(*) FROM journal")
         began = time.perf_counter()  # the migration of the old journal, as `idemproxy migrate` runs it
-        migrated = PostgresStore(f"{url}?schema=old&pool_size=16", timeout=60.0, partition_interval=DAY, retention=DAY)
+        migrated = postgres_store(f"{url}?schema=old&pool_size=16", timeout=60.0, partition_interval=DAY, retention=DAY)
         await migrated.open()
         out["migration"] = {"entries": rows, "seconds": time.perf_counter() - began}
         await migrated.aclose()

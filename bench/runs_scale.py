@@ -56,7 +56,7 @@ from idemproxy.proxy.config import load_settings  # noqa: E402
 from idemproxy.proxy.runs import RunsService  # noqa: E402
 from idemproxy.proxy.store import open_store  # noqa: E402
 from idemproxy.proxy.store.model import Run, RunState  # noqa: E402
-from idemproxy.proxy.store.redis.connection import run_ref  # noqa: E402
+from idemproxy.proxy.store.redis.values import run_ref  # noqa: E402
 from idemproxy.supervisor.hooks import Hooks  # noqa: E402
 from idemproxy.supervisor.loop import Supervisor  # noqa: E402
 

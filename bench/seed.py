@@ -200,9 +200,9 @@ def postgres_template(url: str, plain_key: str, run_key: str) -> Template:
 async def _ranges_for(url: str, layout: Layout) -> None:
     """The journal's ranges (partitioned by expiry) for every seeded entry, the expired ones too,
     made as the proxy makes them (the default partition_interval, a day)."""
-    from idemproxy.proxy.store.postgres import PostgresStore
+    from idemproxy.proxy.store.postgres import postgres_store
 
-    store = PostgresStore(url, retention=layout.retention)
+    store = postgres_store(url, retention=layout.retention)
     await store.open()
     try:
         first, last = layout.created(0) + layout.retention, layout.created(layout.n) + layout.retention

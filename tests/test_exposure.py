@@ -14,7 +14,7 @@ import pytest
 from conftest import write_config
 from idemproxy.proxy.cli.store import check
 from idemproxy.proxy.config import load_settings, mask_url
-from idemproxy.proxy.store.sqlite import SQLiteStore
+from idemproxy.proxy.store.sqlite import sqlite_store
 from rawhttp import problem
 
 CHAT = "/openai/v1/chat/completions"
@@ -115,7 +115,7 @@ def umask():
 async def test_a_new_journal_and_its_wal_and_shm_are_0600_whatever_the_umask(tmp_path, umask):
     umask(0)  # SQLite alone would create all three 0644 (0666 & ~0 is what it asks for, less its own)
     path = tmp_path / "journal.db"
-    store = SQLiteStore(str(path))
+    store = sqlite_store(str(path))
     await store.open()
     try:
         await store.secret("tenant-hmac", b"k" * 32)  # a write: the -wal and -shm exist from now on
@@ -128,7 +128,7 @@ async def test_a_new_journal_and_its_wal_and_shm_are_0600_whatever_the_umask(tmp
 
 async def test_an_existing_journal_loses_the_permissions_of_others_only(tmp_path, umask, caplog):
     path = tmp_path / "journal.db"
-    store = SQLiteStore(str(path))
+    store = sqlite_store(str(path))
     await store.open()
     await store.secret("tenant-hmac", b"k" * 32)
     await store.aclose()
@@ -136,7 +136,7 @@ async def test_an_existing_journal_loses_the_permissions_of_others_only(tmp_path
     Path(f"{path}-wal").write_bytes(b"")
     Path(f"{path}-wal").chmod(0o644)
     with caplog.at_level(logging.WARNING, logger="idemproxy.store"):
-        store = SQLiteStore(str(path))
+        store = sqlite_store(str(path))
         await store.open()
     try:
         assert await store.secret("tenant-hmac", b"other") == b"k" * 32

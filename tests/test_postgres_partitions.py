@@ -13,7 +13,6 @@ import pytest
 import services
 from idemproxy.proxy.config import ConfigError, load_settings
 from idemproxy.proxy.store.model import Claim, EntryState, Recorded, Run, Scope
-from idemproxy.proxy.store.postgres import PostgresStore
 from idemproxy.proxy.store.postgres.partitions import RANGES, parse_bound
 from idemproxy.proxy.store.postgres.schema import MIGRATIONS
 from test_store_postgres import open_pg, raw, schema  # noqa: F401 - fixtures
@@ -29,7 +28,7 @@ CREATE TRIGGER watch AFTER DELETE ON journal FOR EACH ROW EXECUTE FUNCTION note_
 
 @pytest.fixture
 def open_partitioned(open_pg):  # noqa: F811
-    """Factory: an open PostgresStore on the test's schema, in one-second partitions."""
+    """Factory: an open PostgreSQL store on the test's schema, in one-second partitions."""
     return lambda retention=3600.0: open_pg(partition_interval=1.0, retention=retention)
 
 

@@ -14,6 +14,8 @@ import pytest
 
 from idemproxy.proxy.config import StoreSettings
 from idemproxy.proxy.store import Store, make_store
+from idemproxy.proxy.store.administration import Audit
+from idemproxy.proxy.store.composed import Connection, Journal, RunRegistry
 from idemproxy.proxy.store.model import Claim, EntryState, Recorded, Run, RunState, Scope
 
 TENANT = "tenant-a"  # whose credential made the call
@@ -78,6 +80,9 @@ async def claimed(store: Store, sc: Scope, **kw) -> str:
 
 async def test_store_follows_the_protocol(store):
     assert isinstance(store, Store)
+    # each part has both halves of its protocol: the hot path and the administration
+    assert isinstance(store.journal, Journal) and isinstance(store.runs, RunRegistry)
+    assert isinstance(store.audit, Audit) and isinstance(store.connection, Connection)
     assert isinstance(store.durability, str) and store.durability
     await store.ping()
 

@@ -13,7 +13,9 @@ import services
 from idemproxy.proxy.config import StoreSettings
 from idemproxy.proxy.store import StoreUnavailable, make_store
 from idemproxy.proxy.store.model import Claim, EntryState, Recorded, Run, Scope
-from idemproxy.proxy.store.postgres import PostgresStore, sql
+from idemproxy.proxy.store.composed import Store
+from idemproxy.proxy.store.postgres import postgres_store, sql
+from idemproxy.proxy.store.postgres.connection import PostgresConnection
 from idemproxy.proxy.store.postgres.schema import MIGRATIONS
 
 REPLY = Recorded(200, [("content-type", "text/plain")], b"done")
@@ -36,12 +38,12 @@ def schema():
 
 @pytest.fixture
 async def open_pg(schema):
-    """Factory: ``await open_pg(url=None, timeout=5.0, **options)`` -> an open PostgresStore (options:
+    """Factory: ``await open_pg(url=None, timeout=5.0, **options)`` -> an open PostgreSQL store (options:
     its partition_interval, retention); closed at teardown."""
-    opened: list[PostgresStore] = []
+    opened: list[Store] = []
 
-    async def make(url: str | None = None, timeout: float = 5.0, **options) -> PostgresStore:
-        store = PostgresStore(url or f"{services.postgres_url()}?schema={schema}", timeout=timeout, **options)
+    async def make(url: str | None = None, timeout: float = 5.0, **options) -> Store:
+        store = postgres_store(url or f"{services.postgres_url()}?schema={schema}", timeout=timeout, **options)
         await store.open()
         opened.append(store)
         return store
@@ -76,12 +78,12 @@ async def test_many_replicas_migrate_at_once(schema, open_pg):
 async def test_our_url_parameters_are_ours(schema, open_pg):
     store = make_store(StoreSettings(url=f"postgres://postgres@127.0.0.1:1/postgres?schema={schema}"
                                          "&pool_size=3&sslmode=disable"))
-    assert isinstance(store, PostgresStore) and store.connection.schema == schema
+    assert isinstance(store.connection, PostgresConnection) and store.connection.schema == schema
     dsn = store.connection._dsn
     assert "schema" not in dsn and "pool_size" not in dsn and "sslmode=disable" in dsn
     with pytest.raises(ValueError):
-        PostgresStore("postgresql://h/db?schema=x;drop")
-    assert "secret-pw" not in repr(PostgresStore("postgresql://u:secret-pw@h/db"))
+        postgres_store("postgresql://h/db?schema=x;drop")
+    assert "secret-pw" not in repr(postgres_store("postgresql://u:secret-pw@h/db"))
 
 
 async def test_durability_is_read_from_the_server(open_pg):
@@ -274,7 +276,7 @@ async def test_a_claim_waits_for_a_restart_in_progress_and_sees_its_epoch(schema
 
 
 async def test_open_fails_fast_when_nothing_listens():
-    store = PostgresStore(f"postgresql://postgres@127.0.0.1:{services.free_port()}/postgres", timeout=1.0)
+    store = postgres_store(f"postgresql://postgres@127.0.0.1:{services.free_port()}/postgres", timeout=1.0)
     started = time.monotonic()
     with pytest.raises(StoreUnavailable):
         await store.open()

@@ -20,7 +20,8 @@ from idemproxy.proxy.config import ConfigError, Settings, StoreSettings
 from idemproxy.proxy.config.validation import validate
 from idemproxy.proxy.store.errors import StoreUnavailable
 from idemproxy.proxy.store.model import Claim, Recorded, Run, Scope
-from idemproxy.proxy.store.redis import RedisStore
+from idemproxy.proxy.store.composed import Store
+from idemproxy.proxy.store.redis import redis_store
 from idemproxy.proxy.store.redis.connection import POLL_S, split_url
 from idemproxy.proxy.store.redis.durability import ReplicasBehind
 from services import PrivateRedis, free_port, redis_url
@@ -46,10 +47,10 @@ def private_redis():
 @pytest.fixture
 async def open_store():
     """Factory: ``await open_store(url, timeout)``; closed at teardown."""
-    stores: list[RedisStore] = []
+    stores: list[Store] = []
 
-    async def make(url: str, timeout: float = 5.0) -> RedisStore:
-        store = RedisStore(url, timeout=timeout)
+    async def make(url: str, timeout: float = 5.0) -> Store:
+        store = redis_store(url, timeout=timeout)
         await store.open()
         stores.append(store)
         return store
@@ -77,7 +78,7 @@ def test_prefix_is_ours_and_other_parameters_go_to_redis():
     assert split_url("redis://h:6379/2?prefix=app1:&ssl_cert_reqs=none") == (
         "redis://h:6379/2?ssl_cert_reqs=none", "app1:")
     assert split_url("rediss://h/0") == ("rediss://h/0", "idem:")
-    assert "s3cret" not in repr(RedisStore("redis://:s3cret@h:6379/0?prefix=p:"))
+    assert "s3cret" not in repr(redis_store("redis://:s3cret@h:6379/0?prefix=p:"))
 
 
 @pytest.mark.parametrize("appendonly, appendfsync, says, warned", [
@@ -105,7 +106,7 @@ async def test_durability_is_unknown_when_config_is_disabled(private_redis, open
 
 
 async def test_open_fails_fast_when_nothing_listens():
-    store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", timeout=1.0)
+    store = redis_store(f"redis://127.0.0.1:{free_port()}/0", timeout=1.0)
     started = time.monotonic()
     with pytest.raises(StoreUnavailable):
         await store.open()
@@ -384,7 +385,7 @@ async def test_with_wait_replicas_every_write_waits_and_no_read_does(shared_url)
     """Not only claims and records: a run's change, a quarantine, a release are confirmed by WAIT
     too (none here: the Redis has no replica), while reads answer."""
     url, _ = shared_url
-    store = RedisStore(url, timeout=1.0, wait_replicas=1)
+    store = redis_store(url, timeout=1.0, wait_replicas=1)
     await store.open()
     try:
         for write in (store.runs.upsert(Run("default", "run-1", created_at=time.time())),

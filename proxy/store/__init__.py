@@ -1,8 +1,8 @@
 """Stores by URL scheme. Backends import lazily: asyncpg and redis are optional extras.
 
 Each backend is a package (``sqlite/``, ``postgres/``, ``redis/``) of the same shape: a
-``connection`` module shared by its ``journal`` and its ``runs``, composed by the store
-class in its ``__init__``.
+``connection`` module shared by its ``journal``, its ``runs`` and its ``audit``, which its
+``__init__`` composes into the one :class:`~.composed.Store`.
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ log = logging.getLogger("idemproxy.store")
 T = TypeVar("T")
 
 OPEN_ATTEMPTS = 8
-# scheme -> (package, class, extra that installs its driver)
+# scheme -> (package, the function that composes its store, extra that installs its driver)
 BACKENDS = {
-    "sqlite": ("sqlite", "SQLiteStore", None),
-    "postgresql": ("postgres", "PostgresStore", "postgres"),
-    "postgres": ("postgres", "PostgresStore", "postgres"),
-    "redis": ("redis", "RedisStore", "redis"),
-    "rediss": ("redis", "RedisStore", "redis"),
-    "redis+cluster": ("redis", "RedisStore", "redis"),
-    "rediss+cluster": ("redis", "RedisStore", "redis"),
+    "sqlite": ("sqlite", "sqlite_store", None),
+    "postgresql": ("postgres", "postgres_store", "postgres"),
+    "postgres": ("postgres", "postgres_store", "postgres"),
+    "redis": ("redis", "redis_store", "redis"),
+    "rediss": ("redis", "redis_store", "redis"),
+    "redis+cluster": ("redis", "redis_store", "redis"),
+    "rediss+cluster": ("redis", "redis_store", "redis"),
 }
 
 
@@ -41,23 +41,23 @@ def make_store(settings: StoreSettings) -> Store:
     scheme = urlsplit(settings.url).scheme
     if scheme not in BACKENDS:
         raise ConfigError(f"unsupported store URL scheme {scheme!r} (use sqlite, postgresql or redis)")
-    package, class_name, extra = BACKENDS[scheme]
+    package, factory_name, extra = BACKENDS[scheme]
     try:
         module = import_module(f"{__name__}.{package}")
     except ImportError as exc:
         raise ConfigError(f"the {scheme} store needs: pip install 'idemproxy[{extra}]' ({exc})") from exc
-    cls = getattr(module, class_name)
+    compose = getattr(module, factory_name)
     if scheme == "sqlite":
         # sqlite:///relative.db and sqlite:////absolute/path.db, as SQLAlchemy spells them
         path = sqlite_path(settings.url)
         if not path:
             raise ConfigError("sqlite URL must look like sqlite:///path/to/file.db")
-        return cls(path, timeout=settings.timeout)
+        return compose(path, timeout=settings.timeout)
     options = {"wait_replicas": settings.redis_wait_replicas} if package == "redis" else {}
     if package == "postgres":  # its journal's partitions (postgres/partitions.py)
         options = {"partition_interval": settings.partition_interval, "retention": settings.retention}
     try:
-        return cls(settings.url, timeout=settings.timeout, **options)
+        return compose(settings.url, timeout=settings.timeout, **options)
     except ValueError as exc:  # our own URL parameters (postgres ?schema=, ?pool_size=; cluster seeds)
         raise ConfigError(f"store.url: {exc}") from None
 

@@ -64,6 +64,13 @@ class PostgresJournal:
         self._give_back = GiveBack(self.release)
         self._completes = Batches("postgres complete", self._complete_many, db.timeout)
 
+    async def opened(self, migrate: bool) -> None:
+        """The ranges the next claims need; told not to migrate, the store writes nothing."""
+        if migrate:
+            await self.partitions.prepare(time.time())
+        else:
+            await self.partitions.refresh()
+
     async def aclose(self) -> None:
         """Send what is queued (pending records first), then stop giving claims back."""
         for batches in (self._completes, self._claims, self._gets):

@@ -29,53 +29,23 @@ unambiguous whatever the namespace holds. The layout::
   the journal and the runs; every Redis error becomes StoreUnavailable there. Durability
   is Redis's own (:mod:`.durability`).
 - :mod:`.scripts`: the Lua scripts, one per change, so each is atomic.
+- :mod:`.values`: how runs are named in keys, and values kept as text in hashes.
 - :mod:`.journal`, :mod:`.runs`: the two halves of the store contract over the connection;
   :mod:`.audit`: operator actions.
 """
 
 from __future__ import annotations
 
-from ...config import mask_url
+from ..composed import Store
 from .audit import RedisAudit
 from .connection import RedisConnection
 from .journal import RedisJournal
 from .runs import RedisRuns
 
-__all__ = ["RedisStore"]
+__all__ = ["redis_store"]
 
 
-class RedisStore:
+def redis_store(url: str, timeout: float = 5.0, wait_replicas: int = 0) -> Store:
     """The journal, the runs and the secrets in Redis; see the module docstring."""
-
-    def __init__(self, url: str, timeout: float = 5.0, wait_replicas: int = 0):
-        self.connection = RedisConnection(url, timeout, wait_replicas)
-        self.journal = RedisJournal(self.connection)
-        self.runs = RedisRuns(self.connection)
-        self.audit = RedisAudit(self.connection)
-
-    def __repr__(self) -> str:
-        return f"RedisStore({mask_url(self.connection.url)!r}, prefix={self.connection.prefix!r})"
-
-    @property
-    def durability(self) -> str:
-        return self.connection.durability
-
-    async def open(self, *, migrate: bool = True) -> None:
-        await self.connection.open(migrate)
-        self.journal.opened()
-        if migrate:
-            await self.journal.index_quarantined()
-
-    async def aclose(self) -> None:
-        await self.journal.aclose()
-        await self.connection.aclose()
-
-    async def ping(self) -> None:
-        await self.connection.do(self.connection.client.ping())
-
-    async def secret(self, name: str, generate: bytes) -> bytes:
-        key = self.connection.key("secret", name)
-        pipe = self.connection.client.pipeline(transaction=True)
-        pipe.set(key, generate, nx=True).get(key)
-        _, value = await self.connection.do(pipe.execute())
-        return value
+    connection = RedisConnection(url, timeout, wait_replicas)
+    return Store(connection, RedisJournal(connection), RedisRuns(connection), RedisAudit(connection))

@@ -15,7 +15,8 @@ import orjson
 
 from ..model import Action
 from ..rules import EVENT_BUCKETS, event_bucket
-from .connection import RedisConnection, run_ref
+from .connection import RedisConnection
+from .values import run_ref
 
 
 class RedisAudit:

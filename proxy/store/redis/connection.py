@@ -23,7 +23,6 @@ from typing import Any, Awaitable, Callable
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import hiredis
-import orjson
 import redis.asyncio as redis_asyncio  # the redis-py library: absolute imports never mean this package
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -37,6 +36,7 @@ from ..waking import RUN_LOST, Bell, Waiters
 from .cluster import cluster_client, hash_tagged, is_cluster, seeds, slot_of
 from .durability import confirm, durability_of, replication_of
 from .scripts import READ_ONLY, SCRIPTS, sharded
+from .values import text
 
 log = logging.getLogger("idemproxy.store")
 
@@ -55,29 +55,6 @@ def split_url(url: str) -> tuple[str, str]:
         else:
             kept.append((name, value))
     return urlunsplit(parts._replace(query=urlencode(kept))), prefix
-
-
-def run_ref(namespace: str, run_id: str) -> str:
-    """A run's name in keys: the length prefix keeps any namespace apart from the run id."""
-    return f"{len(namespace.encode())}:{namespace}:{run_id}"
-
-
-def text(value: bytes | str | None) -> str | None:
-    """A reply's bytes as text (None stays None)."""
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def field(value: Any) -> str:
-    """A value as the text Redis keeps (every float the store writes goes through here). A
-    float's is its shortest round-trip digits, as from repr() (only tiny numbers read
-    differently: 0.00002 for 2e-05), written by orjson at a fraction of repr()'s cost
-    (five per record)."""
-    return orjson.dumps(value).decode() if type(value) is float else str(value)
-
-
-def maybe(kind: type, value: bytes | None) -> Any:
-    """``kind(value)``, or None for a field the hash does not have."""
-    return None if value is None else kind(value)
 
 
 def _unavailable(what: str, exc: RedisError | OSError) -> StoreUnavailable:
@@ -125,6 +102,9 @@ class RedisConnection:
         self._kept: Any = None  # the pipelines' link, out of the pool between them (_send)
         self._scripts: dict[str, Any] = {}
         self._listener: asyncio.Task | None = None
+
+    def __repr__(self) -> str:
+        return f"RedisConnection({mask_url(self.url)!r}, prefix={self.prefix!r})"
 
     def key(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
@@ -183,6 +163,16 @@ class RedisConnection:
             return None, None
         config = {text(name): text(value) for name, value in config.items()}
         return config.get("appendonly"), config.get("appendfsync")
+
+    async def ping(self) -> None:
+        await self.do(self.client.ping())
+
+    async def secret(self, name: str, generate: bytes) -> bytes:
+        key = self.key("secret", name)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.set(key, generate, nx=True).get(key)
+        _, value = await self.do(pipe.execute())
+        return value
 
     async def aclose(self) -> None:
         if self._listener is not None:

@@ -18,7 +18,8 @@ from ..model import ANSWERED_BY_OPERATOR, Claim, ClaimResult, Entry, EntryState,
 from ..rules import counted, replayed_from
 from ..batching import Batches, GiveBack
 from ..purging import paced
-from .connection import RedisConnection, field, maybe, run_ref, text
+from .connection import RedisConnection
+from .values import field, maybe, run_ref, text
 from .durability import ReplicasBehind
 from .scripts import ENTRY_FIELDS, READ_FIELDS
 
@@ -71,8 +72,10 @@ class RedisJournal:
         self._give_back = GiveBack(self.release)
         self._acknowledged: set[str] = set()  # the SHAs of the claim and the record scripts
 
-    def opened(self) -> None:
+    async def opened(self, migrate: bool) -> None:
         self._acknowledged = {self._db.evalsha(name, [], [])[1] for name in ("claim", "complete")}
+        if migrate:
+            await self.index_quarantined()
 
     async def aclose(self) -> None:
         """Send what is queued (pending records), then stop giving claims back."""

@@ -14,7 +14,8 @@ import orjson
 
 from ..model import RUN_STATES, Run, RunState
 from ..rules import HISTORY_LIMIT, SILENT_LIMIT, check_settable
-from .connection import RedisConnection, field, maybe, run_ref, text
+from .connection import RedisConnection
+from .values import field, maybe, run_ref, text
 
 
 def _fields(raw: dict | list) -> dict[str, bytes]:

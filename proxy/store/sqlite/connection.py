@@ -13,24 +13,17 @@ sqlite3's errors become :class:`StoreUnavailable` in one place, :class:`translat
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import errno
-import logging
-import os
 import sqlite3
-import stat
 import time
-from typing import Any, Callable, Iterator
-from urllib.parse import quote
+from typing import Any, Callable
 
-from ..errors import SchemaNotCurrent, StoreMisconfigured, StoreUnavailable
+from ..batching import Watchdog
+from ..errors import StoreUnavailable
 from ..model import EntryState, RunState
 from ..waking import Bell, Waiters
-from ..batching import Watchdog
 from .disk import DiskThread
+from .files import check_schema, make_private, opening
 from .schema import SCHEMA_VERSION, migrate
-
-log = logging.getLogger("idemproxy.store")
 
 # sqlite3 binds an exact int, float, str or bytearray as it is. For any other parameter it
 # looks for an adapter, and where none is registered the look-up raises and swallows an
@@ -99,7 +92,7 @@ class SQLiteConnection:
             if migrate_schema:
                 make_private(self.path)
             else:
-                self._check_schema()
+                check_schema(self.path, self.timeout)
             writer = self._connect()
             if migrate_schema and writer.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
                 migrate(writer)
@@ -114,19 +107,6 @@ class SQLiteConnection:
         self._writer = writer
         self._disk = DiskThread("idemproxy-sqlite-commit")
 
-    def _check_schema(self) -> None:
-        """Without a write (not even the WAL switch of _connect): the file is there, at our version."""
-        if not os.path.exists(self.path):
-            raise SchemaNotCurrent(f"no journal at {self.path} yet")
-        conn = sqlite3.connect(f"file:{quote(self.path)}?mode=ro", uri=True, timeout=self.timeout)
-        try:
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-        finally:
-            conn.close()
-        if version < SCHEMA_VERSION:
-            raise SchemaNotCurrent(f"{self.path} is at schema version {version}, this idemproxy needs "
-                                   f"{SCHEMA_VERSION}" if version else f"{self.path} has no idemproxy tables")
-
     async def aclose(self) -> None:
         if self._sender is not None:  # what is queued is written first; never cut off mid-commit
             await asyncio.gather(asyncio.shield(self._sender), return_exceptions=True)
@@ -139,6 +119,19 @@ class SQLiteConnection:
             if conn is not None:
                 conn.close()
         self._writer = self._reader = self._relaxed = None
+
+    def __repr__(self) -> str:
+        return f"SQLiteConnection({self.path!r})"
+
+    async def ping(self) -> None:
+        self.read("SELECT 1")
+        await self.write(lambda c: c.execute("SELECT 1").fetchone())
+
+    async def secret(self, name: str, generate: bytes) -> bytes:
+        def op(c):
+            c.execute("INSERT OR IGNORE INTO secrets (name, value) VALUES (?, ?)", (name, generate))
+            return c.execute("SELECT value FROM secrets WHERE name = ?", (name,)).fetchone()[0]
+        return await self.write(op)
 
     def read(self, sql: str, args: tuple | dict = ()) -> list[sqlite3.Row]:
         if self._reader is None:
@@ -350,58 +343,6 @@ def _took_lock(conn: sqlite3.Connection) -> bool:
         if "locked" in str(exc) or "busy" in str(exc):
             return False
         raise
-
-
-# Why a file cannot be opened, for good: a folder that is not there, not ours, read-only
-PERMANENT_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS,
-                    errno.ENAMETOOLONG, errno.ELOOP}
-
-
-@contextlib.contextmanager
-def opening(path: str) -> Iterator[None]:
-    """Errors of opening ``path``: a lock another process holds is StoreUnavailable (retried);
-    a missing folder, a denied permission, a file that is not a database, StoreMisconfigured."""
-    try:
-        yield
-    except sqlite3.OperationalError as exc:
-        if "locked" in str(exc) or "busy" in str(exc):
-            raise StoreUnavailable(f"cannot open {path}: {exc}") from exc
-        raise StoreMisconfigured(f"cannot open {path}: {exc}") from exc
-    except sqlite3.Error as exc:  # DatabaseError: "file is not a database"
-        raise StoreMisconfigured(f"cannot open {path}: {exc}") from exc
-    except OSError as exc:
-        kind = StoreMisconfigured if exc.errno in PERMANENT_ERRNOS else StoreUnavailable
-        raise kind(f"cannot open {path}: {exc.strerror or exc}") from exc
-
-
-def make_private(path: str) -> None:
-    """Create the database file 0600 before SQLite opens it: it holds every tenant's bodies
-    and the tenant HMAC key. SQLite would create it 0644 (less the umask); its -wal and
-    -shm files take the database file's mode when SQLite creates them, so they are 0600 too.
-
-    A file that already exists keeps its owner and group bits but loses any for others,
-    as do its -wal and -shm: a group (a backup job's, say) may be meant to read it; the
-    world never is.
-    """
-    try:
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-    except FileExistsError:
-        pass
-    for name in (path, path + "-wal", path + "-shm"):
-        _close_to_others(name)
-
-
-def _close_to_others(name: str) -> None:
-    try:
-        st = os.stat(name)
-        mode = stat.S_IMODE(st.st_mode)
-        if stat.S_ISREG(st.st_mode) and mode & 0o007:
-            os.chmod(name, mode & ~0o007)
-            log.warning("%s was open to every user (mode %o); now %o", name, mode, mode & ~0o007)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:  # not ours to change: say so, and go on
-        log.warning("cannot take the permissions of others from %s: %s", name, exc)
 
 
 _QUEUED, _BEGUN, _OVERDUE = 0, 1, 2  # _OVERDUE: begun, and past its first deadline

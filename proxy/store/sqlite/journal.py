@@ -67,6 +67,12 @@ class SQLiteJournal:
         self._db = db
         self._waiters = db.waiters
 
+    async def opened(self, migrate: bool) -> None:
+        """Nothing to prepare: the connection made the schema."""
+
+    async def aclose(self) -> None:
+        """Nothing queued here: the connection's writer writes what is queued as it closes."""
+
     async def _read(self, sql: str, args: tuple | dict = ()) -> list[sqlite3.Row]:
         """A read that sees every write this process has answered: a claim answered before
         its commit (``claim``) is waited for, as in any read-your-writes store."""
