@@ -231,3 +231,26 @@ async def test_a_drop_outlasts_the_store_timeout_when_it_must_wait(schema, open_
         assert await asyncio.wait_for(purge, 5.0) == 1
     finally:
         await conn.close()
+
+
+async def test_a_key_expired_in_the_first_range_is_claimed_again(schema, open_partitioned):  # noqa: F811
+    """The first range keeps the old journal's primary key on kid, and a retention shorter than
+    the old one puts new entries in it: a key's expired row there must not refuse the key's next
+    claim (it did, with a unique violation: a 500), nor may a live one be replaced."""
+    conn = await _previous_schema(schema)
+    try:
+        now = time.time()
+        again, live = claim_of("again", retention_s=60.0), claim_of("live", retention_s=60.0)
+        for kid, key, expires_at in ((again.scope.kid, "again", now - 10), (live.scope.kid, "live", now + 30),
+                                     ("other", "other", now + 3600)):  # (the old retention: an hour)
+            await conn.execute("INSERT INTO journal (kid, tenant, upstream, key, fingerprint, namespace, state, "
+                               "status, created_at, expires_at) VALUES ($1, 'tenant', 'tools', $2, 'fp', 'ns', "
+                               "'complete', 200, $3::float8 - 100, $4)", kid, key, now, expires_at)
+        store = await open_partitioned(retention=60.0)  # migrates
+        assert (await store.journal.claim(again)).won
+        lost = await store.journal.claim(live)
+        assert not lost.won and lost.entry.state == EntryState.COMPLETE
+        rows = await conn.fetch("SELECT tableoid::regclass::text, state FROM journal WHERE kid = $1", again.scope.kid)
+        assert [tuple(r) for r in rows] == [("journal_unpartitioned", EntryState.IN_FLIGHT)]
+    finally:
+        await conn.close()

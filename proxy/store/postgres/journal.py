@@ -23,6 +23,7 @@ from ..batching import Batches, GiveBack
 from ..purging import paced
 from . import sql
 from .connection import PostgresConnection, json_text
+from .partitioned import FORGET_EXPIRED_IN_FIRST_RANGE, is_first_range_key
 from .partitions import Partitions, is_no_partition
 
 
@@ -161,9 +162,15 @@ class PostgresJournal:
         except asyncpg.CheckViolationError as exc:
             if not is_no_partition(exc):
                 raise
-        # a range this process thought was there is not (another replica dropped one that a
-        # skewed clock still needs): read the ranges again, create it, send once more
-        await self.partitions.create(expiries)
+            # a range this process thought was there is not (another replica dropped one that a
+            # skewed clock still needs): read the ranges again, create it, send once more
+            await self.partitions.create(expiries)
+        except asyncpg.UniqueViolationError as exc:
+            if not is_first_range_key(exc):
+                raise
+            # a key's expired row in the first range refused its new one (partitioned.py)
+            await self._db.execute("claim", FORGET_EXPIRED_IN_FIRST_RANGE, [claim[0] for claim in claims],
+                                   time.time())
         return await self._db.batch("claim", sql.CLAIM_MANY, claims, time.time(), take_over)
 
     async def next_occurrence(self, namespace: str, run: str, epoch: int | None, fingerprint: str,

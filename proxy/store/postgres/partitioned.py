@@ -31,6 +31,8 @@ lies in that range (docs/sizing.md gives its time per million entries).
 
 from __future__ import annotations
 
+import asyncpg
+
 from ..model import EntryState
 
 ENTRY_COLUMNS = ("kid, tenant, run, epoch, upstream, key, fingerprint, state, owner, lease_until, "
@@ -100,6 +102,21 @@ BEGIN
     FROM c LEFT JOIN live ON live.kid = c.kid;
 END
 $claim$"""
+
+# The first range (the journal before this migration) keeps its primary key on kid, and
+# new entries that expire before its bound land in it (a retention made shorter than it
+# was): a key's expired row there, never read again and kept until the range is dropped,
+# would refuse the key's next claim. $1 kids, $2 now: those rows, deleted when that
+# happens (journal.py), as the range's drop would.
+FORGET_EXPIRED_IN_FIRST_RANGE = """
+DELETE FROM journal_unpartitioned WHERE kid = ANY($1::text[]) AND expires_at <= $2"""
+
+
+def is_first_range_key(exc: BaseException) -> bool:
+    """A claim refused by the first range's primary key (FORGET_EXPIRED_IN_FIRST_RANGE)."""
+    return (isinstance(exc, asyncpg.UniqueViolationError)
+            and getattr(exc, "constraint_name", None) == "journal_unpartitioned_pkey")
+
 
 # Applied under the migration lock, in its transaction. The kid index is declared on the
 # parent only (ON ONLY): the old table keeps its primary key for its lookups by kid, and
