@@ -14,7 +14,7 @@ unambiguous whatever the namespace holds. The layout::
     run:{rk}           hash   a run;  history:{rk}  list  its last 50 events (JSON)
     restarts:{rk}      list   times of the restarts that count towards max_restarts, in its window
     runs, runs:{state} zset   rk -> created_at, for listing
-    runs-deadline      zset   rk -> when a live run is due to a supervisor (scripts.py, due)
+    runs-deadline      zset   rk -> when a live run is due to a supervisor (run_scripts.py, due)
     runs-named:{id}    set    rks of the runs called {id} (one per namespace)
     runs-idle          zset   rk -> max(last_seen, ended_at): runs purge() deletes
     secret:{name}      string
@@ -28,7 +28,8 @@ unambiguous whatever the namespace holds. The layout::
 - :mod:`.connection`: the client, its scripts, pipelines and the pub/sub reader, shared by
   the journal and the runs; every Redis error becomes StoreUnavailable there. Durability
   is Redis's own (:mod:`.durability`).
-- :mod:`.scripts`: the Lua scripts, one per change, so each is atomic.
+- :mod:`.scripts`: the Lua scripts, one per change, so each is atomic: the journal's in
+  :mod:`.journal_scripts`, the runs' in :mod:`.run_scripts`.
 - :mod:`.values`: how runs are named in keys, and values kept as text in hashes.
 - :mod:`.journal`, :mod:`.runs`: the two halves of the store contract over the connection;
   :mod:`.audit`: operator actions.

@@ -21,7 +21,7 @@ from ..purging import paced
 from .connection import RedisConnection
 from .values import field, maybe, run_ref, text
 from .durability import ReplicasBehind
-from .scripts import ENTRY_FIELDS, READ_FIELDS
+from .journal_scripts import ENTRY_FIELDS, READ_FIELDS
 
 
 def _flat(fields: dict[str, Any]) -> list[Any]:

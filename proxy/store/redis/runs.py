@@ -1,7 +1,7 @@
 """The Redis store's run registry: runs, epochs, heartbeats and restarts.
 
 A run is a hash with its history and restart times in lists beside it; every change is
-one Lua script (:mod:`.scripts`) that also keeps the indexes (by state, by deadline, by
+one Lua script (:mod:`.run_scripts`) that also keeps the indexes (by state, by deadline, by
 name) in step. Reads are pipelines.
 """
 
@@ -159,7 +159,7 @@ class RedisRuns:
         return _run(*reply) if reply else None
 
     async def silent(self, now: float, limit: int = SILENT_LIMIT, claim_s: float = 0.0) -> list[Run]:
-        # runs-deadline scores each live run by when it is due (scripts.py, due): the runs
+        # runs-deadline scores each live run by when it is due (run_scripts.py, due): the runs
         # due come first, and the exact condition is checked on those only
         if claim_s:
             rks = await self._script("claim_silent_runs", "", field(now), limit, field(now + claim_s))

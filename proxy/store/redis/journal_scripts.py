@@ -1,0 +1,245 @@
+"""The Redis store's Lua scripts for the journal: a claim, a record, a replay's read, a
+decision, a purge, each atomic. Conventions: see :mod:`.scripts`.
+"""
+
+ENTRY_FIELDS = ("kid", "tenant", "run", "epoch", "upstream", "key", "fingerprint", "state", "owner",
+                "lease_until", "created_at", "completed_at", "expires_at", "replays", "detail",
+                "method", "path", "namespace")  # an Entry's hash fields, besides its response
+# What a read returns, in this order: a list of values parses faster than a hash's pairs.
+READ_FIELDS = (*ENTRY_FIELDS, "status", "headers", "body", "streamed", "timing", "evidence")
+
+CLAIM = """
+-- KEYS: entry, partial, run, steps, steps-expiry, quarantined. Returns {'won'}, {'stale', epoch} or
+-- {'taken', the entry's READ_FIELDS}
+-- ARGV: now, epoch ('' = unfenced), fingerprint, owner, on_expired, expires_ms, kid, index member,
+--       the new entry's fields (a JSON object of strings: one argument packs faster than forty)
+if ARGV[2] ~= '' then  -- a superseded attempt must not claim (checked here, atomically)
+  local epoch = redis.call('HGET', KEYS[3], 'epoch')
+  if epoch and tonumber(epoch) > tonumber(ARGV[2]) then return {'stale', epoch} end
+end
+local e = redis.call('HMGET', KEYS[1], 'state', 'lease_until', 'fingerprint', 'owner')
+if e[1] and e[1] ~= 'retried' then  -- an entry an operator retried is taken over: the call goes upstream
+  -- this very claim, sent again after its reply was lost: it is ours
+  if e[1] == 'in_flight' and e[4] == ARGV[4] then return {'won'} end
+  if e[1] ~= 'in_flight' or tonumber(e[2]) > tonumber(ARGV[1]) or e[3] ~= ARGV[3] then
+    -- whole, with any response: the caller may replay it at once
+    return {'taken', redis.call('HMGET', KEYS[1], READ_FIELDS)}
+  end
+  if ARGV[5] == 'quarantine' then  -- its proxy died mid-call: the outcome is unknown
+    redis.call('HSET', KEYS[1], 'state', 'unknown', 'detail', 'the proxy holding the claim stopped mid-call')
+    redis.call('HDEL', KEYS[1], 'owner')
+    redis.call('DEL', KEYS[2])
+    redis.call('ZADD', KEYS[6], math.floor(tonumber(redis.call('HGET', KEYS[1], 'expires_at')) * 1000), ARGV[7])
+    return {'taken', redis.call('HMGET', KEYS[1], READ_FIELDS)}
+  end
+end
+redis.call('DEL', KEYS[1], KEYS[2])
+local fields = {}
+for name, value in pairs(cjson.decode(ARGV[9])) do
+  fields[#fields + 1] = name
+  fields[#fields + 1] = value
+end
+redis.call('HSET', KEYS[1], unpack(fields))
+redis.call('PEXPIREAT', KEYS[1], ARGV[6])
+if ARGV[8] ~= '' then
+  redis.call('ZADD', KEYS[4], ARGV[1], ARGV[7])
+  redis.call('ZADD', KEYS[5], ARGV[6], ARGV[8])
+end
+return {'won'}
+"""
+
+# KEYS: entry. The entry's READ_FIELDS: a script, because a command naming the 23 fields
+# costs the proxy more to pack than the whole read costs the server.
+READ = """return redis.call('HMGET', KEYS[1], READ_FIELDS)"""
+
+RECORDED = """
+-- KEYS: steps; ARGV: prefix, now, max_bytes. Returns {all (1 or 0), {READ_FIELDS of each
+-- complete, unexpired entry, oldest first, while their bodies fit in max_bytes}}
+local out, total = {}, 0
+for _, kid in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  local key = ARGV[1] .. 'entry:' .. kid
+  local e = redis.call('HMGET', key, 'state', 'expires_at')
+  if e[1] == 'complete' and tonumber(e[2]) > tonumber(ARGV[2]) then
+    total = total + redis.call('HSTRLEN', key, 'body')
+    if total > tonumber(ARGV[3]) then return {0, out} end
+    out[#out + 1] = redis.call('HMGET', key, READ_FIELDS)
+  end
+end
+return {1, out}
+"""
+
+CLAIM, READ, RECORDED = (script.replace("READ_FIELDS", ", ".join(f"'{name}'" for name in READ_FIELDS))
+                         for script in (CLAIM, READ, RECORDED))
+
+REPLAY_OCCURRENCE = """
+-- KEYS: run, occ; ARGV: epoch, "{epoch}:{fingerprint}", retention (ms). Returns the
+-- occurrence (from 0), or false, counting nothing, unless the run is at that epoch
+local epoch = redis.call('HGET', KEYS[1], 'epoch')
+if not epoch or tonumber(epoch) ~= tonumber(ARGV[1]) then return false end
+local n = redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return n - 1
+"""
+
+RENEW = """
+-- KEYS: entry; ARGV: owner, lease_until
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+if redis.call('HGET', KEYS[1], 'state') ~= 'in_flight' then return 0 end
+redis.call('HSET', KEYS[1], 'lease_until', ARGV[2])
+return 1
+"""
+
+COMPLETE = """
+-- KEYS: entry, partial; ARGV: owner, channel, kid, then the response's fields
+local e = redis.call('HMGET', KEYS[1], 'owner', 'state')
+local done = 0
+if e[1] == ARGV[1] and e[2] == 'in_flight' then
+  redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+  redis.call('HDEL', KEYS[1], 'owner')
+  redis.call('DEL', KEYS[2])
+  done = 1
+end
+redis.call('PUBLISH', ARGV[2], ARGV[3])
+return done
+"""
+
+RELEASE = """
+-- KEYS: entry, partial, steps-expiry; ARGV: owner, channel, kid, prefix
+local e = redis.call('HMGET', KEYS[1], 'owner', 'rk', 'key', 'epoch', 'fingerprint', 'tenant')
+if e[1] == ARGV[1] then
+  redis.call('DEL', KEYS[1], KEYS[2])
+  if e[2] then
+    redis.call('ZREM', ARGV[4] .. 'steps:' .. e[2], ARGV[3])
+    redis.call('ZREM', KEYS[3], ARGV[3] .. ' ' .. e[2])
+    local n = string.match(e[3], '^derived:.*:(%d+)$')
+    if n then  -- give the occurrence number back, so the caller's retry maps onto this slot
+      -- counted per tenant: the field is "{epoch}:" .. rules.counted(tenant, fingerprint)
+      local occ, field = ARGV[4] .. 'occ:' .. e[2], (e[4] or '-1') .. ':' .. e[6] .. ' ' .. e[5]
+      if tonumber(redis.call('HGET', occ, field)) == tonumber(n) + 1 then
+        redis.call('HINCRBY', occ, field, -1)
+      end
+    end
+  end
+end
+redis.call('PUBLISH', ARGV[2], ARGV[3])
+"""
+
+SET_STATE = """
+-- KEYS: entry, partial, quarantined; ARGV: owner ('' = whoever holds it), state, detail,
+-- channel, kid, evidence (JSON, or '')
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if redis.call('EXISTS', KEYS[1]) == 1 and (ARGV[1] == '' or owner == ARGV[1]) then
+  redis.call('HSET', KEYS[1], 'state', ARGV[2], 'detail', ARGV[3])
+  redis.call('HDEL', KEYS[1], 'owner')
+  redis.call('DEL', KEYS[2])
+  if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'evidence', ARGV[6]) end
+  if ARGV[2] == 'unknown' then  -- counted until resolved or expired (its score)
+    redis.call('ZADD', KEYS[3], math.floor(tonumber(redis.call('HGET', KEYS[1], 'expires_at')) * 1000), ARGV[5])
+  end
+end
+redis.call('PUBLISH', ARGV[4], ARGV[5])
+"""
+
+RESOLVE = """
+-- KEYS: entry, steps-expiry, quarantined; ARGV: channel, kid, prefix, then the answer's
+-- fields (none = retry)
+if redis.call('HGET', KEYS[1], 'state') ~= 'unknown' then return 0 end
+if #ARGV == 3 then  -- retry: kept, findable; the next claim takes it over and goes upstream
+  redis.call('HSET', KEYS[1], 'state', 'retried')
+else
+  redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+end
+redis.call('ZREM', KEYS[3], ARGV[2])
+redis.call('PUBLISH', ARGV[1], ARGV[2])
+return 1
+"""
+
+APPEND_PARTIAL = """
+-- KEYS: entry, partial; ARGV: owner, seq, data, channel, kid
+-- Only the claim's holder adds to its stream; a seq already there is kept as it was.
+local e = redis.call('HMGET', KEYS[1], 'owner', 'state')
+if e[1] ~= ARGV[1] or e[2] ~= 'in_flight' then return 0 end
+if redis.call('HSETNX', KEYS[2], ARGV[2], ARGV[3]) == 0 then return 0 end
+local ttl = redis.call('PTTL', KEYS[1])
+if ttl > 0 then redis.call('PEXPIRE', KEYS[2], ttl) end
+redis.call('PUBLISH', ARGV[4], ARGV[5])
+return 1
+"""
+
+READ_PARTIAL = """
+-- KEYS: partial; ARGV: after_seq. Returns {seq, data, seq, data, ...} in order.
+local seqs = {}
+for _, seq in ipairs(redis.call('HKEYS', KEYS[1])) do
+  if tonumber(seq) > tonumber(ARGV[1]) then table.insert(seqs, tonumber(seq)) end
+end
+table.sort(seqs)
+local out = {}
+for _, seq in ipairs(seqs) do
+  table.insert(out, seq)
+  table.insert(out, redis.call('HGET', KEYS[1], seq))
+end
+return out
+"""
+
+COUNT_REPLAYS = """
+-- KEYS: entries; ARGV: prefix, now, then how many replays each (an expired entry is not
+-- brought back). Each is tallied under the current epoch of the entry's run, in its
+-- 'replayed' field: {"epoch": [replays, first seen]}.
+for i, key in ipairs(KEYS) do
+  if redis.call('EXISTS', key) == 1 then
+    local n = tonumber(ARGV[i + 2])
+    redis.call('HINCRBY', key, 'replays', n)
+    local rk = redis.call('HGET', key, 'rk')
+    local epoch = rk and redis.call('HGET', ARGV[1] .. 'run:' .. rk, 'epoch')
+    if epoch then
+      local raw = redis.call('HGET', key, 'replayed')
+      local tally = raw and cjson.decode(raw) or {}
+      local seen = tally[epoch] or {0, tonumber(ARGV[2])}
+      tally[epoch] = {seen[1] + n, seen[2]}
+      redis.call('HSET', key, 'replayed', cjson.encode(tally))
+    end
+  end
+end
+"""
+
+PURGE = """
+-- KEYS: steps-expiry; ARGV: now_ms, batch, prefix. Entries expire by themselves; this
+-- drops what still points at them. Returns {index entries looked at, entries gone}.
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
+local gone = 0
+for _, member in ipairs(due) do
+  local kid, rk = string.match(member, '^(%x+) (.*)$')
+  local ttl = redis.call('PTTL', ARGV[3] .. 'entry:' .. kid)
+  if ttl > 0 then  -- alive after all (clocks apart): index it at its real expiry
+    redis.call('ZADD', KEYS[1], tonumber(ARGV[1]) + ttl, member)
+  else
+    redis.call('ZREM', ARGV[3] .. 'steps:' .. rk, kid)
+    redis.call('ZREM', KEYS[1], member)
+    redis.call('DEL', ARGV[3] .. 'partial:' .. kid)
+    gone = gone + 1
+  end
+end
+return {#due, gone}
+"""
+
+DELETE_JOURNAL = """
+-- KEYS: steps, occ, steps-expiry, generation, quarantined; ARGV: prefix, rk
+local deleted = 0
+for _, kid in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  deleted = deleted + redis.call('DEL', ARGV[1] .. 'entry:' .. kid)
+  redis.call('ZREM', KEYS[5], kid)
+  redis.call('DEL', ARGV[1] .. 'partial:' .. kid)
+  redis.call('ZREM', KEYS[3], kid .. ' ' .. ARGV[2])
+end
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('INCR', KEYS[4])  -- in the same script: see Journal.generation
+return deleted
+"""
+
+
+JOURNAL_SCRIPTS = {
+    "read": READ, "recorded": RECORDED, "replay_occurrence": REPLAY_OCCURRENCE,
+    "claim": CLAIM, "renew": RENEW, "complete": COMPLETE, "release": RELEASE, "set_state": SET_STATE,
+    "resolve": RESOLVE, "append_partial": APPEND_PARTIAL, "read_partial": READ_PARTIAL,
+    "count_replays": COUNT_REPLAYS, "purge": PURGE, "delete_journal": DELETE_JOURNAL,
+}
