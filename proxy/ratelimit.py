@@ -4,7 +4,7 @@ Counted in the store (``Audit.count_events``), so the limits hold for every repl
 every worker over that store together: an attacker spreading tries over N replicas gets the
 budget once, not N times. Each wrong token or new run costs one small write; a check before
 a token is compared or a run registered costs one read; nothing else is counted. A window
-is read back as the fixed buckets it overlaps (store/base.py, EVENT_BUCKETS), so it may
+is read back as the fixed buckets it overlaps (store/rules.py, EVENT_BUCKETS), so it may
 reach up to a sixth of a window further back than ``window`` seconds. Counts expire with
 their buckets; nothing is kept in memory. A refusal is 429 ``too-many-requests`` with
 ``Retry-After``.

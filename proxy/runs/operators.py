@@ -2,7 +2,7 @@
 
 Every operator action — register (which options, never their values), resolve (retry,
 or respond with a status and a body digest), revive, restart, complete, journal delete — is
-kept as an :class:`~..store.base.Action` with who and when, for the journal's retention
+kept as an :class:`~..store.model.Action` with who and when, for the journal's retention
 (``[store] retention``): on the entry it
 decided and on its run, shown by ``idemproxy journal show`` and ``runs show``, the admin
 API (``actions``) and the console. Who is never a credential:

@@ -14,14 +14,14 @@ from typing import Any, Awaitable
 
 import orjson
 
-from ..model import ANSWERED_BY_OPERATOR, Claim, ClaimResult, Entry, EntryState, Recorded
-from ..rules import counted, replayed_from
 from ..batching import Batches, GiveBack
+from ..model import ANSWERED_BY_OPERATOR, Claim, ClaimResult, Entry, EntryState, Recorded
 from ..purging import paced
+from ..rules import counted, replayed_from
 from .connection import RedisConnection
-from .values import field, maybe, run_ref, text
 from .durability import ReplicasBehind
 from .journal_scripts import ENTRY_FIELDS, READ_FIELDS
+from .values import field, maybe, run_ref, text
 
 
 def _flat(fields: dict[str, Any]) -> list[Any]:

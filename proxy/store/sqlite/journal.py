@@ -12,8 +12,8 @@ import time
 import orjson
 
 from ..model import ANSWERED_BY_OPERATOR, Claim, ClaimResult, Entry, EntryState, Recorded
-from ..rules import counted, replayed_from, tallied
 from ..purging import paced
+from ..rules import counted, replayed_from, tallied
 from .connection import SQLiteConnection
 
 ENTRY_COLUMNS = ("kid, tenant, run, epoch, upstream, key, fingerprint, state, owner, lease_until, "
