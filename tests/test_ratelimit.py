@@ -178,3 +178,13 @@ async def test_wrong_tokens_and_registrations_sent_at_once_get_the_budget_once(m
                                    for n in range(30)))
     assert codes.count(201) == 3 and set(codes) == {201, 429}
     assert len(await proxy.store.runs.list()) == 3
+
+
+async def test_new_runs_sent_at_once_stop_at_max_live_runs(make_proxy, store_url, http):
+    """Registrations sent together: each new run is written before the next is judged against
+    the namespace's live runs, so a burst does not each find room that the others take."""
+    import asyncio
+    proxy = await make_proxy(store_url, runs={"max_live_runs": 3})
+    codes = await asyncio.gather(*(status_of(http, "POST", f"{proxy.url}/runs/c{n}", json={}) for n in range(20)))
+    assert codes.count(201) == 3 and set(codes) == {201, 429}
+    assert len(await proxy.store.runs.list()) == 3

@@ -10,10 +10,11 @@ hands in (supervisor/hooks.py's ``Hooks``), so this package never imports the su
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
-from typing import Any, Protocol
+from typing import Any, AsyncIterator, Protocol
 
 from ..config import Settings
 from ..forward import NEVER_STORED, NOT_FORWARDED, storable_headers
@@ -63,19 +64,20 @@ class RunsService:
                        operator: str | None = None, client: str | None = None) -> tuple[Run, bool]:
         """Create the run or update its options; (the run, whether it is new). Only an
         ``operator`` (the admin API, naming who; the audit keeps it) or a namespace the hook
-        allows may arm a hook; anyone else's new runs are bounded (:meth:`_admit_new_run`)."""
+        allows may arm a hook; anyone else's new runs are bounded (:meth:`_new_run_admitted`)."""
         existing = await self.store.runs.find(namespace, run_id)
-        if not existing and not operator:
-            await self._admit_new_run(namespace, client)
-        run = existing[0] if existing else self.new_run(namespace, run_id, time.time(), operator=operator is not None)
-        hook = options.get("hook", run.hook)
-        if hook not in (None, run.hook) and not operator and not self.settings.may_arm(hook, namespace):
-            raise Problem("hook-not-allowed", f"hook {hook!r} is armed only through the admin API or for "
-                          f"a namespace in [hooks.{hook}] allow_tenants; this caller's namespace is "
-                          f"{namespace!r}", hook=hook, namespace=namespace)
-        for name, value in options.items():
-            setattr(run, name, value)
-        registered = await self.store.runs.upsert(run)
+        bounded = not existing and not operator
+        async with self._new_run_admitted(namespace, client) if bounded else contextlib.nullcontext():
+            run = existing[0] if existing else self.new_run(namespace, run_id, time.time(),
+                                                            operator=operator is not None)
+            hook = options.get("hook", run.hook)
+            if hook not in (None, run.hook) and not operator and not self.settings.may_arm(hook, namespace):
+                raise Problem("hook-not-allowed", f"hook {hook!r} is armed only through the admin API or for "
+                              f"a namespace in [hooks.{hook}] allow_tenants; this caller's namespace is "
+                              f"{namespace!r}", hook=hook, namespace=namespace)
+            for name, value in options.items():
+                setattr(run, name, value)
+            registered = await self.store.runs.upsert(run)
         if operator:  # which options, never their values: metadata may hold anything
             await self._noted(operator, "register", registered, created=not existing, options=sorted(options),
                               hook=registered.hook)
@@ -114,8 +116,8 @@ class RunsService:
         """Epoch + 1, fencing the attempt before; creates the run at epoch 0 if unknown."""
         runs = await self.store.runs.find(namespace, run_id)
         if not runs:
-            await self._admit_new_run(namespace, client)
-            return await self.store.runs.upsert(self.new_run(namespace, run_id, time.time()))
+            async with self._new_run_admitted(namespace, client):
+                return await self.store.runs.upsert(self.new_run(namespace, run_id, time.time()))
         run = await self.store.runs.new_attempt(namespace, run_id, None, time.time(), "attempt", restart=False,
                                                 ended=superseded_ending())
         if run is None:
@@ -123,13 +125,15 @@ class RunsService:
                           state=runs[0].state)
         return run
 
-    async def _admit_new_run(self, namespace: str, client: str | None) -> None:
+    @contextlib.asynccontextmanager
+    async def _new_run_admitted(self, namespace: str, client: str | None) -> AsyncIterator[None]:
         """Registrations need no token, and each may carry max_metadata_bytes: 429 past
         ``[runs] registrations_per_minute`` from the namespace or the client, or past
-        ``max_live_runs`` runs of the namespace not ended."""
+        ``max_live_runs`` runs of the namespace not ended. The new run is written within."""
         keys = [f"registrations namespace {namespace}"] + ([f"registrations client {client}"] if client else [])
-        # one registration of a namespace or client at a time here (ratelimit.Counted): those
-        # sent together are not each judged on counts none of them has written yet
+        # one registration of a namespace or client at a time here (ratelimit.Counted), its run
+        # written before the next is judged: those sent together are not each judged on counts,
+        # or live runs, that none of them has written yet
         async with self._registrations.one_at_a_time(keys):
             now = time.time()
             wait = max([(await self._registrations.look(key, now))[1] for key in keys])
@@ -141,6 +145,7 @@ class RunsService:
                 raise Problem("too-many-runs", f"namespace {namespace!r} has {cap} runs not ended, the most "
                               "[runs] max_live_runs allows: complete or fail some first", max_live_runs=cap)
             await self._registrations.add(keys, now)
+            yield
 
     def new_run(self, namespace: str, run_id: str, now: float, *, operator: bool = False) -> Run:
         """A run at epoch 0 with the configured ``[runs]`` defaults; its ``hook`` only for an
