@@ -118,8 +118,7 @@ class Supervisor:
         # replica with room. The restart itself is decided by the epoch's compare-and-set.
         while read < SILENT_LIMIT and not deferred:
             at = time.time() if now is None else now
-            limit = max(1, min(BATCH, SILENT_LIMIT - read,
-                               self.settings.supervisor.max_restarts_per_minute - len(self._restarted)))
+            limit = max(1, min(BATCH, SILENT_LIMIT - read, self._room(at)))
             batch = await self.store.runs.silent(at, limit,
                                                  claim_s=max(self.settings.supervisor.interval_s, CLAIM_S))
             read += len(batch)
@@ -185,10 +184,13 @@ class Supervisor:
 
     def _may_restart(self, now: float) -> bool:
         """Within this supervisor's bounds: restarts per minute, hook processes at once."""
+        return self._room(now) > 0 and self.runs.launcher.has_room(self._starting)
+
+    def _room(self, now: float) -> int:
+        """Restarts this supervisor may still start within the minute up to ``now``."""
         while self._restarted and self._restarted[0] <= now - 60:
             self._restarted.popleft()
-        return (len(self._restarted) + self._starting < self.settings.supervisor.max_restarts_per_minute
-                and self.runs.launcher.has_room(self._starting))
+        return self.settings.supervisor.max_restarts_per_minute - len(self._restarted) - self._starting
 
     def backoff(self, restarts: int) -> float:
         """Extra wait before the next restart, given the restarts already in the window."""
