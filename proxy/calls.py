@@ -124,11 +124,13 @@ class Call:
     _sent: tuple[list[tuple[str, str]], bytes] = ((), b"")  # the request, for a quarantine's evidence
     _first_bytes: bytearray = field(default_factory=bytearray)  # of the answer, up to max_evidence_bytes
     _answer_bytes: int = 0  # of the answer, read so far (for a quarantine's evidence)
+    _given_back: Fate | None = None  # the head's status gives the key back: released before it is shown
 
     @property
     def gave_back(self) -> bool:
-        """It ended and gave the key back: a duplicate claims it like any retry would."""
-        return self.result is not None and self.result.fate in GIVEN_BACK
+        """It gave the key back (at its head, or at its end): a duplicate claims it like any
+        retry would."""
+        return self._given_back is not None or (self.result is not None and self.result.fate in GIVEN_BACK)
 
     # -- listeners ------------------------------------------------------------------------
 
@@ -197,6 +199,9 @@ class Call:
             resp = await pool.request(method, target, headers, body, tenant=tenant)  # never resent
             try:
                 self._begin(resp, time.perf_counter() - sent, method)
+                if self._given_back is not None:
+                    await store.journal.release(self.kid, self.owner)
+                self._show_head()
                 flusher = self._start_sharing(store)
                 try:
                     while chunk := await resp.readany():
@@ -230,6 +235,18 @@ class Call:
             self.streamed = is_stream(resp.headers)
             if (resp.content_length or 0) > self.max_record_bytes:
                 self.streamed = True  # unrecordable anyway: pass it on without buffering it whole
+        if self.reader is None:  # the status alone decides; an answer read by its body waits for it
+            found = verdict(self.status)
+            if found is Verdict.RELEASE:
+                self._given_back = Fate.RELEASED
+            elif found is Verdict.AMBIGUOUS and self.on_ambiguous is OnAmbiguous.RETRY:
+                self._given_back = Fate.AMBIGUOUS
+
+    def _show_head(self) -> None:
+        """Listeners of a stream may answer now. A key this answer gives back was given back
+        before: an agent that retries the moment it reads a 429's status line, its body unread,
+        must find the key (and a derived key's occurrence) free, or the retry would take the
+        next occurrence and shift every derived key after it."""
         if self.streamed:  # a whole answer's listeners wait for its end (replay._listen): no wake-up for them
             self._publish()
 
@@ -297,6 +314,9 @@ class Call:
 
     async def _settle(self, store: Store) -> CallResult:
         """The upstream answered in full: journal what its status calls for (docs/concepts.md)."""
+        if self._given_back is not None:  # released at the head (_show_head)
+            self._release_held(self._given_back)
+            return CallResult(self._given_back)
         if self.reader is None:
             found = verdict(self.status)
         else:

@@ -75,7 +75,8 @@ class Recorder:
 
         def done(_):
             self.tasks.discard(task)
-            self.calls.pop(entry.kid, None)
+            if self.calls.get(entry.kid) is call:  # not a later claim's call of the key it gave back
+                del self.calls[entry.kid]
             if call.result is not None and call.result.fate is Fate.RECORDED:  # committed: as the store has it
                 # the claim's entry is this call's alone: made complete in place, not copied
                 entry.state, entry.owner, entry.response = EntryState.COMPLETE, None, call.answer
