@@ -349,8 +349,12 @@ class Call:
         except StoreUnavailable as exc:
             # Rule 1: the agent never sees an answer the journal does not hold.
             log.error("could not record %s: %s", self.kid[:12], exc)
+            # Unconfirmed is not unwritten (a record its replicas did not confirm is on the master):
+            # the detail promises only what a retry then gets.
             return CallResult(Fate.UNSAVED, ("store-unavailable", "the upstream answered but the journal "
-                                             "could not record it; the key stays claimed until its lease ends"))
+                                             "could not confirm its record; a retry gets the journal's outcome: "
+                                             "the answer if it was recorded, else what an expired claim gets "
+                                             "once its lease ends"))
         if not kept:
             # Another proxy took the key over (our lease lapsed): its outcome is the journal's,
             # and the agent must not act on one the journal does not hold (rule 1).
