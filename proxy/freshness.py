@@ -36,7 +36,7 @@ import time
 from typing import Callable
 
 from .store import StoreUnavailable
-from .store.composed import Journal
+from .store.hot_path import JournalPath
 
 log = logging.getLogger("idemproxy.proxy")
 
@@ -44,7 +44,7 @@ log = logging.getLogger("idemproxy.proxy")
 class Freshness:
     """This process's view of the journal's generation, and how long it holds."""
 
-    def __init__(self, journal: Journal, lease_s: float):
+    def __init__(self, journal: JournalPath, lease_s: float):
         self._journal = journal
         self.lease_s = lease_s
         self.generation: int | None = None  # None until the first read

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from .freshness import Freshness
 from .store import StoreUnavailable
-from .store.composed import Journal
+from .store.hot_path import JournalPath
 from .store.model import Entry
 
 log = logging.getLogger("idemproxy.proxy")
@@ -63,7 +63,7 @@ class CachedAttempt:
 class ReplayCache:
     """Attempts' recorded entries in this process; see the module docstring."""
 
-    def __init__(self, journal: Journal, freshness: Freshness, max_bytes: int, ttl_s: float):
+    def __init__(self, journal: JournalPath, freshness: Freshness, max_bytes: int, ttl_s: float):
         self._journal = journal
         self._freshness = freshness
         self._max_bytes = max_bytes
