@@ -17,7 +17,6 @@ end of an answer that a crash could lose.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
@@ -25,12 +24,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
-import orjson
-
 from .config import UpstreamSettings
 from .evidence import evidence
 from .forward import failure_slug, is_stream, never_sent, response_headers, storable_headers
 from .policy import OnAmbiguous, Verdict, verdict
+from .sharing import share
 from .store import Store, StoreUnavailable
 from .store.model import Recorded
 from .upstream.connection import UpstreamResponse
@@ -38,11 +36,6 @@ from .upstream.pool import UpstreamPool
 
 log = logging.getLogger("idemproxy.proxy")
 
-PARTIAL_FLUSH_S = 0.1  # how often stream bytes are shared with other proxies
-# A stream with nothing new to share shares nothing this often: a joiner on another proxy
-# takes it as a sign that its proxy lives, and the bytes so far as those of a live stream
-# (replay.join_remote), however long the upstream is silent.
-ALIVE_S = 1.0
 # SSE events after which an SDK stops reading and the agent moves on (OpenAI chat,
 # OpenAI Responses, Anthropic). The upstream may pause before it ends the body, so
 # waiting for EOF alone would let the agent act on an answer not yet durable (rule 1).
@@ -120,7 +113,7 @@ class Call:
     _cut_off: bool = False  # unrecordable and unheard: we stopped reading before the end
     _line_start: bytes = b""  # the unfinished last line passed so far, while it is short
     _sharing: asyncio.Event | None = None  # streams: set when copying to the store must stop
-    _length: tuple[str, str] | None = None  # a HEAD answer's Content-Length (_storable)
+    _length: tuple[str, str] | None = None  # a HEAD answer's Content-Length (kept_headers)
     _sent: tuple[list[tuple[str, str]], bytes] = ((), b"")  # the request, for a quarantine's evidence
     _first_bytes: bytearray = field(default_factory=bytearray)  # of the answer, up to max_evidence_bytes
     _answer_bytes: int = 0  # of the answer, read so far (for a quarantine's evidence)
@@ -227,7 +220,7 @@ class Call:
         self.head_at = time.perf_counter()
         self.status = resp.status
         self.headers = response_headers(resp.headers)
-        if method == "HEAD":  # no body follows: its Content-Length is part of the answer (_storable)
+        if method == "HEAD":  # no body follows: its Content-Length is part of the answer (kept_headers)
             if resp.content_length is not None:
                 self._length = ("Content-Length", str(resp.content_length))
                 self.headers.append(self._length)
@@ -341,7 +334,7 @@ class Call:
 
     async def _commit(self, store: Store) -> CallResult:
         """Record the answer durably; only then do listeners get its last bytes (rule 1)."""
-        record = Recorded(self.status, self._storable(), bytes(self._recorded),
+        record = Recorded(self.status, self.kept_headers(), bytes(self._recorded),
                           self.streamed, self._timing if self.streamed else [])
         self.answer = record
         try:
@@ -363,7 +356,7 @@ class Call:
                                              "it could record the answer; retry to get the journal's outcome"))
         return self._release_held(Fate.RECORDED)
 
-    def _storable(self) -> list[tuple[str, str]]:
+    def kept_headers(self) -> list[tuple[str, str]]:
         """The answer's headers as the journal keeps them. A HEAD answer's Content-Length
         is kept: it is the length a GET would get (RFC 9110 §9.3.2), no body's framing."""
         kept = storable_headers(self.headers, self.upstream)
@@ -396,25 +389,4 @@ class Call:
         if not self.streamed:
             return None
         self._sharing = asyncio.Event()
-        return asyncio.create_task(self._share(store, self._sharing))
-
-    async def _share(self, store: Store, done: asyncio.Event) -> None:
-        """Copy the stream to the store as it passes, so another proxy can join it; while
-        it is quiet, an empty piece every ``ALIVE_S``."""
-        seq, sent = 0, 0
-        try:
-            await store.journal.append_partial(self.kid, self.owner, 0, orjson.dumps(
-                {"status": self.status, "headers": self._storable()}))
-            shared_at = time.monotonic()
-            while not done.is_set():
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(done.wait(), PARTIAL_FLUSH_S)
-                quiet = time.monotonic() - shared_at >= ALIVE_S
-                if (len(self.chunks) > sent or quiet) and not done.is_set():
-                    seq += 1
-                    data = b"".join(self.chunks[sent:])
-                    sent = len(self.chunks)
-                    await store.journal.append_partial(self.kid, self.owner, seq, data)
-                    shared_at = time.monotonic()
-        except StoreUnavailable as exc:
-            log.warning("stream %s not shared with other proxies: %s", self.kid[:12], exc)
+        return asyncio.create_task(share(self, store, self._sharing))

@@ -147,7 +147,7 @@ async def join_remote(request: web.Request, store: Store, claim: Entry, deadline
     Bytes in the store are not an answer: a proxy killed mid-stream leaves them there until
     its lease ends, and a replay is the whole recorded answer or nothing (docs/guarantees.md). So the
     head is sent only once the recording proxy shows it is alive, by sharing bytes (or the
-    empty piece a quiet stream shares, calls.ALIVE_S) after this request first looked, or
+    empty piece a quiet stream shares, sharing.ALIVE_S) after this request first looked, or
     by completing the record; until then the request waits as for any key in flight, until
     ``deadline`` (then 409 in-flight). None: ``claim`` is no longer in flight (it ended,
     its lease ran out, or its stream has not begun): the caller looks at the key afresh,
@@ -183,7 +183,7 @@ async def join_remote(request: web.Request, store: Store, claim: Entry, deadline
     sent, pending = 0, shared[1:] + fresh
     while True:
         for s, data in pending:
-            if data:  # an empty piece: its proxy lives (calls.ALIVE_S)
+            if data:  # an empty piece: its proxy lives (sharing.ALIVE_S)
                 await resp.write(data)
             seq, sent = s, sent + len(data)
         await journal.wait(claim.kid, 1.0)

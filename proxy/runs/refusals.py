@@ -44,6 +44,8 @@ class Refusals:
             await self._store.audit.refused(call.namespace, call.run, refusal, KEEP, self._retention_s)
         except StoreError as exc:  # the refusal is answered all the same; only its count is lost
             log.warning("refusal of run %s not counted: %s", call.run, exc)
+        except Exception:  # noqa: BLE001 - never turns the refusal itself into a 500
+            log.exception("refusal of run %s not counted", call.run)
 
 
 @dataclass(slots=True)  # not frozen: made for every call of a run, and a frozen one costs 5x to make
