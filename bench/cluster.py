@@ -2,7 +2,7 @@
 
     python bench/cluster.py [--seconds 3] [--rounds 3] [--concurrency 1,32] [--out FILE.md]
 
-Starts its own servers (a private single Redis and a 3+3 cluster from tests/redis_cluster.py,
+Starts its own servers (a private single Redis and a 3+3 cluster from tests/support/redis_cluster.py,
 appendonly off on both) and drives the store itself (the journal's calls, as the proxy makes
 them, by so many callers at once), in one process: it measures what the store costs, not HTTP.
 Each round measures every setup once, in turn, so the machine's drift spreads over all of
@@ -28,7 +28,7 @@ import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "support"))
 
 import redis  # noqa: E402
 

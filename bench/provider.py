@@ -1,6 +1,6 @@
 """The benchmark's upstream: the test suite's fake provider, served on uvloop.
 
-The same app as ``tests/fake_provider.py`` (the benchmark calls its ``/small`` endpoint
+The same app as ``tests/support/fake_provider.py`` (the benchmark calls its ``/small`` endpoint
 and reads its ``/_calls`` counters), on the same event loop as the proxies, so that the
 upstream takes as little of the machine's two cores as it can.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 from aiohttp import web
 from serving import run, serve_until_signalled
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
 import fake_provider  # noqa: E402
 

@@ -48,7 +48,7 @@ import redis.asyncio as redis_asyncio
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 from processes import make_store  # noqa: E402
 from redis_cluster import STEADY_MS, RedisCluster  # noqa: E402
 
@@ -287,7 +287,7 @@ def main() -> None:
     results = {"args": vars(a), "stores": {}}
     with tempfile.TemporaryDirectory(prefix="runs-scale-") as tmp:
         for kind in a.stores.split(","):
-            if kind == "redis-cluster":  # a private one: 3 masters, 3 replicas (tests/redis_cluster.py)
+            if kind == "redis-cluster":  # a private one: 3 masters, 3 replicas (tests/support/redis_cluster.py)
                 cluster = RedisCluster(node_timeout_ms=STEADY_MS).start()
                 url, drop = f"{cluster.url}/?prefix=bench:", cluster.destroy
             else:

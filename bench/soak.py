@@ -1,9 +1,9 @@
-"""The soak: the fault campaign (tests/faults/) for an hour, with latency and memory over time.
+"""The soak: the fault campaign (tests/support/faults/) for an hour, with latency and memory over time.
 
 Two ``idemproxy serve`` replicas and one ``idemproxy supervise`` on a private store server,
 agents running runs through them, while agents, replicas, the store server and the
 supervisor are SIGKILLed at random from a seed and started again. What the campaign checks
-at the end (tests/test_fault_campaign.py) is checked here too, after the hour: no side
+at the end (tests/supervisor/test_fault_campaign.py) is checked here too, after the hour: no side
 effect done twice, no acknowledged record lost, no run stuck; the script exits 1 if one
 fails. Besides, every few seconds the resident memory of each replica and of the
 supervisor is sampled, and the latency of every answer an agent saw is kept, so that
@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
 from faults.campaign import Campaign, Plan  # noqa: E402
 from faults.verdict import read_events  # noqa: E402

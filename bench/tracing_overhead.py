@@ -22,7 +22,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 import fake_provider  # noqa: E402
 
 from idemproxy.proxy.cli.serving import build_app  # noqa: E402

@@ -5,7 +5,7 @@
     python examples/run_demo.py plain --json         # one JSON summary on stdout (for tests)
 
 It starts, on free ports and with a SQLite journal in a temporary folder:
-the fake provider (tests/fake_provider.py), the email tool server when the example needs
+the fake provider (tests/support/fake_provider.py), the email tool server when the example needs
 it, and ``idemproxy serve --config examples/config.toml`` (the same file as by hand; only
 ports, store and log folder are overridden). Then it starts the example's first attempt
 with ``--crash-at K``, sees it die by SIGKILL, waits for the supervisor to start it again
@@ -37,7 +37,7 @@ from typing import Any
 EXAMPLES_DIR = Path(__file__).resolve().parent
 REPO = EXAMPLES_DIR.parent
 CONFIG = EXAMPLES_DIR / "config.toml"
-FAKE_PROVIDER = REPO / "tests" / "fake_provider.py"
+FAKE_PROVIDER = REPO / "tests" / "support" / "fake_provider.py"
 ENDED = ("completed", "failed", "dead")
 STEP_LINE = re.compile(r"^step (\d+)/(\d+): model (replayed|live|\?), tool (replayed|live)")
 DEMO_KEY = "sk-demo-not-a-real-key"

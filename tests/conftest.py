@@ -21,7 +21,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 import fake_provider  # noqa: E402
 import services  # noqa: E402
@@ -93,7 +93,7 @@ def backend_url(backend: str, tmp_path: Path) -> tuple[str, Any]:
     if backend == "redis":
         base, prefix = services.redis_url(), f"t{tag}:"
         return f"{base}?prefix={prefix}", lambda: _drop_redis_prefix(base, prefix)
-    if backend == "redis-cluster":  # by choice only: tests/test_store_redis_cluster.py runs in CI
+    if backend == "redis-cluster":  # by choice only: tests/store/test_store_redis_cluster.py runs in CI
         import redis_cluster
         return f"{redis_cluster.shared_url()}/?prefix=t{tag}:", lambda: None  # the cluster goes at exit
     raise ValueError(backend)

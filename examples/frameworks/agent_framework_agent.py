@@ -36,7 +36,7 @@ from typing_extensions import Never
 from idemproxy_client import Run
 
 ORDER = {"order": "45", "email": "edsger@example.com", "amount_cents": 5100}
-# The fake provider (tests/fake_provider.py) plays the model: it follows this plan line.
+# The fake provider (tests/support/fake_provider.py) plays the model: it follows this plan line.
 PLAN = [{"tool": "send_email", "args": {"to": ORDER["email"], "subject": "Order 45 is on its way"}},
         {"tool": "charge_card", "args": {"order": ORDER["order"], "amount_cents": ORDER["amount_cents"]}},
         {"tool": "send_receipt", "args": {"to": ORDER["email"], "order": ORDER["order"]}}]

@@ -38,7 +38,7 @@ from crewai.tools import tool  # noqa: E402
 from idemproxy_client import Run  # noqa: E402
 
 ORDER = {"order": "48", "email": "ken@example.com", "amount_cents": 6400}
-# The fake provider (tests/fake_provider.py) plays the model: it follows this plan line.
+# The fake provider (tests/support/fake_provider.py) plays the model: it follows this plan line.
 PLAN = [{"tool": "send_email", "args": {"to": ORDER["email"], "subject": "Order 48 is on its way"}},
         {"tool": "charge_card", "args": {"order": ORDER["order"], "amount_cents": ORDER["amount_cents"]}},
         {"tool": "send_receipt", "args": {"to": ORDER["email"], "order": ORDER["order"]}}]

@@ -41,7 +41,7 @@ from pydantic import SecretStr
 from idemproxy_client import Run
 
 ORDER = {"order": "44", "email": "alan@example.com", "amount_cents": 7300}
-# The fake provider (tests/fake_provider.py) plays the model: it follows this plan line.
+# The fake provider (tests/support/fake_provider.py) plays the model: it follows this plan line.
 PLAN = [{"tool": "send_email", "args": {"to": ORDER["email"], "subject": "Order 44 is on its way"}},
         {"tool": "charge_card", "args": {"order": ORDER["order"], "amount_cents": ORDER["amount_cents"]}},
         {"tool": "send_receipt", "args": {"to": ORDER["email"], "order": ORDER["order"]}}]

@@ -41,7 +41,7 @@ from openai import AsyncOpenAI
 from idemproxy_client import Run
 
 ORDER = {"order": "42", "email": "ada@example.com", "amount_cents": 4200}
-# The fake provider (tests/fake_provider.py) plays the model: it follows this plan line.
+# The fake provider (tests/support/fake_provider.py) plays the model: it follows this plan line.
 PLAN = [{"tool": "send_email", "args": {"to": ORDER["email"], "subject": "Order 42 is on its way"}},
         {"tool": "charge_card", "args": {"order": ORDER["order"], "amount_cents": ORDER["amount_cents"]}},
         {"tool": "send_receipt", "args": {"to": ORDER["email"], "order": ORDER["order"]}}]

@@ -35,7 +35,7 @@ from pydantic_ai.providers.openai import OpenAIProvider
 from idemproxy_client import Run
 
 ORDER = {"order": "43", "email": "grace@example.com", "amount_cents": 1999}
-# The fake provider (tests/fake_provider.py) plays the model: it follows this plan line. Its
+# The fake provider (tests/support/fake_provider.py) plays the model: it follows this plan line. Its
 # first charge has no amount, the tool answers ModelRetry, and the model tries again.
 PLAN = [{"tool": "send_email", "args": {"to": ORDER["email"], "subject": "Order 43 is on its way"}},
         {"tool": "charge_card", "args": {"order": ORDER["order"], "amount_cents": 0}},

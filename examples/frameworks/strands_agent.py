@@ -34,7 +34,7 @@ from strands.models.openai import OpenAIModel
 from idemproxy_client import Run
 
 ORDER = {"order": "47", "email": "frances@example.com", "amount_cents": 880}
-# The fake provider (tests/fake_provider.py) plays the model: it follows this plan line.
+# The fake provider (tests/support/fake_provider.py) plays the model: it follows this plan line.
 PLAN = [{"tool": "send_email", "args": {"to": ORDER["email"], "subject": "Order 47 is on its way"}},
         {"tool": "charge_card", "args": {"order": ORDER["order"], "amount_cents": ORDER["amount_cents"]}},
         {"tool": "send_receipt", "args": {"to": ORDER["email"], "order": ORDER["order"]}}]

@@ -47,7 +47,7 @@ class ToolCall:
         The digest ``fingerprint.fingerprint("MCP", upstream, path_qs, tenant + b"\\0" + meaning, "")``
         gives, hashed here directly: that body is never JSON (a tenant is not), so the generic
         function would only find so through a failed parse whose exception costs more than the
-        hash (tests/test_mcp.py holds the two equal)."""
+        hash (tests/mcp/test_mcp.py holds the two equal)."""
         return hashlib.sha256(b"MCP\0%b\0%b\0%b\0%b" % (upstream.encode(), path_qs.encode(), tenant.encode(),
                                                           self.meaning)).hexdigest()
 

@@ -3,7 +3,7 @@
 
 A backend package gives only its parts, over one connection of its own; the store is the
 same for all three (``sqlite_store``, ``postgres_store``, ``redis_store`` build it). Every
-backend passes the one contract suite in ``tests/test_store_contract.py``.
+backend passes the one contract suite in ``tests/store/test_store_contract.py``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 // What the JavaScript recipes share: the order's prompt and the tools' HTTP calls through a run.
 
-/** The task, with the PLAN line the fake provider (tests/fake_provider.py) follows as the model. */
+/** The task, with the PLAN line the fake provider (tests/support/fake_provider.py) follows as the model. */
 export function orderPrompt({ order, email, amountCents }) {
   const plan = [
     { tool: "send_email", args: { to: email, subject: `Order ${order} is on its way` } },

@@ -145,7 +145,7 @@ class PostgresConnection:
         # so PostgreSQL plans them once and keeps that plan (until asyncpg or ANALYZE
         # replaces it): for an empty table, a full scan, kept while the table grows
         # (measured: a fresh schema's records cost the server 4x the CPU). Off, a plan
-        # uses the index wherever one fits (tests/test_store_postgres.py checks ours).
+        # uses the index wherever one fits (tests/store/test_store_postgres.py checks ours).
         # plan_cache_mode: a prepared statement keeps one generic plan (index plans, as above)
         # instead of being planned anew for its arguments on every call: PostgreSQL's "auto"
         # kept re-planning the claim, so a replay's one statement cost twice what it does with

@@ -1,0 +1,234 @@
+"""The store on a real Redis Cluster (3 masters, 3 replicas: tests/support/redis_cluster.py): the
+whole store contract, and what only a cluster has (the one slot, sharded notifications).
+
+The contract's tests are imported here, so they run twice more with ``store_url`` naming a
+fresh key prefix on the cluster, with and without ``redis_wait_replicas``; the cluster is
+started once for this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+import redis
+from redis.asyncio.connection import SSLConnection
+
+from idemproxy.proxy.config import ConfigError, StoreSettings
+from idemproxy.proxy.store import StoreUnavailable, make_store
+from idemproxy.proxy.store.redis.cluster import cluster_client, hash_tagged, seeds, slot_of
+from idemproxy.proxy.store.redis.connection import POLL_S
+from conftest import until
+from redis_cluster import STEADY_MS, RedisCluster
+from run_cli import idemproxy
+from test_store_contract import *  # noqa: F401,F403 - the contract, run again on the cluster
+from test_store_contract import REPLY, claim_of, scope
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    started = RedisCluster(node_timeout_ms=STEADY_MS).start()
+    yield started
+    started.destroy()
+
+
+@pytest.fixture
+def store_url(cluster):
+    return f"{cluster.url}/?prefix=t{uuid.uuid4().hex[:10]}:"
+
+
+@pytest.fixture(params=[0, 1], ids=["wait-0", "wait-1"])
+def store_settings(store_url, request) -> StoreSettings:
+    """The contract, as is and with every write confirmed by a replica (redis_wait_replicas)."""
+    return StoreSettings(url=store_url, redis_wait_replicas=request.param)
+
+
+async def test_every_key_of_a_deployment_is_in_its_prefixs_slot(store_url, cluster):
+    store = make_store(StoreSettings(url=store_url))
+    await store.open()
+    try:
+        claim = claim_of(scope())
+        assert (await store.journal.claim(claim)).won
+        await store.runs.upsert(__import__("test_store_contract").new_run())
+        prefix = store.connection.prefix
+        master = cluster.master_of(prefix)
+        client = redis.Redis(port=master)
+        keys = list(client.scan_iter(match=prefix.replace("{", "\\{").replace("}", "\\}") + "*"))
+        client.close()
+        assert len(keys) >= 4
+        assert {slot_of(key.decode()) for key in keys} == {slot_of(hash_tagged(prefix.strip("{}")))}
+    finally:
+        await store.aclose()
+
+
+async def woken_by_a_message(writer, waiter) -> bool:
+    """Whether a record made through ``writer`` wakes a wait on ``waiter`` sooner than its poll
+    would (so by the sharded notification)."""
+    try:
+        won = await writer.journal.claim(claim_of(scope(f"wake-{uuid.uuid4().hex[:6]}")))
+        wait = asyncio.create_task(waiter.journal.wait(won.entry.kid, 5.0))
+        await asyncio.sleep(0.05)
+        changed = time.monotonic()
+        await writer.journal.complete(won.entry.kid, won.entry.owner, REPLY)
+        await wait
+        return time.monotonic() - changed < POLL_S / 2
+    except StoreUnavailable:  # a failover under way: its first calls fail, closed
+        return False
+
+
+async def test_a_record_wakes_a_waiter_on_another_instance_by_a_sharded_message(open_store):
+    writer, waiter = await open_store(), await open_store()
+    assert await woken_by_a_message(writer, waiter)
+
+
+async def test_a_slot_moved_to_another_master_is_followed(open_store, cluster):
+    """Resharding moves the deployment's slot, with its keys, to another master: the next calls
+    follow it (MOVED: the slot map refreshed, the commands sent again), records included, and so
+    do the notifications."""
+    store, other = await open_store(), await open_store()
+    first = claim_of(scope("before-the-move"))
+    assert (await store.journal.claim(first)).won
+    assert await store.journal.complete(first.scope.kid, first.owner, REPLY)
+    source = cluster.master_of(store.connection.prefix)
+    target = next(port for port in cluster.ports[:3] if port != source)  # the first three start as masters
+    await asyncio.to_thread(cluster.move_slot, store.connection.prefix, target)
+    assert cluster.master_of(store.connection.prefix) == target
+
+    second = claim_of(scope("after-the-move"))
+    assert (await store.journal.claim(second)).won  # no error: MOVED is followed, not returned
+    assert await store.journal.complete(second.scope.kid, second.owner, REPLY)
+    for entry in (first, second):
+        assert (await other.journal.get(entry.scope.kid)).response.body == REPLY.body
+    await until(lambda: woken_by_a_message(store, other), 10, "a waiter woken by a message after the move")
+
+
+async def test_cluster_urls_name_their_seeds_credentials_and_tls():
+    assert seeds("redis+cluster://u:p@a:1,b:2/?prefix=x:") == [("a", 1), ("b", 2)]
+    tls, plain = (cluster_client("rediss+cluster://user:pw@h1:1,h2:2?ssl_cert_reqs=none", 1.0),
+                  cluster_client("redis+cluster://h1:1", 1.0))
+    options = tls.connection_kwargs
+    assert (options["connection_class"], options["ssl_cert_reqs"]) == (SSLConnection, "none")
+    assert (options["username"], options["password"]) == ("user", "pw")
+    assert [(n.host, n.port) for n in tls.nodes_manager.startup_nodes.values()] == [("h1", 1), ("h2", 2)]
+    assert plain.connection_kwargs["connection_class"] is not SSLConnection
+    await tls.aclose()
+    await plain.aclose()
+    with pytest.raises(ValueError):
+        seeds("redis+cluster://a:1/3")
+    with pytest.raises(ValueError):
+        seeds("redis+cluster://a,b:2")
+    with pytest.raises(ConfigError, match="seed must be host:port"):
+        make_store(StoreSettings(url="rediss+cluster://h1:6379,h2/?prefix=x:"))
+
+
+CHAT = "/openai/v1/chat/completions"
+
+
+async def _post(http, proxy, key: str, content: str = "hello") -> tuple[int, dict, bytes, str]:
+    body = {"model": "m", "messages": [{"role": "user", "content": content}]}
+    async with http.post(proxy.url + CHAT, json=body, headers={"Idempotency-Key": key}) as r:
+        return r.status, dict(r.headers), await r.read(), r.headers.get("Content-Type", "")
+
+
+async def test_a_proxy_records_and_replays_on_the_cluster(store_url, make_proxy, provider, http):
+    """Two replicas on one cluster: one records, the other (nothing in memory) replays."""
+    proxies = [await make_proxy(store_url, store={"answer_cache_bytes": 0, "replay_cache_bytes": 0}),
+               await make_proxy(store_url)]
+    status, headers, recorded, _ = await _post(http, proxies[0], "k-1")
+    assert status == 200 and headers["Idempotent-Replayed"] == "false"
+    for proxy in proxies:
+        status, headers, replayed, _ = await _post(http, proxy, "k-1")
+        assert status == 200 and headers["Idempotent-Replayed"] == "true" and replayed == recorded
+    assert provider.calls["chat"] == 1
+
+
+@pytest.fixture
+def own_cluster():
+    """A cluster of the test's own: it kills a master."""
+    started = RedisCluster(node_timeout_ms=1500).start()  # a failover within ~3 s of the kill
+    yield started
+    started.destroy()
+
+
+@pytest.mark.slow  # a cluster of its own, a master SIGKILLed and started again
+async def test_a_master_killed_under_load_loses_nothing_acknowledged(own_cluster, make_proxy, provider, http):
+    """The slot's master is SIGKILLed while records stream in; its replica is promoted. The
+    same proxies answer again within seconds, with their caches (``cached``) or without any
+    (``bare``); ``safe`` (redis_wait_replicas = 1) refuses to acknowledge while the new master
+    has no replica, answers again once the old one rejoins as its replica, and every record
+    it acknowledged is still there."""
+    url, bare_store = f"{own_cluster.url}/?prefix=failover:", {"answer_cache_bytes": 0, "replay_cache_bytes": 0}
+    cached = await make_proxy(url, store={"timeout": "2s"})
+    bare = await make_proxy(url, store={"timeout": "2s", **bare_store})
+    safe = await make_proxy(url, store={"timeout": "2s", "redis_wait_replicas": 1, **bare_store})
+    for proxy in (cached, bare, safe):
+        assert (await _post(http, proxy, "warm-up"))[0] == 200
+    acknowledged: dict[str, bytes] = {}
+    refused = 0
+    stop = asyncio.Event()
+
+    async def writer(n: int) -> None:
+        nonlocal refused
+        i = 0
+        while not stop.is_set():
+            key, i = f"w{n}-{i}", i + 1
+            status, _, body, _ = await _post(http, safe, key, key)
+            if status == 200:
+                acknowledged[key] = body
+            else:
+                assert status == 503, body
+                refused += 1
+            await asyncio.sleep(0.01)
+    stores = [make_store(StoreSettings(url=url)) for _ in range(2)]
+    for store in stores:
+        await store.open()
+    assert await woken_by_a_message(*stores)
+    writers = [asyncio.create_task(writer(n)) for n in range(4)]
+    try:
+        await until(lambda: asyncio.sleep(0, len(acknowledged) >= 20), 20, "records before the kill")
+        master = own_cluster.master_of("{failover:}")
+        await asyncio.to_thread(own_cluster.kill, master)
+        killed = time.monotonic()
+        await asyncio.to_thread(own_cluster.wait_promoted, master)
+        promoted = time.monotonic()
+
+        for proxy in (cached, bare):
+            async def records_again(proxy=proxy) -> bool:
+                return (await _post(http, proxy, f"after-{uuid.uuid4().hex[:6]}"))[0] == 200
+            await until(records_again, 10, "a record again after the promotion, with no restart")
+        answered = time.monotonic()
+        # the notification reader opened before the kill follows the slot to its new master
+        await until(lambda: woken_by_a_message(*stores), 10, "a waiter woken by a message after the failover")
+        status, _, body, _ = await _post(http, safe, "with-no-replica")
+        assert status == 503 and b"store-unavailable" in body  # the new master has no replica yet
+
+        await asyncio.to_thread(own_cluster.restart, master)
+
+        async def safe_again() -> bool:
+            return (await _post(http, safe, f"rejoined-{uuid.uuid4().hex[:6]}"))[0] == 200
+        await until(safe_again, 15, "redis_wait_replicas = 1 acknowledging again")
+    finally:
+        stop.set()
+        await asyncio.gather(*writers)
+        for store in stores:
+            await store.aclose()
+    print(f"\nfailover: promoted {promoted - killed:.1f} s after the kill, records again "
+          f"{answered - promoted:.1f} s after; {len(acknowledged)} acknowledged, {refused} refused")
+
+    calls = provider.calls["chat"]
+    for key, body in acknowledged.items():  # each from the store: bare holds nothing in memory
+        status, headers, replayed, _ = await _post(http, bare, key, key)
+        assert (status, headers["Idempotent-Replayed"], replayed) == (200, "true", body), key
+    assert provider.calls["chat"] == calls  # nothing acknowledged went upstream twice
+
+
+def test_check_opens_the_store_on_a_cluster_and_says_what_a_failover_loses(store_url, tmp_path):
+    """``idemproxy check`` on a cluster: 0, with the durability that names replication, and what
+    redis_wait_replicas changes (a malformed URL or value: test_cluster_urls..., test_store_redis)."""
+    result = idemproxy("check", "--store", store_url, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "a failover loses the claims and records" in result.stderr
+    result = idemproxy("check", "--store", store_url, "--set", "store.redis_wait_replicas=1", cwd=tmp_path)
+    assert result.returncode == 0 and "1 replica(s) have it" in result.stderr, result.stderr
