@@ -26,7 +26,7 @@ class Journal(JournalPath, JournalAdmin, Protocol):
 
 @runtime_checkable
 class RunRegistry(RunsPath, RunsAdmin, Protocol):
-    """Runs: epochs, heartbeats, attempts and ends (SPEC §8)."""
+    """Runs: epochs, heartbeats, attempts and ends (docs/restarts.md)."""
 
 
 @runtime_checkable

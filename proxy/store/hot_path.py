@@ -13,7 +13,7 @@ from .model import Claim, ClaimResult, Entry, Recorded, Run
 
 @runtime_checkable
 class JournalPath(Protocol):
-    """The request path's journal: entries claimed, completed or quarantined, replayed (SPEC §4-§6)."""
+    """The request path's journal: entries claimed, completed or quarantined, replayed (docs/concepts.md)."""
 
     async def get(self, kid: str) -> Entry | None: """The live entry, with its response."""
     async def claim(self, claim: Claim) -> ClaimResult:
@@ -60,7 +60,7 @@ class JournalPath(Protocol):
 
 @runtime_checkable
 class RunsPath(Protocol):
-    """Runs as agents' requests move them: epochs, heartbeats, ends, held connections (SPEC §8)."""
+    """Runs as agents' requests move them: epochs, heartbeats, ends, held connections (docs/restarts.md)."""
 
     async def observe_epoch(self, namespace: str, run_id: str, epoch: int | None, defaults: Run,
                             now: float, ended: dict[str, Any] | None = None) -> int:

@@ -28,7 +28,7 @@ class EntryState(StrEnum):
 
 
 class RunState(StrEnum):
-    """A run's state (SPEC §8), in the order listings show them."""
+    """A run's state (docs/restarts.md), in the order listings show them."""
     RUNNING = "running"
     RESTARTING = "restarting"
     COMPLETED = "completed"
