@@ -9,8 +9,9 @@ the store's own run registry (the code the proxy and the supervisor run):
    ``--due`` runs silent past their timeout (then buried, so the next size starts clean);
    then what a run takes in the store (bytes per run: table and indexes, file, or memory);
 2. heartbeats: beats for ``--beats`` of the live runs written as the proxy's flush writes
-   them (``runs.touch``: one call a second for every run seen in it), against one
-   ``POST /runs/{id}/heartbeat``'s store call per beat (``runs.heartbeat``, 32 at once);
+   them (``runs.touch``: one call a second for every run seen in it), and as the runs API
+   writes them: one ``POST /runs/{id}/heartbeat``'s store call per beat (``runs.heartbeat``),
+   ``--api-at-once`` agents beating together;
 3. restart: with every live run beating (one ``touch`` a second for a fifth of them: each
    every 5 s), ``--restart`` runs fall silent together and ``--replicas`` supervisors
    (each with its own store connection, ticking every ``--interval`` s) restart them through
@@ -154,19 +155,22 @@ async def bytes_per_run(url: str, live: int) -> float:
     return statistics.mean(own) + statistics.mean(named) + sum(indexes) / n
 
 
-async def measure_beats(store, live: int, beats: int) -> dict:
+async def measure_beats(store, live: int, beats: int, api_at_once: list[int]) -> dict:
     ids = [f"live-{i % live}" for i in range(beats)]
     started = time.perf_counter()
     await store.runs.touch({(NS, run_id, None): time.time() for run_id in ids})
     batched = beats / (time.perf_counter() - started)
-    single = ids[:min(beats, 2000)]
-    started = time.perf_counter()
-    for i in range(0, len(single), 32):
-        await asyncio.gather(*(store.runs.heartbeat(NS, run_id, time.time()) for run_id in single[i:i + 32]))
-    one_by_one = len(single) / (time.perf_counter() - started)
-    print(f"    heartbeats: {batched:,.0f}/s in one flush of {beats:,}; {one_by_one:,.0f}/s one call each",
-          flush=True)
-    return {"beats": beats, "batched_per_s": batched, "one_by_one_per_s": one_by_one}
+    out = {"beats": beats, "batched_per_s": batched, "api_per_s": {}}
+    for at_once in api_at_once:  # POST /runs/{id}/heartbeat's store call, `at_once` agents together
+        single = ids[:min(beats, 40 * at_once)]
+        started = time.perf_counter()
+        for i in range(0, len(single), at_once):
+            await asyncio.gather(*(store.runs.heartbeat(NS, run_id, time.time())
+                                   for run_id in single[i:i + at_once]))
+        out["api_per_s"][at_once] = len(single) / (time.perf_counter() - started)
+    api = ", ".join(f"{rate:,.0f}/s {n} at once" for n, rate in out["api_per_s"].items())
+    print(f"    heartbeats: {batched:,.0f}/s in one flush of {beats:,}; runs API: {api}", flush=True)
+    return out
 
 
 class HookCounter:
@@ -260,7 +264,8 @@ async def run_store(url: str, a: argparse.Namespace) -> dict:
         if "+cluster" not in url:  # a cluster keeps the same keys as one Redis
             out["bytes_per_run"] = await bytes_per_run(url, sizes[-1])
             print(f"    {out['bytes_per_run']:,.0f} bytes per run", flush=True)
-        out["heartbeats"] = await measure_beats(store, sizes[-1], min(a.beats, sizes[-1]))
+        out["heartbeats"] = await measure_beats(store, sizes[-1], min(a.beats, sizes[-1]),
+                                                [int(n) for n in a.api_at_once.split(",")])
         if a.restart:
             out["restart"] = await measure_restart(url, store, sizes[-1], a.restart, a.replicas, a.interval)
         return out
@@ -274,6 +279,7 @@ def main() -> None:
     p.add_argument("--live", default="1000,10000,100000", help="live runs at each tick measurement")
     p.add_argument("--due", type=int, default=1000, help="runs silent at once, for the busy tick")
     p.add_argument("--beats", type=int, default=20000, help="beats in one flush (100,000 runs every 5 s)")
+    p.add_argument("--api-at-once", default="32,512", help="runs API heartbeats sent together")
     p.add_argument("--restart", type=int, default=1000, help="runs that fall silent together")
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--interval", type=float, default=0.5, help="each supervisor's [supervisor] interval_s")

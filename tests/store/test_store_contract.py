@@ -966,6 +966,28 @@ async def test_heartbeat_and_end_run_are_fenced_by_the_epoch(store):
     assert (await store.runs.end(NS, "run-1", RunState.FAILED, 320.0, epoch=5)).state == RunState.COMPLETED  # once
 
 
+async def test_heartbeats_that_come_together_are_each_answered_as_alone(store):
+    """The runs API's heartbeats may share one write (PostgreSQL, Redis): each caller still
+    learns its own run, fenced by its own epoch, whatever else went along."""
+    for run_id in ("a", "b"):
+        await store.runs.upsert(new_run(run_id, last_seen=100.0))
+    await store.runs.new_attempt(NS, "b", 0, 150.0, "restart", True)
+    beats = await asyncio.gather(
+        store.runs.heartbeat(NS, "a", 200.0, epoch=0),
+        store.runs.heartbeat(NS, "b", 210.0, epoch=0),  # superseded: b is at epoch 1
+        store.runs.heartbeat(NS, "b", 205.0, epoch=1),
+        store.runs.heartbeat(NS, "b", 190.0),  # unfenced, older: never backwards
+        store.runs.heartbeat(NS, "missing", 200.0, epoch=0),
+        store.runs.heartbeat("other-namespace", "a", 200.0))
+    a, stale, b, unfenced, missing, elsewhere = beats
+    assert (a.run_id, a.last_seen, a.state) == ("a", 200.0, RunState.RUNNING)
+    assert (stale.epoch, stale.run_id) == (1, "b")  # the run as it is: the caller is told it is fenced
+    assert (b.last_seen, b.state, unfenced.last_seen) == (205.0, RunState.RUNNING, 205.0)
+    assert missing is None and elsewhere is None
+    [b] = await store.runs.find(NS, "b")
+    assert (b.epoch, b.last_seen, b.state) == (1, 205.0, RunState.RUNNING)
+
+
 async def test_only_a_dead_run_is_revived_with_its_restarts_forgotten(store, open_store):
     await store.runs.upsert(new_run("run-1"))
     for i, at in enumerate((100.0, 110.0)):

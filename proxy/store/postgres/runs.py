@@ -10,6 +10,7 @@ from typing import Any
 
 import asyncpg
 
+from ..batching import Batches
 from ..model import ENDED, RUN_STATES, Run, RunState
 from ..rules import (HISTORY_LIMIT, SILENT_LIMIT, advance_attempt, check_settable, ending_event, remembered,
                      revive_attempt)
@@ -24,9 +25,14 @@ def _run(row: asyncpg.Record) -> Run:
     return run
 
 
+Beat = tuple[str, str, "int | None", float]  # (namespace, run id, epoch, now)
+
+
 class PostgresRuns:
     def __init__(self, db: PostgresConnection):
         self._db = db
+        # the runs API's heartbeats, one statement and one commit for those that came together
+        self._heartbeats = Batches("postgres heartbeat", self._heartbeat_many, db.timeout)
 
     async def upsert(self, run: Run) -> Run:
         return _run(await self._db.fetchrow(
@@ -74,10 +80,22 @@ class PostgresRuns:
 
     async def heartbeat(self, namespace: str, run_id: str, now: float,
                         epoch: int | None = None) -> Run | None:
-        row = await self._db.fetchrow("heartbeat", sql.HEARTBEAT, now, namespace, run_id, epoch)
-        if row is None:  # no such run, or a superseded attempt: the run as it is
-            row = await self._db.fetchrow("heartbeat", sql.GET_RUN, namespace, run_id)
-        return None if row is None else _run(row)
+        return await self._heartbeats((namespace, run_id, epoch, now))
+
+    async def _heartbeat_many(self, beats: list[Beat]) -> list[Run | None]:
+        """Each beat's run: as the beat left it, or as it is (a superseded attempt's beat)."""
+        namespaces, run_ids, epochs, times = zip(*beats)
+
+        async def beat(c: asyncpg.Connection) -> dict[tuple[str, str], Run]:
+            runs = {(r.namespace, r.run_id): r for r in map(_run, await c.fetch(
+                sql.HEARTBEAT_MANY, namespaces, run_ids, epochs, times))}
+            unmoved = [(ns, run_id) for ns, run_id, _, _ in beats if (ns, run_id) not in runs]
+            if unmoved:
+                runs.update(((r.namespace, r.run_id), r) for r in map(_run, await c.fetch(
+                    sql.GET_RUNS, [ns for ns, _ in unmoved], [run_id for _, run_id in unmoved])))
+            return runs
+        runs = await self._db.use("heartbeat", beat)
+        return [runs.get((ns, run_id)) for ns, run_id, _, _ in beats]
 
     async def end(self, namespace: str, run_id: str, state: str, now: float,
                   epoch: int | None = None, ended: dict[str, Any] | None = None) -> Run | None:

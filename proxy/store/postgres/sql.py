@@ -174,13 +174,6 @@ TOUCH = f"""
 UPDATE runs SET last_seen = greatest(last_seen, $1),
     state = CASE WHEN state = '{RunState.RESTARTING}' THEN '{RunState.RUNNING}' ELSE state END
 WHERE tenant = $2 AND run_id = $3 AND ($4::bigint IS NULL OR epoch <= $4)"""
-# $1 at, $2 namespace, $3 run_id, $4 epoch (NULL: unfenced). A superseded attempt's beat
-# changes nothing (no row comes back).
-HEARTBEAT = f"""
-UPDATE runs SET last_seen = greatest(last_seen, $1),
-    state = CASE WHEN state = '{RunState.RESTARTING}' THEN '{RunState.RUNNING}' ELSE state END
-WHERE tenant = $2 AND run_id = $3 AND ($4::bigint IS NULL OR epoch <= $4)
-RETURNING {RUN_COLUMNS}"""
 # $1 namespaces, $2 run ids (arrays of the same length), $3 now
 COUNT_STEPS = """
 SELECT j.namespace, j.run, count(*) FROM journal j
@@ -243,6 +236,26 @@ SEARCH = (f"SELECT {ENTRY_COLUMNS}, status, replayed FROM journal WHERE expires_
 COUNT_QUARANTINED = "SELECT count(*) FROM journal WHERE state = 'unknown' AND expires_at > $1"
 # the kid index's range: "g" sorts after every hex digit (kids and prefixes are lowercase hex); $4 now
 KIDS = "SELECT kid FROM journal WHERE kid >= $1 AND kid < $2 AND expires_at > $4 ORDER BY kid LIMIT $3"
+# Heartbeats that arrived together (the runs API's): arrays of the same length, $1 namespaces,
+# $2 run ids, $3 epochs (NULL: unfenced), $4 times. A beat counts where its epoch is not
+# superseded (checked on the row as locked); a run beaten twice keeps the later time. The
+# rows are locked in one order, so two proxies' batches never deadlock.
+HEARTBEAT_MANY = f"""
+WITH passed AS (
+    SELECT r.tenant, r.run_id, b.at
+    FROM runs r JOIN unnest($1::text[], $2::text[], $3::bigint[], $4::float8[]) AS b(tenant, run_id, epoch, at)
+      USING (tenant, run_id)
+    WHERE b.epoch IS NULL OR r.epoch <= b.epoch
+    ORDER BY r.tenant, r.run_id FOR UPDATE OF r)
+UPDATE runs r SET last_seen = greatest(r.last_seen, m.at),
+    state = CASE WHEN r.state = '{RunState.RESTARTING}' THEN '{RunState.RUNNING}' ELSE r.state END
+FROM (SELECT tenant, run_id, max(at) AS at FROM passed GROUP BY tenant, run_id) m
+WHERE r.tenant = m.tenant AND r.run_id = m.run_id
+RETURNING {", ".join("r." + column for column in RUN_COLUMNS.split(", "))}"""
+# $1 namespaces, $2 run ids (arrays of the same length): the runs as they are
+GET_RUNS = f"""
+SELECT {RUN_COLUMNS} FROM runs
+WHERE (tenant, run_id) IN (SELECT * FROM unnest($1::text[], $2::text[]))"""
 GET_RUN = f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = $2 AND ($1::text IS NULL OR tenant = $1)"
 LIST_RUNS = (f"SELECT {RUN_COLUMNS} FROM runs WHERE $1::text IS NULL OR state = $1 "
              "ORDER BY created_at DESC LIMIT $2")

@@ -12,6 +12,7 @@ from typing import Any, Awaitable
 
 import orjson
 
+from ..batching import Batches
 from ..model import RUN_STATES, Run, RunState
 from ..rules import HISTORY_LIMIT, SILENT_LIMIT, check_settable
 from .connection import RedisConnection
@@ -60,6 +61,9 @@ def _new_run_fields(run: Run) -> dict[str, str | None]:
 class RedisRuns:
     def __init__(self, db: RedisConnection):
         self._db = db
+        # the runs API's heartbeats, one pipeline for those that came together; no replica
+        # need confirm a heartbeat (a failover that loses one costs a restart at worst)
+        self._heartbeats = Batches("redis heartbeat", db.pipeline, db.timeout)
 
     def _script(self, name: str, rk: str, *args: Any) -> Awaitable[Any]:
         """A run's script: its ARGV start with the prefix and the run's rk."""
@@ -135,8 +139,8 @@ class RedisRuns:
 
     async def heartbeat(self, namespace: str, run_id: str, now: float,
                         epoch: int | None = None) -> Run | None:
-        reply = await self._script("heartbeat", run_ref(namespace, run_id), field(now),
-                                   "" if epoch is None else epoch)
+        reply = await self._heartbeats(self._db.evalsha("heartbeat", [self._db.anchor], [
+            self._db.prefix, run_ref(namespace, run_id), field(now), "" if epoch is None else epoch]))
         return _run(*reply) if reply else None
 
     async def end(self, namespace: str, run_id: str, state: str, now: float,
