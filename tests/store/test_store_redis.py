@@ -157,6 +157,17 @@ async def test_entries_expire_by_ttl_and_runs_do_not(shared_url, open_store):
         await raw.aclose()
 
 
+async def test_more_callers_than_links_wait_for_one_instead_of_failing(shared_url, open_store):
+    """Past the pool's links, a call waits for one to come back (within the timeout): 300
+    runs registered at once, through 8 links, all succeed. The plain pool failed every call
+    past its 100th with MaxConnectionsError, a 503 to the agent."""
+    url, _ = shared_url
+    store = await open_store(f"{url}&max_connections=8")
+    now = time.time()
+    runs = await asyncio.gather(*(store.runs.upsert(Run("default", f"r{i}", created_at=now)) for i in range(300)))
+    assert [run.run_id for run in runs] == [f"r{i}" for i in range(300)]
+
+
 # -- notifications ---------------------------------------------------------------------------
 
 async def test_a_change_on_one_instance_wakes_a_waiter_on_another(shared_url, open_store):

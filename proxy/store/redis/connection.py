@@ -41,6 +41,7 @@ from .values import text
 log = logging.getLogger("idemproxy.store")
 
 POLL_S = 0.5  # a waiter looks again this often even when no notification comes
+POOL_LINKS = 100  # one Redis's links per process unless the URL says max_connections
 LISTEN_S = 1.0  # how long the notification reader blocks per read
 RECONNECT_S = (0.1, 2.0)  # notification reader's backoff after losing Redis, first and most
 
@@ -116,10 +117,14 @@ class RedisConnection:
         if self.cluster:
             client = cluster_client(self.url, self.timeout)
         else:
-            client = redis_asyncio.Redis.from_url(
-                self.url, socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
+            # A blocking pool: past its links (100, or the URL's max_connections) a call waits
+            # for one to come back, as long as the timeout allows, where the plain pool fails
+            # it at once (128 agents heartbeating together got 503s).
+            client = redis_asyncio.Redis.from_pool(redis_asyncio.BlockingConnectionPool.from_url(
+                self.url, max_connections=POOL_LINKS, timeout=self.timeout, socket_timeout=self.timeout,
+                socket_connect_timeout=self.timeout,
                 retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-                decode_responses=False)
+                decode_responses=False))
         where = f"redis at {mask_url(self.url)}"
         try:
             with translated(where, self.timeout * 2):
