@@ -217,15 +217,31 @@ async def make_proxy(request, tmp_path, provider):
 
 
 async def closed_within(closing, what: str, seconds: float = 25.0) -> None:
-    """Close a test server; if that hangs, print what the loop still runs before failing. A
-    teardown that hung in CI (a stream test on Redis, once in ~1,100 tests) left only the
-    idle loop's stack, not what it waited on."""
-    try:
-        await asyncio.wait_for(closing, seconds)
-    except asyncio.TimeoutError:
-        for task in asyncio.all_tasks():
-            task.print_stack(file=sys.stderr)
-        raise AssertionError(f"{what} did not close within {seconds:g} s: its tasks are above") from None
+    """Close a test server; if that hangs, print what the closing and every other task wait
+    on (before cancelling, so the closing task's own stack is still there), then fail."""
+    task = asyncio.ensure_future(closing)
+    done, _ = await asyncio.wait([task], timeout=seconds)
+    if not done:
+        for other in asyncio.all_tasks():
+            print(f"{other!r} awaits:\n{awaited_chain(other.get_coro())}", file=sys.stderr)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise AssertionError(f"{what} did not close within {seconds:g} s: its tasks are above")
+    task.result()
+
+
+def awaited_chain(coro: Any) -> str:
+    """Every frame a suspended coroutine waits through, down to the future at the bottom
+    (a task's own stack shows only its outermost frame)."""
+    lines = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            lines.append(f"  {coro!r}")
+            break
+        lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return "\n".join(lines)
 
 
 @pytest.fixture
