@@ -19,6 +19,7 @@ from redis.asyncio.connection import SSLConnection
 from idemproxy.proxy.config import ConfigError, StoreSettings
 from idemproxy.proxy.store import StoreUnavailable, make_store
 from idemproxy.proxy.store.redis.cluster import cluster_client, hash_tagged, seeds, slot_of
+from idemproxy.proxy.store.model import Run
 from idemproxy.proxy.store.redis.connection import POLL_S
 from conftest import until
 from redis_cluster import STEADY_MS, RedisCluster
@@ -81,6 +82,21 @@ async def woken_by_a_message(writer, waiter) -> bool:
 async def test_a_record_wakes_a_waiter_on_another_instance_by_a_sharded_message(open_store):
     writer, waiter = await open_store(), await open_store()
     assert await woken_by_a_message(writer, waiter)
+
+
+async def test_more_calls_at_once_than_links_wait_for_one_instead_of_failing(store_url):
+    """The cluster client fails a call past its links to a node (MaxConnectionsError, a 503
+    to the agent); the store holds its calls at once below them instead: 300 runs
+    registered at once through 8 links all succeed."""
+    store = make_store(StoreSettings(url=f"{store_url}&max_connections=8"))
+    await store.open()
+    try:
+        now = time.time()
+        runs = await asyncio.gather(*(store.runs.upsert(Run("default", f"r{i}", created_at=now))
+                                      for i in range(300)))
+        assert [run.run_id for run in runs] == [f"r{i}" for i in range(300)]
+    finally:
+        await store.aclose()
 
 
 async def test_a_slot_moved_to_another_master_is_followed(open_store, cluster):

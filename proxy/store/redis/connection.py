@@ -103,6 +103,9 @@ class RedisConnection:
         self._kept: Any = None  # the pipelines' link, out of the pool between them (_send)
         self._scripts: dict[str, Any] = {}
         self._listener: asyncio.Task | None = None
+        # On a cluster, calls at once to the slot's master, held below its client's links:
+        # that client has no blocking pool, and fails a call past them (MaxConnectionsError).
+        self._links: asyncio.Semaphore | None = None
 
     def __repr__(self) -> str:
         return f"RedisConnection({mask_url(self.url)!r}, prefix={self.prefix!r})"
@@ -116,6 +119,8 @@ class RedisConnection:
         # that timed out may have run. Every call is also bounded by `timeout` as a whole.
         if self.cluster:
             client = cluster_client(self.url, self.timeout)
+            # two links spare: the notifications' subscription, the slot map's refresh
+            self._links = asyncio.Semaphore(max(1, client.nodes_manager.connection_kwargs["max_connections"] - 2))
         else:
             # A blocking pool: past its links (100, or the URL's max_connections) a call waits
             # for one to come back, as long as the timeout allows, where the plain pool fails
@@ -204,7 +209,10 @@ class RedisConnection:
         """Await one Redis call; any failure, or no answer within ``timeout``, is StoreUnavailable."""
         with translated("redis", self.timeout):
             async with asyncio.timeout(self.timeout):
-                return await awaitable
+                if self._links is None:
+                    return await awaitable
+                async with self._links:
+                    return await awaitable
 
     def script(self, name: str, keys: list[str], args: list[Any]) -> Awaitable[Any]:
         """A script; one that names no key is routed by :attr:`anchor` (a cluster needs one).
