@@ -274,6 +274,25 @@ async def test_a_frozen_redis_never_hangs_an_operation(private_redis, open_store
     await _eventually(lambda: store.journal.claim(claim("thawed")))
 
 
+@pytest.mark.slow  # a private Redis frozen with SIGSTOP
+async def test_a_proxy_stops_in_bounded_time_on_a_frozen_redis(private_redis, make_proxy, provider, http):
+    """A stop writes what is pending (here, replay counts) and closes the store, each call
+    bounded by the store's timeout, and the whole by twice that and a second."""
+    server = private_redis().start()
+    proxy = await make_proxy(server.url + "?prefix=proxy:", store={"timeout": "1s"})
+    chat, body = "/openai/v1/chat/completions", {"model": "m", "messages": []}
+    for _ in range(3):  # a record, then two replays whose counts are written at the stop
+        async with http.post(proxy.url + chat, json=body, headers={"Idempotency-Key": "k"}) as r:
+            assert r.status == 200
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        await proxy.server.close()
+        assert time.monotonic() - started < 2 * 1.0 + 1 + 0.5
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+
+
 @pytest.mark.slow  # a private Redis stopped and started
 async def test_proxy_on_a_stopped_redis_fails_closed_and_recovers(private_redis, make_proxy, provider, http):
     """Through a real proxy: 503 within the timeout, nothing forwarded, passthrough up, then back."""
