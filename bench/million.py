@@ -1,4 +1,4 @@
-"""A journal of millions (issue 13, item 4): do records and replays slow down as the store
+"""A journal of millions: do records and replays slow down as the store
 fills, what does an entry cost in bytes, and what does purging a day cost while serving?
 
     python bench/million.py [--entries 1000000] [--stores sqlite,postgres,redis]

@@ -1,7 +1,7 @@
 """The fast provider: nginx answering a fixed chat completion from memory.
 
 The Python fake provider spends about as much CPU per request as the proxy in front of it,
-on the same two cores, and so hides part of the proxy's own cost (issue 13). nginx answers
+on the same two cores, and so hides part of the proxy's own cost. nginx answers
 ``POST /v1/chat/completions`` with a constant body (``return 200 '...'``) in a few
 microseconds. Install it from Debian's packages (``apt-get install -y nginx-light``); the
 benchmark installs nothing. It starts its own nginx with a generated configuration in its

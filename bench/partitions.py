@@ -1,5 +1,5 @@
 """The PostgreSQL journal partitioned by expiry, measured on a journal as large as the disk
-allows (issue 28, item 2). Not a test: it fills tens of gigabytes.
+allows. Not a test: it fills tens of gigabytes.
 
     python bench/partitions.py [--entries 10000000] [--ops 2000] [--day 300000]
                                [--out bench/results/partitions.json]

@@ -1,4 +1,4 @@
-"""The peers of issue 13, installed and started: LiteLLM's proxy and the Portkey gateway.
+"""The peers bench/peers.py measures, installed and started: LiteLLM's proxy and the Portkey gateway.
 
 Each is installed at a pinned version into a folder of its own, outside the repository and
 outside any project venv: by default ``~/.cache/idemproxy-bench/peers`` (``$XDG_CACHE_HOME``

@@ -1,4 +1,4 @@
-"""Peers side by side: LiteLLM's proxy and the Portkey gateway next to idemproxy (issue 13).
+"""Peers side by side: LiteLLM's proxy and the Portkey gateway next to idemproxy.
 
     python bench/peers.py                  # installs the peers on first use, then measures:
                                            # about 5 minutes (3 rounds of 3 s per measurement)

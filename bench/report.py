@@ -3,22 +3,22 @@
 Throughput is compared at 32 connections, to the baseline measured just before and just
 after the same store's figures; latency at 1 connection, as the p50 difference to the
 baseline measured just before.
-The targets are those of issues 2, 3 and 13.
+The targets are the table in bench/README.md ("targets").
 """
 
 from __future__ import annotations
 
 import statistics
 
-# scenario -> least throughput at 32 connections, as a share of the baseline's (issue 13:
-# in front of nginx, on every store; a replay calls no provider, so it must beat forwarding)
+# scenario -> least throughput at 32 connections, as a share of the baseline's (in front
+# of nginx, on every store; a replay calls no provider, so it must beat forwarding)
 RATIO_TARGETS = {store: {"passthrough": 0.95, "replay": 1.3, "record": 0.5}
                  for store in ("sqlite", "postgres", "redis")}
 # a replayed MCP tools/call against a replayed chat completion, same store and workers (the
 # margin is the noise of two measurements on a shared machine)
 MCP_REPLAY_SHARE = 0.95
-# scenario -> most p50 added at 1 connection, in milliseconds (issue 13; SQLite's replay keeps
-# issue 3's 0.15 ms: its read is in-process)
+# scenario -> most p50 added at 1 connection, in milliseconds (SQLite's replay is held
+# to 0.15 ms: its read is in-process)
 P50_TARGETS = {"sqlite": {"passthrough": 0.1, "replay": 0.15},
                "postgres": {"passthrough": 0.1, "replay": 0.3},
                "redis": {"passthrough": 0.1, "replay": 0.3}}
@@ -112,7 +112,7 @@ def _compare(row: dict, by: dict[tuple, dict]) -> None:
                        "target": f">= {RUN_SCOPED_SHARE}", "ok": row["vs_without_run"] >= RUN_SCOPED_SHARE})
     replay = by.get((store, workers, "replay"), {})
     if scenario == "mcp-replay" and replay.get("rps_c32") and row.get("rps_c32") is not None:
-        # issue 12: a replayed tools/call costs no more than a replayed chat completion
+        # a replayed tools/call costs no more than a replayed chat completion
         row["vs_replay"] = round(row["rps_c32"] / replay["rps_c32"], 3)
         checks.append({"what": "x replay @32", "value": row["vs_replay"], "target": f">= {MCP_REPLAY_SHARE}",
                        "ok": row["vs_replay"] >= MCP_REPLAY_SHARE})

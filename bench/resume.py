@@ -1,4 +1,4 @@
-"""Resume after a crash (issue 14): how long from a kill to the restart, and to going live again.
+"""Resume after a crash: how long from a kill to the restart, and to going live again.
 
 A 240-step agent (``bench/resume_agent.py``: a model call and a tool call per step,
 official ``openai`` SDK and httpx on the client library) runs through a real
@@ -70,7 +70,7 @@ AGENT = BENCH / "resume_agent.py"
 PATHS = ("hook", "standby", "attach", "attach-remote", "attach-standby")
 STANDBY_PATHS = ("standby", "attach-standby")  # the hook keeps one agent started ahead
 CHAT = "/v1/chat/completions"
-TARGETS = {"kill_to_live_s": 1.5, "replay_s": 0.5}  # issue 14
+TARGETS = {"kill_to_live_s": 1.5, "replay_s": 0.5}  # kill → step 201 live; replay of steps 1–200
 
 
 def _toml(value) -> str:

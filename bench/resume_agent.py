@@ -9,7 +9,7 @@ steps and goes live after them; the run is completed when the block ends.
 
 Started by the supervisor's command hook, it continues the run named by ``IDEM_*``.
 Started by the benchmark itself (the held-connection path), it registers
-``AGENT_RUN_ID`` with ``attach=True`` (the client option of issue 14); with
+``AGENT_RUN_ID`` with ``attach=True`` (the client's held connection); with
 ``AGENT_ELSEWHERE=1`` its held connection names it as a process on another host, so the
 proxy waits out its grace instead of seeing the process exit.
 With ``AGENT_DIRECT_URL`` it does ``AGENT_CRASH_AT`` steps straight to that upstream, no

@@ -77,7 +77,7 @@ SCENARIOS = {s.name: s for s in (
     # Not in the default set: a run with no Idempotency-Key, so every request gets a
     # derived key (run, fingerprint, n); n costs one more store write per request.
     Scenario("run-derived", RUN + "/openai{chat}"),
-    # An MCP tools/call replayed from the journal (issue 12): to be read next to `replay`.
+    # An MCP tools/call replayed from the journal: to be read next to `replay`.
     Scenario("mcp-replay", "/mcp/mcp", key="same", upstream=False, body=MCP_BODY, headers=MCP_HEADERS),
 )}
 DEFAULT_SCENARIOS = ("passthrough", "replay", "record", "run-passthrough", "run-record")

@@ -1,4 +1,4 @@
-"""What tracing costs per request, measured in one process (issue 11 item 3).
+"""What tracing costs per request, measured in one process.
 
 Starts the fake provider, an OTLP/HTTP sink and the proxy on SQLite in this process, then
 times sequential replays and recorded calls through one keep-alive connection, with tracing

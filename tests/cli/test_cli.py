@@ -1,4 +1,4 @@
-"""The idemproxy command as a person meets it (issue 11 item 6), run as a real subprocess:
+"""The idemproxy command as a person meets it, run as a real subprocess:
 one clear line and a non-zero exit for every configuration or start-up failure, never a
 traceback; --version; ``config``; warnings for unknown variables; read-only commands leave
 no journal behind; ISO times with --json."""
@@ -96,7 +96,7 @@ def test_json_output_gives_iso_times(tmp_path, proxy_process):
     assert body["created_at"].endswith("Z") and body["last_seen"][:2] == "20"
 
 
-# -- issue 26: start-up, `check`, `migrate`, and the command line --------------------------------
+# -- start-up, `check`, `migrate`, and the command line ------------------------------------------
 
 def _postgres(database: str, sql: str, *args) -> list:
     import asyncpg

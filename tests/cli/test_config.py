@@ -1,4 +1,4 @@
-"""Configuration (SPEC §9): the TOML key names, IDEMPROXY_* overrides, errors, masking, `check`."""
+"""Configuration (docs/configuration.md): the TOML key names, IDEMPROXY_* overrides, errors, masking, `check`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A hook-started agent is watched as a child: its exit without complete/fail restarts the
-run at once, whatever ``timeout_s`` says (issue 14, item 1).
+run at once, whatever ``timeout_s`` says (docs/restarts.md#noticing-a-death-at-once).
 
 Every proxy here runs its supervisor at the default ``interval_s = 1`` with ``timeout_s =
 60``: a restart within a second can only come from the exit itself. The agents are real

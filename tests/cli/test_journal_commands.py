@@ -1,4 +1,4 @@
-"""Finding and fixing without the console (issue 11, item 2): the 502 names its entry,
+"""Finding and fixing without the console: the 502 names its entry,
 ``idemproxy journal list|show|find``, the agent's key in ``runs show``, and reviving a dead
 run through the admin API and the CLI. Real proxy traffic; the CLI runs in a thread as a
 person would type it, over the same store."""

@@ -1,4 +1,4 @@
-"""The scenario idemproxy exists for (issue 4), with real parts end to end.
+"""The scenario idemproxy exists for, with real parts end to end.
 
 A real ``idemproxy serve`` process with the supervisor in-process; an agent process on the
 official ``openai`` SDK and ``httpx``, configured only by the hook's environment, doing 240

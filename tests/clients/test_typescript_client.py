@@ -1,4 +1,4 @@
-"""A JavaScript agent on @idemproxy/client, killed and restarted by the supervisor (issue 29).
+"""A JavaScript agent on @idemproxy/client, killed and restarted by the supervisor.
 
 examples/js_agent.mjs (the OpenAI Node SDK through ``run.url``/``run.headers``, tool POSTs
 with ``run.key``) is started the way a person starts it, registers its run with the hook

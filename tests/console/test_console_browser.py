@@ -4,7 +4,7 @@ and resumed, a quarantined tool call, a dead run).
 
 It logs in, opens every page, resolves the quarantined call and revives the dead run
 through the pages (and checks the store changed), and saves a 1280x800 screenshot of each
-page; then what an operator needs besides (issue 26 item 8): a completed run's quarantined
+page; then what an operator needs besides: a completed run's quarantined
 call marked and decided from its timeline, the navigation's count, an MCP step by its tool,
 the journal searched by key, runs by namespace, and every page in dark mode. The
 screenshots are kept in tests/artifacts/console/<test> (gitignored), or under

@@ -1,4 +1,4 @@
-"""What an operator needs from the console (issue 26, item 8), over HTTP against real traffic:
+"""What an operator needs from the console, over HTTP against real traffic:
 quarantined calls marked on their run and counted in the navigation, decided from the run's
 timeline; MCP steps by their tool; replay times that never run backwards; refusals said to
 be counted elsewhere; a journal browser; runs by namespace and time, a page at a time;

@@ -1,4 +1,4 @@
-"""MCP upstreams (issue 12, SPEC §12), end to end with the official MCP Python SDK.
+"""MCP upstreams (docs/mcp.md), end to end with the official MCP Python SDK.
 
 The tool server is examples/mcp_tool_server.py (an SDK ``MCPServer`` over Streamable HTTP,
 served by uvicorn in the test's event loop) whose tools count their executions; the agent is
@@ -265,7 +265,7 @@ async def test_tenants_never_see_each_others_tool_calls(make_proxy, sqlite_url, 
 
 async def test_a_tool_call_without_a_credential_is_refused_unless_anonymous_callers_share(
         make_proxy, sqlite_url, sse_tools):
-    """As for any recorded call (SPEC §10): callers without a credential would replay each
+    """As for any recorded call (docs/guarantees.md): callers without a credential would replay each
     other's tool calls, so a recorded tools/call (here in a run) without one gets
     `credential-required`, under the caller's JSON-RPC id; listing tools (passed through) still works."""
     proxy = await make_proxy(sqlite_url, tenants={"anonymous": "refuse"}, **mcp_sections(sse_tools.url))

@@ -1,4 +1,4 @@
-"""The access log (issue 11 item 4): one line per request, durations to the µs, and with
+"""The access log (docs/operations.md): one line per request, durations to the µs, and with
 ``[server] log_format = "json"`` one JSON object per line with what the proxy did."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Alerting (issue 26 item 7): the gauges operators page on, and config/alerts.yaml.
+"""Alerting (docs/operations.md#alerts): the gauges operators page on, and config/alerts.yaml.
 
 promtool is not needed: the rules are read with pyyaml, and every metric (and label value)
 their expressions name is looked for in what a real proxy exports at /metrics.

@@ -1,4 +1,4 @@
-"""Cost saved from a maintained price database (issue 11 item 5): genai-prices prices real
+"""Cost saved from a maintained price database: genai-prices prices real
 models; ``[upstreams.x] prices`` overrides it; the counters carry a ``model`` label."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""OpenTelemetry spans per proxied call (issue 11 item 3), exported over OTLP/HTTP to a real
+"""OpenTelemetry spans per proxied call, exported over OTLP/HTTP to a real
 receiver in the test, which decodes the protobuf the SDK's exporter posts."""
 
 from __future__ import annotations

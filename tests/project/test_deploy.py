@@ -157,7 +157,7 @@ def test_package_builds_from_exactly_what_the_dockerfile_copies(dockerfile, tmp_
     names = zipfile.ZipFile(wheel).namelist()
     assert "idemproxy/proxy/default.toml" in names
     assert "idemproxy/supervisor/loop.py" in names and "idemproxy/proxy/store/sqlite/__init__.py" in names
-    assert "idemproxy/proxy/runs/service.py" in names  # (missing from the package list before issue 11)
+    assert "idemproxy/proxy/runs/service.py" in names  # once missing from the package list
     for asset in ("templates/run.html", "static/console.css", "static/console.js"):  # the console, whole
         assert f"idemproxy/proxy/console/{asset}" in names, asset
 

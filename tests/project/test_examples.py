@@ -1,4 +1,4 @@
-"""Every example in examples/ run end to end, the way a person runs it (issue 5).
+"""Every example in examples/ run end to end, the way a person runs it.
 
 Each test runs ``examples/run_demo.py EXAMPLE --json`` in a subprocess: real fake
 provider, real ``idemproxy serve --config examples/config.toml`` with the supervisor

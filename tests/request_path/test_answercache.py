@@ -1,4 +1,4 @@
-"""Replays from memory (issue 13): complete entries held by the proxy that recorded or read
+"""Replays from memory (docs/concepts.md): complete entries held by the proxy that recorded or read
 them, answered as the store would, on every replica; deletes, resolves and expiry are seen
 everywhere, and an unreachable store ends the memory's answers within ``cache_lease``.
 

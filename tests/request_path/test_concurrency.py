@@ -1,4 +1,4 @@
-"""Concurrency (SPEC §5): duplicates in flight, in_flight_wait, leases renewed and expiring.
+"""Concurrency (docs/guarantees.md): duplicates in flight, in_flight_wait, leases renewed and expiring.
 
 (50 concurrent duplicates on one proxy cost one upstream call: tests/request_path/test_record_replay.py.)
 """

@@ -1,4 +1,4 @@
-"""What the proxy shows, and to whom (issue 10, item 14): the unauthenticated endpoints
+"""What the proxy shows, and to whom: the unauthenticated endpoints
 name no path, URL or host; URLs are masked wherever they are shown; the SQLite journal's
 files are private to their owner."""
 

@@ -1,4 +1,4 @@
-"""Fingerprint (SPEC §3): canonical JSON, ignored fields, and what the proxy does with them."""
+"""Fingerprint (docs/concepts.md): canonical JSON, ignored fields, and what the proxy does with them."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def test_numbers_are_compared_as_parsed():
     assert fp(b'{"big": 123456789012345678901234567890}') == fp(b'{ "big" : 123456789012345678901234567890 }')
 
 
-# -- the rule for odd JSON (issue 10, item 10): never an error, never a shared record --------
+# -- the rule for odd JSON: never an error, never a shared record ----------------------------
 
 LONG_ID = b', "id": 1234567890123456789}'  # 19 digits: the body takes the exact path
 

@@ -1,4 +1,4 @@
-"""X-Forwarded-For and Forwarded (issue 10, item 13): the real peer is appended, and what a
+"""X-Forwarded-For and Forwarded: the real peer is appended, and what a
 request claims about earlier hops is kept only from a trusted proxy."""
 
 from __future__ import annotations

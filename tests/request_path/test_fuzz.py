@@ -1,4 +1,4 @@
-"""Fuzzing a live proxy (issue 10, proof): generated paths, headers, keys and bodies.
+"""Fuzzing a live proxy: generated paths, headers, keys and bodies.
 
 Whatever comes in, the proxy never answers 500, never logs a traceback or an error,
 never forwards a request it refused, and never replays a record for a different request.
@@ -366,7 +366,7 @@ async def test_two_bodies_at_one_position_never_share_a_record(journal, tree, se
         assert second.status == 422, second
 
 
-# -- compressed bodies (issue 25, item 5) ---------------------------------------------------------
+# -- compressed bodies ----------------------------------------------------------------------------
 
 def _deflate_bare(data: bytes) -> bytes:
     packer = zlib.compressobj(wbits=-zlib.MAX_WBITS)

@@ -1,4 +1,4 @@
-"""Header bytes pass as received (issue 25, item 4; docs/guarantees.md): an upstream's header value
+"""Header bytes pass as received (docs/guarantees.md): an upstream's header value
 with obs-text (latin-1 ``café``, 0xFF, 0x80) or UTF-8 reaches the agent byte for byte, in a
 passthrough, in the answer that records it, and in every replay (from the journal, from the
 answer cache, from a restarted attempt's journal in memory), whole or streamed, on every store.

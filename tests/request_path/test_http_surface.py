@@ -1,4 +1,4 @@
-"""The HTTP surface under abuse (issue 10, items 9 and 15): header, body and idle timeouts,
+"""The HTTP surface under abuse (docs/security.md): header, body and idle timeouts,
 the connection cap, and one log line with problem+json for every refusal. Each test
 failed before its fix.
 

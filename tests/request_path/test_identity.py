@@ -1,4 +1,4 @@
-"""Identity (SPEC §2): Idempotency-Key per the IETF draft, run, epoch, policy; derived keys; fencing.
+"""Identity (docs/guarantees.md): Idempotency-Key per the IETF draft, run, epoch, policy; derived keys; fencing.
 
 Key parsing is pure and property-tested; what the proxy does with keys, runs and
 epochs is tested through real sockets on every store backend.

@@ -1,4 +1,4 @@
-"""A recorded stream whose proxy is SIGKILLed mid-way (SPEC §5, §6, §15; issue 25 item 6).
+"""A recorded stream whose proxy is SIGKILLed mid-way (docs/guarantees.md).
 
 A replay is the whole recorded answer or nothing. The bytes a dead proxy shared through
 the store are not an answer: a retry that finds them waits as for any key in flight (409

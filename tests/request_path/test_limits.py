@@ -1,4 +1,4 @@
-"""Limits (SPEC §5, §7): request size, record size, retention and purge."""
+"""Limits (docs/configuration.md): request size, record size, retention and purge."""
 
 from __future__ import annotations
 
@@ -154,8 +154,8 @@ async def test_expired_entries_run_as_new_and_are_purged(make_proxy, store_url, 
 
 @pytest.mark.slow  # waits out timeouts or retention (>1 s)
 async def test_runs_go_with_the_journal_when_ended_or_idle_past_retention(make_proxy, store_url, reader, http):
-    """The issue's case: with a short retention the journal emptied while hundreds of runs,
-    60 KB of metadata each, stayed for ever. Ended and idle runs are purged with it now."""
+    """Ended and idle runs are purged with the journal: with a short retention, hundreds of
+    runs of 60 KB of metadata each would otherwise outlive it for ever."""
     proxy = await make_proxy(store_url, store={"retention": "1s", "purge_interval": "0.25s"})
     blob = {"notes": "x" * 60_000}
     for i in range(30):

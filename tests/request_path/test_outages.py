@@ -1,4 +1,4 @@
-"""Store outages and dead claim holders, through real proxy processes (issue 3 points 5 and 6).
+"""Store outages and dead claim holders, through real proxy processes.
 
 A PostgreSQL or Redis of the test's own is stopped under light load: `record` requests
 fail closed with 503 `store-unavailable` within a bound, are never forwarded, and

@@ -1,4 +1,4 @@
-"""Policy (SPEC §4): what is recorded, what is released, what an ambiguous outcome does."""
+"""Policy (docs/concepts.md): what is recorded, what is released, what an ambiguous outcome does."""
 
 from __future__ import annotations
 

@@ -38,8 +38,8 @@ async def test_fifty_concurrent_duplicates_cost_one_upstream_call(make_proxy, st
 
 async def test_a_head_answer_keeps_its_content_length_passed_recorded_and_replayed(make_proxy, store_url, provider):
     """A HEAD answer's Content-Length is the length a GET would get (RFC 9110 §9.3.2), not a
-    body's framing: the agent gets the upstream's, in passthrough, record and replay
-    (issue 25 item 12). Replayed by a second proxy too, from the store, not from memory."""
+    body's framing: the agent gets the upstream's, in passthrough, record and replay.
+    Replayed by a second proxy too, from the store, not from memory."""
     first = await make_proxy(store_url)
     second = await make_proxy(store_url)
     head = "HEAD /raw/blob HTTP/1.1\nHost: proxy\nX-Fake-Size: 5000"

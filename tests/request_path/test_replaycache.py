@@ -1,4 +1,4 @@
-"""Replay in one read (issue 14): a restarted attempt's replays answered from its run's journal,
+"""Replay in one read (docs/concepts.md): a restarted attempt's replays answered from its run's journal,
 loaded in one store read, exactly as the store would answer them, on every backend."""
 
 from __future__ import annotations

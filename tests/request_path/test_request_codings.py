@@ -1,4 +1,4 @@
-"""Compressed request bodies (issue 25, item 5; docs/guarantees.md): a body goes upstream byte for byte
+"""Compressed request bodies (docs/guarantees.md): a body goes upstream byte for byte
 with its Content-Encoding, the fingerprint and the size cap read its decoded content, and a
 body that cannot be decoded is a 400 problem+json that changes nothing. Both ends are raw
 sockets, so the test sees the bytes the upstream received, not a library's decoding of them."""

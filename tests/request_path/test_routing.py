@@ -1,4 +1,4 @@
-"""Routing (SPEC §1): named upstreams only, never an open proxy, headers handled per RFC 9110.
+"""Routing (docs/guarantees.md): named upstreams only, never an open proxy, headers handled per RFC 9110.
 
 Refusals are sent over a raw socket, because no well-behaved client library sends
 absolute-form targets, CONNECT or backslashes; each must be refused by the proxy

@@ -1,4 +1,4 @@
-"""Streaming (SPEC §6): chunk by chunk through, recorded as it passes, replayed as a stream."""
+"""Streaming (docs/concepts.md): chunk by chunk through, recorded as it passes, replayed as a stream."""
 
 from __future__ import annotations
 

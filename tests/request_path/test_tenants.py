@@ -1,4 +1,4 @@
-"""Tenants (SPEC §2): HMAC of the credential, or a trusted header from a trusted source."""
+"""Tenants (docs/security.md): HMAC of the credential, or a trusted header from a trusted source."""
 
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ async def test_malformed_trusted_tenant_is_400(make_proxy, store_url, provider, 
     assert sum(provider.calls.values()) == 0
 
 
-# -- callers with no credential (issue 10, item 11) ------------------------------------------
+# -- callers with no credential --------------------------------------------------------------
 
 REFUSE = {"tenants": {"anonymous": "refuse"}}  # the product default (conftest shares, for other tests)
 
@@ -133,7 +133,7 @@ async def test_a_recorded_call_without_a_credential_is_refused_and_changes_nothi
 
 async def test_a_cookie_caller_is_never_served_another_cookie_callers_record(make_proxy, store_url, provider,
                                                                             http):
-    # the issue's case: Cookie: session=B was served session=A's recorded answer
+    # once a leak: Cookie: session=B was served session=A's recorded answer
     proxy = await make_proxy(store_url, **REFUSE)
     url = proxy.url + CHAT
     assert (await call(http, url, "x", Cookie="session=A", **{"Idempotency-Key": "c"}))[0] == 401

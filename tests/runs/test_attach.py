@@ -1,4 +1,4 @@
-"""Held connections: ``POST /runs/{id}/attach`` and ``Run(attach=True)`` (issue 14, item 2).
+"""Held connections: ``POST /runs/{id}/attach`` and ``Run(attach=True)`` (docs/restarts.md).
 
 An agent that no command hook started holds one connection per attempt; when its process
 dies the proxy holding it (a real ``idemproxy serve``) waits ``attach_grace_s`` and marks

@@ -1,4 +1,4 @@
-"""How each attempt ended (SPEC §16, issue 26 item 4): its process's exit code or signal,
+"""How each attempt ended (docs/restarts.md): its process's exit code or signal,
 its held connection's drop, its silence, an operator, the agent, with the last lines of its
 log, kept in the run's history on every store and shown by the admin API, ``idemproxy
 runs show`` and the console's timeline.

@@ -1,4 +1,4 @@
-"""A call in flight is life (SPEC §16, issue 26 item 1).
+"""A call in flight keeps its run alive (docs/restarts.md).
 
 A run whose current attempt has a request open through the proxy is alive while that
 request's client connection is open, whether bytes move or not: a slow tool call, a model

@@ -1,4 +1,4 @@
-"""Operators leave a trace, and decide on evidence (SPEC §16; issue 26 items 5 and 6).
+"""Operators leave a trace, and decide on evidence (docs/operations.md#operators-leave-a-trace).
 
 Every operator action (resolve by retry or respond, revive, restart, complete, journal
 delete) is kept with who and when, on the entry and on the run: in the admin API, the

@@ -1,5 +1,5 @@
-"""Runs belong to a namespace (SPEC §11): the tenant of the credential that made them, or a
-trusted tenant; another namespace sees 404, its traffic neither fences nor counts in them.
+"""Runs belong to a namespace (docs/security.md): the tenant of the credential that made them,
+or a trusted tenant; another namespace sees 404, its traffic neither fences nor counts in them.
 One shared namespace is an explicit choice (``[tenants] runs = "shared"``)."""
 
 from __future__ import annotations

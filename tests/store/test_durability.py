@@ -1,4 +1,4 @@
-"""Durability (SPEC §7): answered means committed; no credential stored; fail closed."""
+"""Durability (docs/guarantees.md): answered means committed; no credential stored; fail closed."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Many replicas (SPEC §10, issue 3 point 4): two ``idemproxy serve`` processes on one store.
+"""Many replicas: two ``idemproxy serve`` processes on one store.
 
 Every test runs two real proxy processes against one store: a PostgreSQL schema, a
 Redis prefix, or one SQLite file (the ``--workers`` case). Nothing is shared between

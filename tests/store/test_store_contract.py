@@ -824,8 +824,8 @@ async def test_touch_moves_last_seen_forward_only(store):
 
 
 async def test_touch_ignores_the_beats_of_a_superseded_attempt(store):
-    """A call of epoch 0 still open after a restart keeps no one alive (SPEC §16: the
-    current attempt's open requests)."""
+    """A call of epoch 0 still open after a restart keeps no one alive: only the
+    current attempt's open requests keep its run alive."""
     await store.runs.upsert(new_run("run-1", last_seen=100.0))
     await store.runs.upsert(new_run("run-2", last_seen=100.0))
     await store.runs.new_attempt(NS, "run-1", 0, 150.0, "restart", True)
@@ -1036,7 +1036,7 @@ async def test_count_steps_of_runs(store):
     assert await store.journal.count_steps([]) == {}
 
 
-# -- lost attempts and held connections (issue 14) ------------------------------------------
+# -- lost attempts and held connections -----------------------------------------------------
 
 async def test_a_lost_attempt_is_due_at_once_until_its_restart(store):
     now = time.time()

@@ -238,7 +238,7 @@ async def test_statements_use_their_index_even_planned_on_empty_tables(schema, o
 async def test_our_sessions_plan_a_statement_once_not_per_call(schema, open_pg):
     """PostgreSQL's default plans a prepared statement anew for its arguments on its first
     calls and keeps doing so when its generic plan looks dearer, as the claim's does: a
-    replay's claim then cost twice a read (issue 13). Our sessions keep the generic plan."""
+    replay's claim then cost twice a read. Our sessions keep the generic plan."""
     store = await open_pg()
     await store.journal.claim(claim_of("k"))
     now = time.time()

@@ -1,5 +1,5 @@
-"""The fault campaign (issue 10, "Proof, kept in the project"): nothing is lost, nothing is
-done twice, while everything is killed at random.
+"""The fault campaign (docs/guarantees.md#under-faults): nothing is lost, nothing is done
+twice, while everything is killed at random.
 
 On a private PostgreSQL and on a private Redis (``appendfsync always``), agents run many
 runs of N steps (a model call and a tool call with a side effect each), half with explicit

@@ -1,5 +1,5 @@
-"""Traffic never spawns processes by itself (SPEC §11): a hook fires only for a run that an
-authorised party registered (the admin API, or a namespace in the hook's ``allow_tenants``);
+"""Traffic never spawns processes by itself (docs/security.md): a hook fires only for a run
+that an authorised party registered (the admin API, or a namespace in the hook's ``allow_tenants``);
 registrations are bounded, and so is the supervisor (processes at once, restarts a minute)."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ async def _call(http, method: str, url: str, **kwargs) -> tuple[int, dict]:
 
 
 async def test_unauthenticated_registrations_and_traffic_spawn_nothing(make_proxy, sqlite_url, http, tmp_path):
-    """The issue's attacks: 20 registrations asking for hook "agent" with tiny timeouts, and
+    """Two attacks: 20 registrations asking for hook "agent" with tiny timeouts, and
     fresh Idem-Run headers while ``[runs] hook`` is set, under a live supervisor."""
     proxy = await make_proxy(sqlite_url, supervisor={"enabled": True, "interval_s": 0.05},
                              runs={**LIMITS, "timeout_s": 0.2, "grace_s": 0.1, "hook": "agent", "on_dead": "pager"},

@@ -1,4 +1,4 @@
-"""The tutorial's credential trap (issue 26 item 3): a command hook's agent inherits the
+"""The tutorial's credential trap: a command hook's agent inherits the
 proxy's environment, so keys exported in the agent's shell only are gone from every
 restarted attempt. ``idemproxy check`` warns; the tutorial exports the keys where the proxy
 starts, and its configuration passes ``check`` that way, with no warning."""

@@ -1,5 +1,6 @@
 """Standbys: a command hook's processes started ahead, imported and waiting, handed a run
-when the hook fires (``[hooks.NAME] standby = N``; issue 14's kill → step 201 target).
+when the hook fires (``[hooks.NAME] standby = N``), so that a restart skips the agent's
+imports (docs/restarts.md).
 
 Real processes on the real client library, a proxy with its supervisor (``interval_s = 1``),
 ``timeout_s = 60``: a restart within a second comes from the exit itself, and a process

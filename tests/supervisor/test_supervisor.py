@@ -233,7 +233,7 @@ async def test_a_stream_keeps_its_run_alive_until_its_client_leaves(supervised, 
     assert (run.epoch, run.restarts) == (0, 0) and not fired.exists()
 
     # a stream that stalls: one chunk, then 5 s of nothing. While its client waits, the run is
-    # alive (SPEC §16: a request open through the proxy is life); once the client leaves in the
+    # alive (a request open through the proxy keeps its run alive); once the client leaves in the
     # stall, silence counts, and the run is restarted before the next chunk could come.
     body["messages"] = [{"role": "user", "content": "stall"}]
     async with http.post(url, json=body, headers={"X-Fake-Chunks": "3", "X-Fake-Chunk-Delay": "5"}) as resp:

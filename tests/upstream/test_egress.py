@@ -1,6 +1,7 @@
-"""Reaching upstreams as real networks require (proxy/upstream/egress.py, issue 25 items 8-10): which
-egress proxy the environment names, happy eyeballs between a name's addresses, and TLS per
-upstream (a private CA, mTLS). The egress proxy itself is in test_egress_proxy.py."""
+"""Reaching upstreams as real networks require (proxy/upstream/egress.py;
+docs/guarantees.md#reaching-real-networks): which egress proxy the environment names, happy
+eyeballs between a name's addresses, and TLS per upstream (a private CA, mTLS). The egress
+proxy itself is in test_egress_proxy.py."""
 
 from __future__ import annotations
 

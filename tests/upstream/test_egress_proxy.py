@@ -1,6 +1,7 @@
-"""Upstreams behind a real egress proxy (issue 25 item 8): idemproxy in front, Debian's squid
-in the middle (tests/support/squid.py), a real upstream behind it. Each upstream is named
-``upstream.test``, a name only squid can resolve: a call that reaches it went through squid."""
+"""Upstreams behind a real egress proxy (docs/guarantees.md#reaching-real-networks):
+idemproxy in front, Debian's squid in the middle (tests/support/squid.py), a real upstream
+behind it. Each upstream is named ``upstream.test``, a name only squid can resolve: a call
+that reaches it went through squid."""
 
 from __future__ import annotations
 

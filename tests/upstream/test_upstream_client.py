@@ -408,7 +408,7 @@ async def test_a_passthrough_get_on_a_reused_connection_that_closed_is_sent_agai
 @pytest.mark.parametrize("method", ["PUT", "DELETE", "GET"])
 async def test_a_recorded_call_is_never_sent_twice_whatever_its_method(upstream, method):
     """The upstream acts, then closes the reused connection without answering: the pool
-    says so (sent, outcome unknown) instead of acting twice (issue 25, item 3)."""
+    says so (sent, outcome unknown) instead of acting twice (docs/guarantees.md#sending-once)."""
     raw, pool = await upstream(OK, close_without_answer, OK)
     assert (await fetch(pool, method, body=b""))[0] == 200
     with pytest.raises(UpstreamError) as caught:
@@ -425,7 +425,7 @@ async def test_a_silent_upstream_is_not_asked_twice(upstream):
     assert len(raw.requests) == 2
 
 
-# -- the upstream boundary (SPEC §15): connections per tenant, poisoned connections, heads --
+# -- the upstream boundary (docs/guarantees.md): connections per tenant, poisoned connections, heads --
 
 def answer_twice(first: bytes, second: bytes, after: float = 0.08):
     """A broken or malicious upstream: a second, unasked-for answer ``after`` the first."""
@@ -451,8 +451,8 @@ async def test_a_connection_is_never_shared_between_tenants(upstream):
 
 @pytest.mark.parametrize("max_connections", [1, 4])
 async def test_a_late_second_answer_never_reaches_another_tenant(upstream, max_connections):
-    """Issue 25, item 2: the upstream answers alice's call twice, 80 ms apart; bob's call,
-    sent in between, gets its own answer from a connection of his own."""
+    """A connection belongs to one tenant: the upstream answers alice's call twice, 80 ms
+    apart; bob's call, sent in between, gets its own answer from a connection of his own."""
     raw, pool = await upstream(answer_twice(ok("alice"), ok("stray")), ok("bob"),
                                max_connections=max_connections)
     assert (await fetch(pool, tenant="alice"))[2] == b"alice"
@@ -479,7 +479,7 @@ async def test_bytes_on_an_idle_connection_poison_it(upstream):
 
 @pytest.mark.parametrize("method", sorted(BODYLESS_METHODS - {"HEAD"}))
 async def test_a_connection_that_carried_a_body_the_upstream_may_ignore_is_not_reused(upstream, method):
-    """Issue 25, item 1 (CL.0): an upstream that ignores a GET's body reads it as a request of
+    """No CL.0 desync: an upstream that ignores a GET's body reads it as a request of
     its own; the connection is closed after the GET's answer, so that answer reaches nobody."""
     raw, pool = await upstream(OK, OK)
     assert (await fetch(pool, method, body=b"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n"))[0] == 200

@@ -1,7 +1,8 @@
-"""The upstream boundary (SPEC §15), through the whole proxy on every store: a scripted upstream
-sends what a broken or malicious server sends (an answer to a GET's body, a second answer, a
-close after acting, an endless head, a trickle, a reset), and each rule is checked for
-passthrough, record and replay. Each of these failed on the proxy before issue 25's fixes."""
+"""The upstream boundary (docs/guarantees.md), through the whole proxy on every store: a
+scripted upstream sends what a broken or malicious server sends (an answer to a GET's body, a
+second answer, a close after acting, an endless head, a trickle, a reset), and each rule is
+checked for passthrough, record and replay. Each of these failed on the proxy before the
+upstream boundary was hardened."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Upstream edges (issue 10, items 6-8): calls that never left, streams nobody listens to,
-and large passthrough bodies. Each test failed before its fix."""
+"""Upstream edges: calls that never left, streams nobody listens to, and large passthrough
+bodies. Each test failed before its fix."""
 
 from __future__ import annotations
 

@@ -35,9 +35,8 @@ RUN_COLUMNS = ("tenant, run_id, state, epoch, restarts, last_seen, started_at, t
 # Under "retry" ($3) the claims commit without waiting for the WAL flush: a claim that a
 # server crash lost and one whose proxy died both end in the next try going upstream
 # again (the lapsed one after its lease), so waiting bought nothing. A proxy's crash loses
-# neither; the record that answers the agent is always flushed. Measured on the bench
-# (issue 13): record 4,300-4,800 -> 4,900-5,600 requests/s, 25% less server CPU per
-# record. Under "quarantine" a claim must outlive a crash, to quarantine its key.
+# neither; the record that answers the agent is always flushed. Measured on the bench:
+# record 4,300-4,800 -> 4,900-5,600 requests/s, 25% less server CPU per record. Under "quarantine" a claim must outlive a crash, to quarantine its key.
 CLAIM_MANY = "SELECT * FROM claim_many($1::claim_row[], $2, $3)"  # partitioned.CLAIM_FUNCTION
 
 # $1 kid, $2 now, $3 detail, $4 fingerprint, $5 channel: a dead proxy's claim under "quarantine"
