@@ -353,7 +353,7 @@ def markdown(rows: list[dict], skipped: dict[str, str], direct: list[dict]) -> s
     for row in rows:
         groups.setdefault((row["store"], row["path"]), []).append(row)
     rounds = max((len(g) for g in groups.values()), default=1)
-    lines = [f"Median{f' (range) of {rounds} rounds' if rounds > 1 else ''}; ✓/✗ against issue 14's targets.\n",
+    lines = [f"Median{f' (range) of {rounds} rounds' if rounds > 1 else ''}; ✓/✗ against the targets (TARGETS).\n",
              "| store | detection (grace) | timeout_s | kill → restart (hook fired) | kill → step 201 live "
              "| replay of steps 1–200 | of it in the proxy | hook fired → first request | agent's imports (CPU) "
              "| replay CPU: agent, proxy | checks |",
