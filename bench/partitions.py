@@ -25,8 +25,8 @@ Extrapolation to 50 million (written in the results): a lookup by kid is one B-t
 descent per live range; its depth grows with log(entries per range), so the ratio of
 full to empty at N is the figure to carry to 50 M, where the tree is at most one level
 deeper (the measured depth at N is reported, from ``bt_metap`` when pageinspect is there,
-else from the index's size). Bytes scale linearly (bytes per entry is reported); a drop's
-time does not depend on its size (step 3).
+else from the index's size). Bytes scale linearly (bytes per entry is reported), and so
+does a drop's time, with the gigabytes the file system frees (step 3).
 """
 
 from __future__ import annotations
