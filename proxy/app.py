@@ -91,25 +91,28 @@ async def _lifecycle(app: web.Application, make_launcher: LauncherFactory,
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        # What is left talks to the store, each call bounded by its timeout; the whole is
-        # bounded too, so that a stop always ends, whatever a client library waits on.
-        await _within(_close(proxy, launcher, store), 2 * settings.store.timeout + 1, "closing the store")
+        await _close(proxy, launcher, store, settings.store.timeout)
         if traces is not None:  # the exporter posts from its own thread: keep the loop free
             await asyncio.to_thread(traces.shutdown)
 
 
-async def _close(proxy: Proxy, launcher: Launcher, store: Store) -> None:
-    with contextlib.suppress(StoreUnavailable):
-        await proxy.heartbeats.flush()
-        await proxy.flush_replay_counts()
+async def _close(proxy: Proxy, launcher: Launcher, store: Store, timeout: float) -> None:
+    """Write what is pending and close. What waits on the store is bounded as a whole too, so
+    that a stop always ends, whatever a client library waits on; the local closes always run."""
+    async def pending() -> None:
+        with contextlib.suppress(StoreUnavailable):
+            await proxy.heartbeats.flush()
+            await proxy.flush_replay_counts()
+    await _within(pending(), 2 * timeout + 1, "writing pending beats and replay counts")
     for pool in proxy.pools.values():
         await pool.close()
     await launcher.aclose()
-    await store.aclose()
+    await _within(store.aclose(), 2 * timeout + 1, "closing the store")
 
 
 async def _within(work: Awaitable[None], seconds: float, what: str) -> None:
-    """Await ``work`` for ``seconds`` at most; past them, cancel it and go on without it."""
+    """Await ``work`` for ``seconds`` at most; past them, cancel it (a second for its own
+    clean-up) and go on without it."""
     task = asyncio.ensure_future(work)
     try:
         done, _ = await asyncio.wait([task], timeout=seconds)
@@ -120,6 +123,7 @@ async def _within(work: Awaitable[None], seconds: float, what: str) -> None:
         return task.result()
     log.warning("%s took more than %.0fs; stopping without it: %r", what, seconds, task)
     task.cancel()
+    await asyncio.wait([task], timeout=1.0)
 
 
 async def _every(interval: float, work: Callable[[], Awaitable[object]]) -> None:

@@ -300,8 +300,9 @@ class RedisConnection:
         finally:
             if node is not None:
                 node.release(conn)
-            elif intact and self._kept is None and self._client is not None:
-                self._kept = conn
+            elif (intact and self._kept is None and self._client is not None
+                  and self._client.connection_pool.can_get_connection()):
+                self._kept = conn  # kept only while the pool has links to spare: else a caller waits on it
             elif self._client is not None:
                 await self._client.connection_pool.release(conn)
 
