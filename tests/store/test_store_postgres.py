@@ -57,6 +57,15 @@ async def raw(schema: str, url: str | None = None) -> asyncpg.Connection:
     return await asyncpg.connect(url or services.postgres_url(), server_settings={"search_path": schema})
 
 
+async def transactions(schema: str, table: str, where: str = "", *args) -> int:
+    """How many transactions last wrote the rows: rows written by one carry its id (xmin)."""
+    conn = await raw(schema)
+    try:
+        return await conn.fetchval(f"SELECT count(DISTINCT xmin::text) FROM {table} {where}", *args)
+    finally:
+        await conn.close()
+
+
 def claim_of(key: str, owner: str = "o", epoch: int | None = None) -> Claim:
     return Claim(Scope("tenant", "run-1", "tools", key), "fp", owner, 30.0, 3600.0, epoch=epoch,
                  namespace="ns")
@@ -151,25 +160,14 @@ async def test_concurrent_records_share_one_commit(schema, open_pg):
         kids.append((result.entry.kid, f"o{i}"))
     kept = await asyncio.gather(*(store.journal.complete(kid, owner, REPLY) for kid, owner in kids))
     assert kept == [True] * 20
-    conn = await raw(schema)
-    try:  # rows written by one transaction carry its id
-        transactions = await conn.fetchval("SELECT count(DISTINCT xmin::text) FROM journal WHERE kid = ANY($1)",
-                                           [kid for kid, _ in kids])
-    finally:
-        await conn.close()
-    assert transactions <= 2
+    assert await transactions(schema, "journal", "WHERE kid = ANY($1)", [kid for kid, _ in kids]) <= 2
 
 
 async def test_concurrent_claims_share_one_transaction(schema, open_pg):
     store = await open_pg()
     results = await asyncio.gather(*(store.journal.claim(claim_of(f"k{i}", owner=f"o{i}")) for i in range(20)))
     assert all(r.won for r in results)
-    conn = await raw(schema)
-    try:
-        transactions = await conn.fetchval("SELECT count(DISTINCT xmin::text) FROM journal")
-    finally:
-        await conn.close()
-    assert transactions <= 2  # the first claim alone, then the nineteen queued behind it
+    assert await transactions(schema, "journal") <= 2  # the first claim alone, then the nineteen queued behind it
 
 
 async def test_concurrent_heartbeats_share_one_transaction(schema, open_pg):
@@ -181,12 +179,7 @@ async def test_concurrent_heartbeats_share_one_transaction(schema, open_pg):
         await store.runs.upsert(Run("ns", f"r{i}", last_seen=now, started_at=now, created_at=now))
     beats = await asyncio.gather(*(store.runs.heartbeat("ns", f"r{i}", now + 1) for i in range(20)))
     assert [b.last_seen for b in beats] == [now + 1] * 20
-    conn = await raw(schema)
-    try:
-        transactions = await conn.fetchval("SELECT count(DISTINCT xmin::text) FROM runs")
-    finally:
-        await conn.close()
-    assert transactions <= 2  # the first beat alone, then the nineteen queued behind it
+    assert await transactions(schema, "runs") <= 2  # the first beat alone, then the nineteen queued behind it
 
 
 # What the request path and the background loops run, with how many parameters.
