@@ -44,7 +44,7 @@ ENTRY_COLUMNS = ("kid, tenant, run, epoch, upstream, key, fingerprint, state, ow
 # under "retry"): that row is deleted, re-checked against a concurrent record, and the new
 # one inserted only when the old one is gone.
 CLAIM_FUNCTION = f"""
-CREATE FUNCTION claim_many(claim_row[], DOUBLE PRECISION, BOOLEAN)
+CREATE OR REPLACE FUNCTION claim_many(claim_row[], DOUBLE PRECISION, BOOLEAN)
 RETURNS TABLE (asked TEXT, won BOOLEAN, run_epoch BIGINT, kid TEXT, tenant TEXT, run TEXT, epoch BIGINT,
     upstream TEXT, key TEXT, fingerprint TEXT, state TEXT, owner TEXT, lease_until DOUBLE PRECISION,
     created_at DOUBLE PRECISION, completed_at DOUBLE PRECISION, expires_at DOUBLE PRECISION, replays BIGINT,
@@ -77,9 +77,11 @@ BEGIN
     winners AS (
         SELECT * FROM asks a WHERE NOT EXISTS (
             SELECT 1 FROM fence f WHERE f.tenant = a.namespace AND f.run_id = a.run AND f.epoch > a.epoch)),
+    -- only a key present can be replaced: a new key's claim then probes the ranges once, not twice
     replaced AS (
         DELETE FROM journal j USING winners w
-        WHERE j.kid = w.kid AND j.expires_at > $2 AND (j.state = '{EntryState.RETRIED}' OR ($3
+        WHERE w.kid IN (SELECT p.kid FROM present p)
+          AND j.kid = w.kid AND j.expires_at > $2 AND (j.state = '{EntryState.RETRIED}' OR ($3
               AND j.state = '{EntryState.IN_FLIGHT}' AND j.lease_until <= $2 AND j.fingerprint = w.fingerprint))
         RETURNING j.kid),
     claimed AS (

@@ -7,7 +7,7 @@ import hashlib
 import asyncpg
 
 from ..errors import SchemaNotCurrent
-from .partitioned import PARTITION_JOURNAL
+from .partitioned import CLAIM_FUNCTION, PARTITION_JOURNAL
 
 # Append only: a deployed migration never changes; the next change is version N+1.
 MIGRATIONS: list[tuple[int, str]] = [(1, """
@@ -94,7 +94,8 @@ CREATE INDEX refusals_by_expiry ON refusals (expires_at);
 CREATE TABLE limits (
     name TEXT NOT NULL, bucket BIGINT NOT NULL, n BIGINT NOT NULL, expires_at DOUBLE PRECISION NOT NULL,
     PRIMARY KEY (name, bucket));
-"""), (10, PARTITION_JOURNAL)]  # the journal partitioned by expiry: partitioned.py
+"""), (10, PARTITION_JOURNAL),  # the journal partitioned by expiry: partitioned.py
+    (11, CLAIM_FUNCTION)]  # a new key's claim probes the ranges once (as created by 10 since)
 
 
 async def check(conn: asyncpg.Connection, schema: str) -> None:
