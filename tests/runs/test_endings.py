@@ -167,8 +167,9 @@ async def test_an_exit_with_code_1_is_told_with_its_log_everywhere(make_proxy, s
 @pytest.mark.slow  # agent processes, waits out a timeout
 async def test_silence_and_a_signal_are_told_apart(make_proxy, store_url, agents, http):
     hook, started = agents("1=sleep,2=sleep,3=complete")
-    # silence: timeout_s after the grace that follows each start
-    proxy = await _supervised(make_proxy, store_url, http, hook, timeout_s=0.5, grace_s=1.5)
+    # silence: timeout_s after the grace that follows each start; a grace long enough that
+    # attempt 2 is surely killed within it, on a busy machine too
+    proxy = await _supervised(make_proxy, store_url, http, hook, timeout_s=0.5, grace_s=3.0)
     await until(lambda: _started(started, 1), 10, "attempt 1 up")
     second = await until(lambda: _started(started, 2), 10, "attempt 1 silent, attempt 2 up")
     os.kill(second["pid"], signal.SIGKILL)  # within its grace: its death, not its silence, ends it
