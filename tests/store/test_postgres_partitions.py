@@ -254,3 +254,35 @@ async def test_a_key_expired_in_the_first_range_is_claimed_again(schema, open_pa
         assert [tuple(r) for r in rows] == [("journal_unpartitioned", EntryState.IN_FLIGHT)]
     finally:
         await conn.close()
+
+
+async def test_the_owner_of_a_claim_looks_for_it_in_its_own_range_only(schema, open_partitioned):  # noqa: F811
+    """Only a claim's owner records, renews or releases it, and its expiry (the partition key)
+    never changes: those statements look in the one range that holds it, not in every live
+    range's kid index. Seen through a decoy: a row of the same kid and owner in another range
+    (which no claim would make) that they must leave alone."""
+    store = await open_partitioned()
+    conn = await raw(schema)
+    try:
+        claims = {name: claim_of(name, owner=f"owner-{name}") for name in ("recorded", "renewed", "released")}
+        for claim in claims.values():
+            assert (await store.journal.claim(claim)).won
+            expiry = await conn.fetchval("SELECT expires_at FROM journal WHERE kid = $1", claim.scope.kid)
+            await store.journal.partitions.cover([expiry + 86400])
+            await conn.execute(  # the decoy: a day later, so in a range of its own
+                "INSERT INTO journal (kid, tenant, run, upstream, key, fingerprint, namespace, state, owner, "
+                "lease_until, created_at, expires_at) SELECT kid, tenant, run, upstream, key, fingerprint, "
+                "namespace, state, owner, lease_until, created_at, expires_at + 86400 FROM journal WHERE kid = $1",
+                claim.scope.kid)
+        decoys = "SELECT state, lease_until FROM journal WHERE key = $1 AND expires_at > $2 ORDER BY expires_at DESC"
+        later = time.time() + 86400
+        assert await store.journal.complete(claims["recorded"].scope.kid, "owner-recorded", Recorded(200, [], b"ok"))
+        assert await store.journal.renew(claims["renewed"].scope.kid, "owner-renewed", 600.0)
+        await store.journal.release(claims["released"].scope.kid, "owner-released")
+        recorded, renewed = [await conn.fetch(decoys, key, 0.0) for key in ("recorded", "renewed")]
+        assert [r["state"] for r in recorded] == [EntryState.IN_FLIGHT, EntryState.COMPLETE]
+        assert renewed[0]["lease_until"] < renewed[1]["lease_until"]  # the decoy's lease was not renewed
+        assert [r["state"] for r in await conn.fetch(decoys, "released", 0.0)] == [EntryState.IN_FLIGHT]
+        assert await conn.fetchval("SELECT count(*) FROM journal WHERE expires_at > $1", later) == 3
+    finally:
+        await conn.close()

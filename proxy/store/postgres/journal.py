@@ -8,10 +8,12 @@
   ``on_ambiguous = retry`` commit without waiting for the WAL flush (sql.CLAIM_MANY says why).
 - The journal is partitioned by expiry (:mod:`.partitioned`): a claim makes sure its
   expiry's range exists first, and a purge drops whole expired ranges (:mod:`.partitions`).
+  A claim's owner then finds its entry in that one range (:class:`_Held`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import asyncpg
@@ -55,6 +57,37 @@ def _rows(status: str) -> int:
     return int(status.rsplit(" ", 1)[-1])
 
 
+ANY_EXPIRY = (-math.inf, math.inf)
+
+
+class _Held:
+    """The expiry of each claim this process won and still holds, by (kid, owner).
+
+    An entry's expiry is its partition key and never changes after its claim, and only the
+    claim's owner records, renews or releases it. So those statements can bound the row's
+    expiry to the one value it was written with, and PostgreSQL looks for the row in that one
+    range (run-time partition pruning) instead of probing every live range's kid index. A
+    claim not found here (the map was cleared at its bound) is looked for in every range.
+    """
+    BOUND = 100_000  # claims in flight at once; past it, forget them all rather than grow
+
+    def __init__(self) -> None:
+        self._expiry: dict[tuple[str, str], float] = {}
+
+    def add(self, kid: str, owner: str, expires_at: float) -> None:
+        if len(self._expiry) >= self.BOUND:
+            self._expiry.clear()
+        self._expiry[(kid, owner)] = expires_at
+
+    def bounds(self, kid: str, owner: str) -> tuple[float, float]:
+        expires_at = self._expiry.get((kid, owner))
+        return ANY_EXPIRY if expires_at is None else (expires_at, expires_at)
+
+    def forget(self, kid: str, owner: str | None) -> None:
+        if owner is not None:
+            self._expiry.pop((kid, owner), None)
+
+
 class PostgresJournal:
     def __init__(self, db: PostgresConnection, partitions: Partitions):
         self._db = db
@@ -64,6 +97,7 @@ class PostgresJournal:
         self._claims = Batches("postgres claim", self._claim_many, db.timeout, self._claim_unanswered)
         self._give_back = GiveBack(self.release)
         self._completes = Batches("postgres complete", self._complete_many, db.timeout)
+        self._held = _Held()
 
     async def opened(self, migrate: bool) -> None:
         """The ranges the next claims need; told not to migrate, the store writes nothing."""
@@ -93,7 +127,9 @@ class PostgresJournal:
             now = time.time()
             won, run_epoch, live = await self._claims((claim, now))
             if won:
-                return ClaimResult(True, claim.entry(now))
+                entry = claim.entry(now)
+                self._held.add(kid, claim.owner, entry.expires_at)
+                return ClaimResult(True, entry)
             if run_epoch is not None and claim.epoch is not None and run_epoch > claim.epoch:
                 return ClaimResult(False, None, stale_epoch=run_epoch)
             lapsed = live is not None and live.state == EntryState.IN_FLIGHT and live.lease_until <= now
@@ -192,26 +228,34 @@ class PostgresJournal:
         return {row["kid"]: _entry(row, _recorded(row)) for row in kept}, len(kept) == len(rows)
 
     async def renew(self, kid: str, owner: str, lease_s: float) -> bool:
-        return _rows(await self._db.execute("renew", sql.RENEW, time.time() + lease_s, kid, owner)) == 1
+        return _rows(await self._db.execute("renew", sql.RENEW, time.time() + lease_s, kid, owner,
+                                            *self._held.bounds(kid, owner))) == 1
 
     async def complete(self, kid: str, owner: str, recorded: Recorded) -> bool:
         try:
-            return await self._completes((kid, owner, recorded))
+            kept = await self._completes((kid, owner, recorded))
+            self._held.forget(kid, owner)
+            return kept
         finally:
             self._waiters.wake(kid)
 
     async def _complete_many(self, batch: list[tuple[str, str, Recorded]]) -> list[bool]:
         """Group commit: every complete() queued meanwhile goes in one statement, one commit."""
         # in kid order, as claims lock rows: a takeover batch and this one never wait in a cycle
+        batch_in_order = sorted(batch, key=lambda done: done[0])
         records = [(kid, owner, r.status, json_text(r.headers), r.body, r.streamed, json_text(r.timing))
-                   for kid, owner, r in sorted(batch, key=lambda done: done[0])]  # record_row (schema.py)
-        rows = await self._db.batch("complete", sql.COMPLETE_MANY, records, time.time(), self._db.channel)
+                   for kid, owner, r in batch_in_order]  # record_row (schema.py)
+        lows, highs = zip(*(self._held.bounds(kid, owner) for kid, owner, _ in batch_in_order))
+        rows = await self._db.batch("complete", sql.COMPLETE_MANY, records, time.time(), self._db.channel,
+                                    list(lows), list(highs))
         kept = {(row["kid"], row["owner"]) for row in rows}
         return [(kid, owner) in kept for kid, owner, _ in batch]
 
     async def release(self, kid: str, owner: str) -> None:
         try:
-            await self._db.execute("release", sql.RELEASE, kid, owner, self._db.channel)
+            await self._db.execute("release", sql.RELEASE, kid, owner, self._db.channel,
+                                   *self._held.bounds(kid, owner))
+            self._held.forget(kid, owner)
         finally:
             self._waiters.wake(kid)
 
@@ -220,6 +264,7 @@ class PostgresJournal:
         try:
             await self._db.execute(state, sql.SET_STATE, kid, state, detail, owner, self._db.channel, evidence,
                                    time.time())
+            self._held.forget(kid, owner)
         finally:
             self._waiters.wake(kid)
 

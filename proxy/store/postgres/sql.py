@@ -45,15 +45,19 @@ UPDATE journal SET state = '{EntryState.UNKNOWN}', owner = NULL, detail = $3
 WHERE kid = $1 AND state = '{EntryState.IN_FLIGHT}' AND lease_until <= $2 AND expires_at > $2 AND fingerprint = $4
 RETURNING {ENTRY_COLUMNS}, pg_notify($5, kid)"""
 
-# $1 one record_row per record (schema.py: as CLAIM_MANY's claim rows), $2 now, $3 channel.
+# $1 one record_row per record (schema.py: as CLAIM_MANY's claim rows), $2 now, $3 channel,
+# $4 and $5 each record's bounds of its entry's expiry (journal.py, _Held): each row is looked
+# for in its own range, not in every live one.
 COMPLETE_MANY = f"""
-WITH u AS (SELECT * FROM unnest($1::record_row[])),
+WITH u AS (SELECT * FROM ROWS FROM (unnest($1::record_row[]), unnest($4::float8[]), unnest($5::float8[]))
+           AS u(kid, owner, status, headers, body, streamed, timing, expires_from, expires_to)),
 done AS (
     UPDATE journal j SET state = '{EntryState.COMPLETE}', owner = NULL, status = u.status,
         headers = u.headers::jsonb, body = u.body, streamed = u.streamed, timing = u.timing::jsonb,
         completed_at = $2
     FROM u
     WHERE j.kid = u.kid AND j.owner = u.owner AND j.state = '{EntryState.IN_FLIGHT}'
+      AND j.expires_at BETWEEN u.expires_from AND u.expires_to
     RETURNING j.kid, u.owner),
 dropped AS (DELETE FROM partials WHERE kid IN (SELECT kid FROM u)),
 -- one notification per hundred kids, not one each (a payload holds 8000 bytes)
@@ -61,10 +65,10 @@ told AS (SELECT pg_notify($3, string_agg(kid, ' ')) FROM (
     SELECT kid, (row_number() OVER ()) / 100 AS chunk FROM done) AS d GROUP BY chunk)
 SELECT kid, owner FROM done WHERE (SELECT count(*) FROM told) >= 0  -- (which sends them)"""
 
-# $1 kid, $2 owner, $3 channel
+# $1 kid, $2 owner, $3 channel, $4 and $5 the bounds of the entry's expiry (as COMPLETE_MANY)
 RELEASE = """
 WITH gone AS (
-    DELETE FROM journal WHERE kid = $1 AND owner = $2
+    DELETE FROM journal WHERE kid = $1 AND owner = $2 AND expires_at BETWEEN $4 AND $5
     RETURNING namespace, run, coalesce(epoch, -1) AS epoch, tenant, fingerprint, key, pg_notify($3, kid)),
 dropped AS (DELETE FROM partials WHERE kid = $1)
 -- give a derived key's occurrence number back, so the caller's retry maps onto this slot
@@ -214,7 +218,8 @@ SELECT * FROM (
            sum(octet_length(body)) OVER (ORDER BY created_at, kid) AS upto
     FROM journal WHERE namespace = $1 AND run = $2 AND state = '{EntryState.COMPLETE}' AND expires_at > $3
 ) AS r WHERE upto - octet_length(body) <= $4"""
-RENEW = f"UPDATE journal SET lease_until = $1 WHERE kid = $2 AND owner = $3 AND state = '{EntryState.IN_FLIGHT}'"
+RENEW = (f"UPDATE journal SET lease_until = $1 WHERE kid = $2 AND owner = $3 AND state = '{EntryState.IN_FLIGHT}' "
+         "AND expires_at BETWEEN $4 AND $5")  # $4, $5: as RELEASE
 READ_PARTIAL = "SELECT seq, data FROM partials WHERE kid = $1 AND seq > $2 ORDER BY seq"
 # $1 replays, $2 kid, $3 now: tallied under the current epoch of the entry's run
 COUNT_REPLAYS = """
