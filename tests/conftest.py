@@ -24,6 +24,7 @@ from aiohttp.test_utils import TestServer
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 import fake_provider  # noqa: E402
+from config_files import write_config  # noqa: E402
 import services  # noqa: E402
 
 from idemproxy.proxy.appkeys import PROXY, STORE  # noqa: E402
@@ -121,31 +122,6 @@ async def until(predicate, timeout: float, what: str):
             return value
         await asyncio.sleep(0.01)
     raise AssertionError(f"not within {timeout}s: {what}")
-
-
-def toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
-    raise TypeError(value)
-
-
-def write_config(path: Path, sections: dict[str, dict[str, Any]]) -> Path:
-    """Write a TOML file from {"server": {...}, "upstreams.openai": {...}}."""
-    lines = []
-    for name, body in sections.items():
-        lines.append(f"[{name}]")
-        lines += [f"{k} = {toml_value(v)}" for k, v in body.items()]
-        lines.append("")
-    path.write_text("\n".join(lines))
-    return path
 
 
 def proxy_sections(provider_url: str, store_url: str, **extra: dict[str, Any]) -> dict[str, dict]:

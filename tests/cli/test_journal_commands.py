@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from conftest import proxy_sections, write_config
+from conftest import proxy_sections
+from config_files import write_config
 from idemproxy.proxy.cli import main
 from idemproxy.proxy.store.model import RunState, Scope
 

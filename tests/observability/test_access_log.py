@@ -11,7 +11,8 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 import services
-from conftest import proxy_sections, write_config
+from conftest import proxy_sections
+from config_files import write_config
 from idemproxy.proxy import server
 from idemproxy.proxy.observability.access_log import access_logger
 from idemproxy.proxy.cli.serving import build_app

@@ -10,7 +10,7 @@ from multidict import CIMultiDict
 from idemproxy.proxy.config import ConfigError, load_settings, mask_url
 from idemproxy.proxy.store.model import EntryState, Scope
 from idemproxy.proxy.store.waking import Waiters
-from conftest import write_config
+from config_files import write_config
 from rawhttp import problem, raw_request
 
 CHAT = "/openai/v1/chat/completions"

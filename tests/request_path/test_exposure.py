@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import write_config
+from config_files import write_config
 from idemproxy.proxy.cli.store import check
 from idemproxy.proxy.config import load_settings, mask_url
 from idemproxy.proxy.store.sqlite import sqlite_store

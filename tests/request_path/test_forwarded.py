@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from idemproxy.proxy.config import ConfigError, load_settings
-from conftest import write_config
+from config_files import write_config
 
 CLAIMS = {"X-Forwarded-For": "203.0.113.7", "Forwarded": "for=203.0.113.7;proto=https",
           "X-Forwarded-Host": "bank.example", "X-Forwarded-Proto": "https", "X-Real-IP": "203.0.113.7"}

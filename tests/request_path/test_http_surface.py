@@ -18,7 +18,8 @@ import pytest
 from idemproxy.proxy.cli.serving import build_app
 from idemproxy.proxy.config import load_settings
 from idemproxy.proxy.server import start_serving
-from conftest import proxy_sections, write_config
+from conftest import proxy_sections
+from config_files import write_config
 from rawhttp import PROBLEM_TYPE_BASE, problem, raw_problem, raw_request
 
 MALFORMED = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import write_config
+from config_files import write_config
 from idemproxy.proxy.config import ConfigError, TenantSettings, UpstreamSettings, load_settings
 from rawhttp import problem, raw_request
 

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from conftest import proxy_sections, write_config
+from conftest import proxy_sections
+from config_files import write_config
 
 PROBLEM = "https://idemproxy.dev/problems/"
 ADMIN = {"Authorization": "Bearer test-admin-token"}

@@ -24,7 +24,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from conftest import proxy_sections, until, write_config
+from conftest import proxy_sections, until
+from config_files import write_config
 from idemproxy.proxy.config import load_settings
 from idemproxy.proxy.runs import RunsService
 from idemproxy.proxy.runs.endings import TAIL_BYTES, TAIL_LINES, log_tail

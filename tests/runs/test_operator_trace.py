@@ -21,7 +21,8 @@ import time
 import aiohttp
 import pytest
 
-from conftest import proxy_sections, write_config
+from conftest import proxy_sections
+from config_files import write_config
 from idemproxy.proxy.store.model import RunState
 
 ADMIN = {"Authorization": "Bearer test-admin-token"}

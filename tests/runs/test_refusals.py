@@ -15,7 +15,8 @@ from html import unescape
 import aiohttp
 import pytest
 
-from conftest import proxy_sections, write_config
+from conftest import proxy_sections
+from config_files import write_config
 from idemproxy.proxy.runs.refusals import KEEP
 
 ADMIN = {"Authorization": "Bearer test-admin-token"}

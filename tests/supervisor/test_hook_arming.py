@@ -13,7 +13,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from conftest import proxy_sections, write_config
+from conftest import proxy_sections
+from config_files import write_config
 from idemproxy.proxy.config import load_settings
 from idemproxy.proxy.runs import RunsService
 from idemproxy.proxy.store import open_store

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import proxy_sections, write_config
+from conftest import proxy_sections
+from config_files import write_config
 from idemproxy.proxy.appkeys import METRICS
 from idemproxy.proxy.store import open_store
 from idemproxy.proxy.config import load_settings

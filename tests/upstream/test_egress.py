@@ -15,7 +15,7 @@ from aiohttp import web
 
 import fake_provider
 import services
-from conftest import write_config
+from config_files import write_config
 from private_ca import PrivateCA
 from rawhttp import problem
 

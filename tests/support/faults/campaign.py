@@ -19,7 +19,7 @@ import aiohttp
 from aiohttp import web
 
 import services
-from conftest import write_config
+from config_files import write_config
 
 from .chaos import Chaos, Schedule
 from .cluster import Agents, Service, StoreServer, idemproxy
