@@ -51,7 +51,7 @@ def to_toml(tables: dict[str, Any]) -> str:
 
     def emit(header: str, table: dict[str, Any]) -> None:
         lines.append(f"[{header}]")
-        lines.extend(f"{key} = {_value(v)}" for key, v in table.items() if v is not None)
+        lines.extend(f"{key} = {toml_value(v)}" for key, v in table.items() if v is not None)
         lines.append("")
     for section, table in tables.items():
         if section in NAMED_SECTIONS:
@@ -62,17 +62,18 @@ def to_toml(tables: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _value(value: Any) -> str:
+def toml_value(value: Any) -> str:
+    """A value as TOML (inline tables for dicts; None members left out)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_value(v) for v in value) + "]"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{ " + ", ".join(f'"{k}" = {_value(v)}' for k, v in value.items() if v is not None) + " }"
+        return "{ " + ", ".join(f'"{k}" = {toml_value(v)}' for k, v in value.items() if v is not None) + " }"
     raise TypeError(f"no TOML for {value!r}")
 
 
@@ -86,7 +87,7 @@ def options() -> list[tuple[str, str, str]]:
             if f.name == "name":
                 continue
             default = ("(required)" if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-                       else _value(_plain(f.name, f.default_factory() if f.default is dataclasses.MISSING
+                       else toml_value(_plain(f.name, f.default_factory() if f.default is dataclasses.MISSING
                                           else f.default)) if f.default is not None else "(unset)")
             env = f"{ENV_PREFIX}{section.upper()}_{'NAME_' if named else ''}{f.name.upper()}"
             rows.append((f"{header} {f.name}", default, env))

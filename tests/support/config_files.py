@@ -5,19 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-
-def toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
-    raise TypeError(value)
+from idemproxy.proxy.config_view import toml_value
 
 
 def write_config(path: Path, sections: dict[str, dict[str, Any]]) -> Path:
