@@ -14,6 +14,7 @@ import services
 from idemproxy.proxy.config import ConfigError, load_settings
 from idemproxy.proxy.store.model import Claim, EntryState, Recorded, Run, Scope
 from idemproxy.proxy.store.postgres.partitions import RANGES, parse_bound
+from idemproxy.proxy.store.postgres import sql
 from idemproxy.proxy.store.postgres.schema import MIGRATIONS
 from test_store_postgres import open_pg, raw, schema  # noqa: F401 - fixtures
 
@@ -284,5 +285,31 @@ async def test_the_owner_of_a_claim_looks_for_it_in_its_own_range_only(schema, o
         assert renewed[0]["lease_until"] < renewed[1]["lease_until"]  # the decoy's lease was not renewed
         assert [r["state"] for r in await conn.fetch(decoys, "released", 0.0)] == [EntryState.IN_FLIGHT]
         assert await conn.fetchval("SELECT count(*) FROM journal WHERE expires_at > $1", later) == 3
+    finally:
+        await conn.close()
+
+
+async def test_a_record_with_its_expiry_reads_one_range_of_many(schema, open_partitioned):  # noqa: F811
+    """The bound is what lets PostgreSQL prune at run time: with the plan the store's sessions
+    keep (generic, index scans), a record bounded to its entry's expiry executes one range's
+    scan and none of the others'."""
+    store = await open_partitioned()
+    claims = [claim_of(f"k{i}", retention_s=10.0 + 3 * i, owner=f"o{i}") for i in range(6)]
+    for claim in claims:
+        assert (await store.journal.claim(claim)).won
+    conn = await asyncpg.connect(services.postgres_url(), server_settings={
+        "search_path": schema, "plan_cache_mode": "force_generic_plan", "enable_seqscan": "off"})
+    try:
+        expiry = await conn.fetchval("SELECT expires_at FROM journal WHERE key = 'k0'")
+        record = (claims[0].scope.kid, "o0", 200, "[]", b"ok", False, "[]")
+        transaction = conn.transaction()
+        await transaction.start()
+        plan = [row[0] for row in await conn.fetch("EXPLAIN (ANALYZE, COSTS OFF) " + sql.COMPLETE_MANY, [record],
+                                                   time.time(), "channel", [expiry], [expiry])]
+        await transaction.rollback()
+        scans = [line for line in plan if "Scan using journal_" in line]
+        assert len(scans) >= 6, plan  # a range per claim at least, all in the plan
+        assert [line for line in scans if "never executed" not in line] == [
+            next(line for line in scans if "rows=1" in line)], plan
     finally:
         await conn.close()

@@ -67,16 +67,17 @@ class _Held:
     claim's owner records, renews or releases it. So those statements can bound the row's
     expiry to the one value it was written with, and PostgreSQL looks for the row in that one
     range (run-time partition pruning) instead of probing every live range's kid index. A
-    claim not found here (the map was cleared at its bound) is looked for in every range.
+    claim not found here (forgotten once a call on it ended, or past the bound) is looked for
+    in every range: forgetting costs a probe per range, never a record.
     """
-    BOUND = 100_000  # claims in flight at once; past it, forget them all rather than grow
+    BOUND = 100_000  # claims in flight at once; past it, forget the oldest rather than grow
 
     def __init__(self) -> None:
         self._expiry: dict[tuple[str, str], float] = {}
 
     def add(self, kid: str, owner: str, expires_at: float) -> None:
-        if len(self._expiry) >= self.BOUND:
-            self._expiry.clear()
+        if len(self._expiry) >= self.BOUND:  # the oldest first
+            del self._expiry[next(iter(self._expiry))]
         self._expiry[(kid, owner)] = expires_at
 
     def bounds(self, kid: str, owner: str) -> tuple[float, float]:
@@ -233,10 +234,9 @@ class PostgresJournal:
 
     async def complete(self, kid: str, owner: str, recorded: Recorded) -> bool:
         try:
-            kept = await self._completes((kid, owner, recorded))
+            return await self._completes((kid, owner, recorded))
+        finally:  # kept, refused or failed: ended, or left to a quarantine that looks everywhere
             self._held.forget(kid, owner)
-            return kept
-        finally:
             self._waiters.wake(kid)
 
     async def _complete_many(self, batch: list[tuple[str, str, Recorded]]) -> list[bool]:
@@ -255,8 +255,8 @@ class PostgresJournal:
         try:
             await self._db.execute("release", sql.RELEASE, kid, owner, self._db.channel,
                                    *self._held.bounds(kid, owner))
-            self._held.forget(kid, owner)
         finally:
+            self._held.forget(kid, owner)
             self._waiters.wake(kid)
 
     async def _set_state(self, kid: str, owner: str | None, state: str, detail: str,
@@ -264,8 +264,8 @@ class PostgresJournal:
         try:
             await self._db.execute(state, sql.SET_STATE, kid, state, detail, owner, self._db.channel, evidence,
                                    time.time())
-            self._held.forget(kid, owner)
         finally:
+            self._held.forget(kid, owner)
             self._waiters.wake(kid)
 
     async def quarantine(self, kid: str, owner: str | None, detail: str, evidence: dict | None = None) -> None:

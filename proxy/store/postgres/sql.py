@@ -49,8 +49,9 @@ RETURNING {ENTRY_COLUMNS}, pg_notify($5, kid)"""
 # $4 and $5 each record's bounds of its entry's expiry (journal.py, _Held): each row is looked
 # for in its own range, not in every live one.
 COMPLETE_MANY = f"""
-WITH u AS (SELECT * FROM ROWS FROM (unnest($1::record_row[]), unnest($4::float8[]), unnest($5::float8[]))
-           AS u(kid, owner, status, headers, body, streamed, timing, expires_from, expires_to)),
+WITH r AS (SELECT * FROM unnest($1::record_row[]) WITH ORDINALITY),
+b AS (SELECT * FROM unnest($4::float8[], $5::float8[]) WITH ORDINALITY AS b(expires_from, expires_to, ordinality)),
+u AS (SELECT r.*, b.expires_from, b.expires_to FROM r JOIN b USING (ordinality)),
 done AS (
     UPDATE journal j SET state = '{EntryState.COMPLETE}', owner = NULL, status = u.status,
         headers = u.headers::jsonb, body = u.body, streamed = u.streamed, timing = u.timing::jsonb,
