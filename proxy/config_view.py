@@ -8,6 +8,8 @@ config/settings.py so that it cannot drift::
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import sys
 import typing
 from typing import Any
@@ -56,7 +58,7 @@ def to_toml(tables: dict[str, Any]) -> str:
     for section, table in tables.items():
         if section in NAMED_SECTIONS:
             for name, body in table.items():
-                emit(f"{section}.{name}", body)
+                emit(f"{section}.{_key(name)}", body)
         else:
             emit(section, table)
     return "\n".join(lines)
@@ -68,13 +70,18 @@ def toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, str):  # JSON's escapes are TOML's, but for DEL, which TOML escapes too
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{ " + ", ".join(f'"{k}" = {toml_value(v)}' for k, v in value.items() if v is not None) + " }"
+        return "{ " + ", ".join(f"{toml_value(k)} = {toml_value(v)}" for k, v in value.items() if v is not None) + " }"
     raise TypeError(f"no TOML for {value!r}")
+
+
+def _key(name: str) -> str:
+    """A table name as a TOML key: bare when it can be, quoted otherwise."""
+    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else toml_value(name)
 
 
 def options() -> list[tuple[str, str, str]]:

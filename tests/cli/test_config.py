@@ -244,3 +244,30 @@ def test_check_exit_codes(tmp_path):
     assert done["no-pg"].returncode == 1
     assert "pg-secret-99" not in done["no-pg"].stdout + done["no-pg"].stderr
     assert done["bad-config"].returncode == 2 and "bogus" in done["bad-config"].stderr
+
+
+def test_the_shown_configuration_is_toml_whatever_its_strings_hold(tmp_path):
+    """``idemproxy config`` prints the effective settings as TOML: a value with a newline, a
+    quote, a backslash or a control character, an inline table's odd key, and an upstream whose
+    name is not a bare key all read back as they were (the newline once printed a broken file)."""
+    import tomllib
+
+    from idemproxy.proxy.config_view import effective, to_toml
+    odd = 'two\nlines, a "quote", a \\ and \x7f\x01\ttab'
+    path = tmp_path / "odd.toml"
+    path.write_text(textwrap.dedent(f"""
+        [server]
+        host = {to_toml_string(odd)}
+        [upstreams."tools.v2"]
+        url = "http://tools.internal"
+        set_headers = {{ "x-note \\"quoted\\"" = {to_toml_string(odd)} }}
+    """))
+    settings = load_settings(path, env={})
+    shown = tomllib.loads(to_toml(effective(settings)))
+    assert shown["server"]["host"] == odd
+    assert shown["upstreams"]["tools.v2"]["set_headers"] == {'x-note "quoted"': "***"}  # a secret: masked
+
+
+def to_toml_string(value: str) -> str:
+    """A TOML basic string written by hand, independent of the code under test."""
+    return '"' + "".join(ch if ch.isprintable() and ch not in '"\\' else f"\\u{ord(ch):04x}" for ch in value) + '"'
