@@ -5,15 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from idemproxy.proxy.config_view import toml_value
+from idemproxy.proxy.config_view import to_toml
 
 
 def write_config(path: Path, sections: dict[str, dict[str, Any]]) -> Path:
-    """Write a TOML file from {"server": {...}, "upstreams.openai": {...}}."""
-    lines = []
-    for name, body in sections.items():
-        lines.append(f"[{name}]")
-        lines += [f"{k} = {toml_value(v)}" for k, v in body.items()]
-        lines.append("")
-    path.write_text("\n".join(lines))
+    """Write a TOML file from {"server": {...}, "upstreams.openai": {...}}, as the proxy shows its own."""
+    path.write_text(to_toml(sections))
     return path
