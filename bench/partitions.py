@@ -103,15 +103,15 @@ async def timed_ops(ops: list, work) -> dict:
     return {"rate": len(ops) / (time.perf_counter() - began), "p99_ms": p99(latencies) * 1000}
 
 
-async def rates(stores: dict[str, tuple[Store, int]], ops: int, retention: float, rounds_n: int = 3) -> dict:
+async def rates(stores: dict[str, tuple[Store, int]], ops: int, kept_s: float, rounds_n: int = 3) -> dict:
     """For each store (name: store, entries seeded), in alternation, a warm-up round then
     ``rounds_n`` rounds of claim, record, replay (and replay-seeded where entries were
     seeded): the median of each figure."""
-    figures = {name: await one_store_rates(store, ops, seeded, retention) for name, (store, seeded) in stores.items()}
+    figures = {name: await one_store_rates(store, ops, seeded, kept_s) for name, (store, seeded) in stores.items()}
     per_round = {name: [] for name in stores}
     for _ in range(rounds_n):
         for name, (store, seeded) in stores.items():
-            per_round[name].append(await one_store_rates(store, ops, seeded, retention))
+            per_round[name].append(await one_store_rates(store, ops, seeded, kept_s))
     for name, runs in per_round.items():
         figures[name] = {scenario: {"rate": statistics.median(r[scenario]["rate"] for r in runs),
                                     "p99_ms": statistics.median(r[scenario]["p99_ms"] for r in runs)}
@@ -119,12 +119,12 @@ async def rates(stores: dict[str, tuple[Store, int]], ops: int, retention: float
     return figures
 
 
-async def one_store_rates(store: Store, ops: int, seeded: int, retention: float, rounds_n: int = 1) -> dict:
+async def one_store_rates(store: Store, ops: int, seeded: int, kept_s: float, rounds_n: int = 1) -> dict:
     rounds: dict[str, list[dict]] = {}
     for _ in range(rounds_n):
         tag = uuid.uuid4().hex[:8]
         claims = [Claim(Scope("bench", f"run-{i % 100}", "tools", f"new-{tag}-{i}"), "fp", f"o-{tag}-{i}", 60.0,
-                        retention, namespace="default") for i in range(ops)]
+                        kept_s, namespace="default") for i in range(ops)]
 
         async def claim(c: Claim) -> None:
             assert (await store.journal.claim(c)).won
@@ -221,8 +221,8 @@ async def big_journal(args: argparse.Namespace, url: str) -> dict:
             await empty.journal.partitions.cover([aligned(now) + day * DAY + 1 for day in range(len(SHARES))])
             print("rates: the empty journal and the full one, in alternation", flush=True)
             # measured entries expire before every filled one (a day), or after (--newest)
-            retention = (len(SHARES) + 4) * DAY if args.newest else DAY
-            both = await rates({"empty": (empty, 0), "full": (store, args.entries)}, args.ops, retention)
+            kept_s = (len(SHARES) + 4) * DAY if args.newest else DAY
+            both = await rates({"empty": (empty, 0), "full": (store, args.entries)}, args.ops, kept_s)
             out["empty"], out["full"] = both["empty"], both["full"]
             out["drops"] = []
             await store.journal.partitions.drop_expired(aligned(now))  # the measured claims' range
