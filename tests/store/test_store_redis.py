@@ -24,6 +24,7 @@ from idemproxy.proxy.store.composed import Store
 from idemproxy.proxy.store.redis import redis_store
 from idemproxy.proxy.store.redis.connection import POLL_S, split_url
 from idemproxy.proxy.store.redis.durability import ReplicasBehind
+from idemproxy.proxy.store.redis.shards import Layout, cluster_tags, slot_of
 from services import PrivateRedis, free_port, redis_url
 
 REPLY = Recorded(200, [("content-type", "application/json")], b'{"ok": true}')
@@ -74,11 +75,42 @@ def claim(key: str = "k1", owner: str = "a", retention_s: float = 3600.0, run: s
 
 # -- configuration ---------------------------------------------------------------------------
 
-def test_prefix_is_ours_and_other_parameters_go_to_redis():
+def test_prefix_and_shards_are_ours_and_other_parameters_go_to_redis():
     assert split_url("redis://h:6379/2?prefix=app1:&ssl_cert_reqs=none") == (
-        "redis://h:6379/2?ssl_cert_reqs=none", "app1:")
-    assert split_url("rediss://h/0") == ("rediss://h/0", "idem:")
+        "redis://h:6379/2?ssl_cert_reqs=none", "app1:", None)
+    assert split_url("rediss://h/0") == ("rediss://h/0", "idem:", None)
+    assert split_url("redis+cluster://h:1?shards=64&prefix=x:") == ("redis+cluster://h:1", "x:", 64)
     assert "s3cret" not in repr(redis_store("redis://:s3cret@h:6379/0?prefix=p:"))
+    for wrong in ("0", "1025", "x", ""):
+        with pytest.raises(ValueError, match="shards must be a number from 1 to 1024"):
+            split_url(f"redis+cluster://h:1?shards={wrong}")
+    redis_store("redis://h:6379/0?shards=1")  # one Redis: one shard, said or not
+    with pytest.raises(ValueError, match="shards is for Redis Cluster"):
+        redis_store("redis://h:6379/0?shards=2")
+
+
+@pytest.mark.parametrize("count", [2, 3, 16, 1024])
+def test_shards_take_one_slice_of_the_slots_each(count):
+    """Shard i's slot lies in the i-th slice after shard 0's, so a cluster that hands its masters
+    even ranges of slots gets an even share of the shards on each."""
+    tags = cluster_tags("idem:", count)
+    assert tags[0] == "{idem:}" and len(set(tags)) == count
+    width, first = 16384 // count, slot_of(tags[0])
+    for i, tag in enumerate(tags):
+        assert (slot_of(tag) - first) % 16384 // width == i, tag
+    assert cluster_tags("idem:", count) == tags  # the same every time: replicas agree
+
+
+def test_a_layout_places_runs_and_entries_evenly_and_finds_its_own_keys():
+    layout = Layout(cluster_tags("idem:", 16))
+    placed = [layout.of(f"{i:040x}") for i in range(16000)]
+    assert min(placed.count(shard) for shard in layout.shards) > 800  # 1,000 each on average
+    assert layout.of("5:tools:run-1") is layout.of("5:tools:run-1")
+    shard = layout.shards[5]
+    assert layout.owning(shard.key("entry", "ab").encode()) == (shard, "entry:ab")
+    assert layout.owning(b"{idem:x}entry:ab") is None  # another deployment's
+    one = Layout(["idem:"])
+    assert one.of("anything") is one.first and not one.sharded
 
 
 @pytest.mark.parametrize("appendonly, appendfsync, says, warned", [

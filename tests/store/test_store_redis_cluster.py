@@ -1,5 +1,5 @@
 """The store on a real Redis Cluster (3 masters, 3 replicas: tests/support/redis_cluster.py): the
-whole store contract, and what only a cluster has (the one slot, sharded notifications).
+whole store contract, and what only a cluster has (shards, sharded notifications).
 
 The contract's tests are imported here, so they run twice more with ``store_url`` naming a
 fresh key prefix on the cluster, with and without ``redis_wait_replicas``; the cluster is
@@ -18,14 +18,17 @@ from redis.asyncio.connection import SSLConnection
 
 from idemproxy.proxy.config import ConfigError, StoreSettings
 from idemproxy.proxy.store import StoreUnavailable, make_store
-from idemproxy.proxy.store.redis.cluster import cluster_client, hash_tagged, seeds, slot_of
-from idemproxy.proxy.store.model import Run
+from idemproxy.proxy.store.errors import StoreMisconfigured
+from idemproxy.proxy.store.model import Run, Scope
+from idemproxy.proxy.store.redis.cluster import cluster_client, seeds, slot_of
 from idemproxy.proxy.store.redis.connection import POLL_S
+from idemproxy.proxy.store.redis.shards import DEFAULT_SHARDS
+from idemproxy.proxy.store.redis.values import run_ref
 from conftest import until
 from redis_cluster import STEADY_MS, RedisCluster
 from run_cli import idemproxy
 from test_store_contract import *  # noqa: F401,F403 - the contract, run again on the cluster
-from test_store_contract import REPLY, claim_of, scope
+from test_store_contract import NS, REPLY, claim_of, new_run, scope
 
 
 @pytest.fixture(scope="module")
@@ -46,22 +49,116 @@ def store_settings(store_url, request) -> StoreSettings:
     return StoreSettings(url=store_url, redis_wait_replicas=request.param)
 
 
-async def test_every_key_of_a_deployment_is_in_its_prefixs_slot(store_url, cluster):
+async def test_a_deployment_is_spread_over_its_shards_and_every_master(store_url, cluster):
+    """Sixteen shards by default, spread over the three masters; an entry lives in its kid's
+    shard and a run in its name's, and every key of one shard is in that shard's slot."""
     store = make_store(StoreSettings(url=store_url))
     await store.open()
     try:
-        claim = claim_of(scope())
-        assert (await store.journal.claim(claim)).won
-        await store.runs.upsert(__import__("test_store_contract").new_run())
-        prefix = store.connection.prefix
-        master = cluster.master_of(prefix)
-        client = redis.Redis(port=master)
-        keys = list(client.scan_iter(match=prefix.replace("{", "\\{").replace("}", "\\}") + "*"))
-        client.close()
-        assert len(keys) >= 4
-        assert {slot_of(key.decode()) for key in keys} == {slot_of(hash_tagged(prefix.strip("{}")))}
+        layout = store.connection.layout
+        assert len(layout.shards) == DEFAULT_SHARDS
+        masters = {cluster.master_of(shard.prefix) for shard in layout.shards}
+        assert masters == set(cluster.ports[:3])
+        for i in range(40):
+            sc = scope(f"step-{i}", run=f"run-{i % 8}")
+            assert (await store.journal.claim(claim_of(sc))).won
+        for i in range(8):
+            await store.runs.upsert(new_run(f"run-{i}"))
+        slots = {slot_of(shard.prefix): shard for shard in layout.shards}
+        assert len(slots) == DEFAULT_SHARDS
+        found = []
+        for port in set(cluster.ports[:3]):
+            client = redis.Redis(port=port)
+            found += list(client.scan_iter(match="\\{" + store.connection.root + "*"))
+            client.close()
+        for key in found:
+            shard, rest = layout.owning(key)
+            assert slots[slot_of(key.decode())] is shard, key
+            name = rest.partition(":")[2]
+            if rest.startswith(("entry:", "run:", "steps:")):
+                assert layout.of(name) is shard, key
+        assert len({layout.owning(key)[0] for key in found}) > 8  # 40 entries and 8 runs: most shards used
     finally:
         await store.aclose()
+
+
+async def test_a_deployments_shards_are_chosen_once(cluster, tmp_path):
+    """The layout is stored when a deployment is first opened: a URL asking for another number
+    is refused, ``idemproxy check`` writes none, and a deployment an earlier version left (one
+    shard, no layout stored) keeps its one shard."""
+    base = f"{cluster.url}/?prefix=t{uuid.uuid4().hex[:10]}:"
+    checked = idemproxy("check", "--store", base + "&shards=8", cwd=tmp_path)  # stores no layout of 8
+    assert checked.returncode == 0, checked.stderr
+    first = make_store(StoreSettings(url=base + "&shards=4"))
+    await first.open()
+    again = make_store(StoreSettings(url=base))  # no shards said: the stored layout
+    await again.open()
+    try:
+        assert len(again.connection.layout.shards) == 4
+        assert [s.prefix for s in again.connection.layout.shards] == [s.prefix for s in first.connection.layout.shards]
+        other = make_store(StoreSettings(url=base + "&shards=8"))
+        with pytest.raises(StoreMisconfigured, match="laid out in 4 shard"):
+            await other.open()
+    finally:
+        await first.aclose()
+        await again.aclose()
+
+    root = f"t{uuid.uuid4().hex[:10]}:"
+    earlier = redis.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
+    earlier.set("{" + root + "}generation", 3)  # as an earlier version leaves it: one slot, no layout
+    earlier.close()
+    store = make_store(StoreSettings(url=f"{cluster.url}/?prefix={root}"))
+    await store.open()
+    try:
+        assert [s.prefix for s in store.connection.layout.shards] == ["{" + root + "}"]
+        assert await store.journal.generation() == 3
+    finally:
+        await store.aclose()
+    with pytest.raises(StoreMisconfigured, match="laid out in 1 shard"):
+        await make_store(StoreSettings(url=f"{cluster.url}/?prefix={root}&shards=16")).open()
+
+
+def _apart(layout, together: bool) -> Scope:
+    """A run's step whose entry lies in its run's shard, or in another."""
+    for i in range(1000):
+        sc = scope(f"step-{i}", run="fenced")
+        if (layout.of(sc.kid) is layout.of(run_ref(NS, "fenced"))) == together:
+            return sc
+    raise AssertionError("no such step")
+
+
+@pytest.mark.parametrize("together", [True, False], ids=["one-shard", "two-shards"])
+async def test_a_superseded_attempt_claims_nothing_whether_its_entry_is_in_its_runs_shard_or_not(
+        open_store, together):
+    store = await open_store()
+    await store.runs.upsert(new_run("fenced"))
+    now = time.time()
+    assert await store.runs.new_attempt(NS, "fenced", 0, now, "restart", True)  # epoch 1
+    sc = _apart(store.connection.layout, together)
+    stale = await store.journal.claim(claim_of(sc, owner="old", epoch=0))
+    assert (stale.won, stale.stale_epoch) == (False, 1)
+    current = await store.journal.claim(claim_of(sc, owner="new", epoch=1))
+    assert current.won  # the stale claim left the key free
+    assert [e.kid for e in await store.journal.entries(NS, "fenced")] == [sc.kid]
+    assert await store.journal.complete(sc.kid, "new", REPLY)
+    replayed = await store.journal.claim(claim_of(sc, owner="old", epoch=0))
+    assert (replayed.won, replayed.stale_epoch) == (False, 1)  # a replay is refused to it too
+    await store.journal.release(sc.kid, "nobody")  # not the owner: nothing changes
+    assert [e.kid for e in await store.journal.entries(NS, "fenced")] == [sc.kid]
+
+
+async def test_the_supervisor_claims_no_more_runs_than_it_asks_for_across_shards(open_store):
+    store = await open_store()
+    past = time.time() - 1000
+    for i in range(40):
+        await store.runs.upsert(new_run(f"silent-{i}", last_seen=past, started_at=past, created_at=past))
+    now = time.time()
+    first = await store.runs.silent(now, 7, claim_s=60)
+    second = await store.runs.silent(now, 50, claim_s=60)
+    assert len(first) == 7 and len(second) == 33
+    assert not {r.run_id for r in first} & {r.run_id for r in second}
+    assert await store.runs.silent(now, 50, claim_s=60) == []
+    assert len(await store.runs.list(limit=25)) == 25 and (await store.runs.count())["running"] == 40
 
 
 async def woken_by_a_message(writer, waiter) -> bool:
@@ -236,7 +333,7 @@ async def test_a_master_killed_under_load_loses_nothing_acknowledged(own_cluster
     calls = provider.calls["chat"]
     for key, body in acknowledged.items():  # each from the store: bare holds nothing in memory
         status, headers, replayed, _ = await _post(http, bare, key, key)
-        assert (status, headers["Idempotent-Replayed"], replayed) == (200, "true", body), key
+        assert (status, headers.get("Idempotent-Replayed"), replayed) == (200, "true", body), (key, replayed)
     assert provider.calls["chat"] == calls  # nothing acknowledged went upstream twice
 
 

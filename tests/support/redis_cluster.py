@@ -152,6 +152,11 @@ class RedisCluster:
                 return port
         raise RuntimeError(f"no master serves slot {slot}")
 
+    def masters(self) -> list[int]:
+        """The ports of the live masters that serve slots, in order."""
+        return sorted(port for port, flags, ranges in self._nodes()
+                      if port in self.procs and "master" in flags and "fail" not in flags and ranges)
+
     def _node_id(self, port: int) -> str:
         return self.cli(port, "cluster", "myid").strip()
 

@@ -8,6 +8,7 @@ per bucket, expiring once no window reads it.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -23,19 +24,28 @@ class RedisAudit:
     def __init__(self, db: RedisConnection):
         self._db = db
 
+    def _entry_list(self, kid: str) -> str:
+        return self._db.layout.of(kid).key("actions", "entry", kid)
+
+    def _run_list(self, namespace: str, run: str) -> str:
+        rk = run_ref(namespace, run)
+        return self._db.layout.of(rk).key("actions", "run", rk)
+
     def _lists(self, action: Action) -> list[str]:
-        lists = [self._db.key("actions", "entry", action.kid)] if action.kid else []
+        lists = [self._entry_list(action.kid)] if action.kid else []
         if action.namespace is not None and action.run is not None:
-            lists.append(self._db.key("actions", "run", run_ref(action.namespace, action.run)))
+            lists.append(self._run_list(action.namespace, action.run))
         return lists
 
     async def note(self, action: Action, retention_s: float) -> None:
         kept = orjson.dumps({**action.as_json(), "expires_at": action.at + retention_s})
-        pipe = self._db.client.pipeline(transaction=True)
-        for key in self._lists(action):
+
+        async def append(key: str) -> None:  # each list in a transaction of its own: they may lie apart
+            pipe = self._db.client.pipeline(transaction=True)
             pipe.rpush(key, kept)
             pipe.pexpire(key, int(retention_s * 1000))
-        await self._db.do(pipe.execute())
+            await self._db.do(pipe.execute())
+        await asyncio.gather(*map(append, self._lists(action)))
 
     async def _read(self, key: str) -> list[Action]:
         now = time.time()
@@ -43,17 +53,18 @@ class RedisAudit:
         return [Action.of_json(item) for item in raw if item.get("expires_at", now + 1) > now]
 
     async def of_entry(self, kid: str) -> list[Action]:
-        return await self._read(self._db.key("actions", "entry", kid))
+        return await self._read(self._entry_list(kid))
 
     async def of_run(self, namespace: str, run: str) -> list[Action]:
-        return await self._read(self._db.key("actions", "run", run_ref(namespace, run)))
+        return await self._read(self._run_list(namespace, run))
 
     async def purge(self, now: float) -> int:
         return 0  # the lists and counters expire by themselves
 
     def _refusal_keys(self, namespace: str, run: str) -> tuple[str, str]:
-        ref = run_ref(namespace, run)  # one hash tag: both keys in one slot of a cluster
-        return self._db.key("refusals", "{" + ref + "}", "count"), self._db.key("refusals", "{" + ref + "}", "recent")
+        ref = run_ref(namespace, run)  # both in the run's shard: one slot of a cluster
+        key = self._db.layout.of(ref).key
+        return key("refusals", "{" + ref + "}", "count"), key("refusals", "{" + ref + "}", "recent")
 
     async def refused(self, namespace: str, run: str, refusal: dict[str, Any], keep: int,
                       retention_s: float) -> None:

@@ -1,18 +1,14 @@
 """Redis Cluster (``redis+cluster://host:port[,host:port...]/?prefix=idem:``, ``rediss+cluster://``
-for TLS): the seed nodes, the client, and the one hash slot a deployment lives in.
+for TLS): the seed nodes and the client.
 
-Every key of one deployment carries the key prefix as its hash tag (``{idem:}entry:...``),
-so the whole deployment lives in one slot, on one master and its replicas: every Lua script
-touches keys it learns from the data (a run's journal, its indexes), which a cluster allows
-within one slot only, and fencing needs the run and the claim changed in one script. So a
-cluster gives a deployment failover, not more write throughput; deployments with different
-prefixes land on different slots, and so spread over the masters. Notifications are sharded
-pub/sub (SPUBLISH from the scripts, SSUBSCRIBE), on the channel ``{prefix}changed`` in the
-same slot: they stay on the one shard instead of crossing the whole cluster bus.
+A deployment's keys are grouped in shards, each a hash tag (:mod:`.shards`), as a Lua script
+may touch the keys of one slot only. Notifications are sharded pub/sub (SPUBLISH from the
+scripts, SSUBSCRIBE), one channel a shard in its slot: they stay on that shard instead of
+crossing the whole cluster bus.
 
 redis-py's cluster client routes every ordinary call and follows MOVED/ASK and topology
 changes; the request path's pipelines (:meth:`.connection.RedisConnection.pipeline`) go to
-the slot's master directly, and ask for a fresh slot map after any failure there.
+their shards' masters directly, and ask for a fresh slot map after any failure there.
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ def is_cluster(url: str) -> bool:
 
 
 def hash_tagged(prefix: str) -> str:
-    """The prefix as every key's hash tag: all of a deployment's keys in one slot."""
+    """The prefix as a hash tag: shard 0's, and every shard's of a deployment laid out in one."""
     return "{" + prefix + "}"
 
 

@@ -4,7 +4,8 @@ Every call goes through :meth:`RedisConnection.do` or :meth:`RedisConnection.pip
 where Redis's errors, and no answer within ``timeout``, become :class:`StoreUnavailable`
 (:class:`translated`). Waiters are woken by pub/sub, with a slow poll in case a message
 is lost; the reader resubscribes by itself after an outage. On Redis Cluster (:mod:`.cluster`)
-the same, on the one slot the deployment lives in.
+the same, shard by shard (:mod:`.shards`): each pipeline's commands go to the masters of
+their shards, and each shard has its own notification channel.
 
 With ``wait_replicas`` (``[store] redis_wait_replicas``) a pipeline that wrote a claim or a
 record, and every script that writes, sends ``WAIT`` on the same link before answering (WAIT
@@ -19,10 +20,12 @@ import asyncio
 import contextlib
 import logging
 import math
-from typing import Any, Awaitable, Callable
+import re
+from typing import Any, AsyncIterator, Awaitable, Callable
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import hiredis
+import orjson
 import redis.asyncio as redis_asyncio  # the redis-py library: absolute imports never mean this package
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -36,6 +39,7 @@ from ..waking import RUN_LOST, Bell, Waiters
 from .cluster import cluster_client, hash_tagged, is_cluster, seeds, slot_of
 from .durability import confirm, durability_of, replication_of
 from .scripts import READ_ONLY, SCRIPTS, sharded
+from .shards import DEFAULT_SHARDS, MAX_SHARDS, Layout, Shard, cluster_tags
 from .values import text
 
 log = logging.getLogger("idemproxy.store")
@@ -43,19 +47,40 @@ log = logging.getLogger("idemproxy.store")
 POLL_S = 0.5  # a waiter looks again this often even when no notification comes
 POOL_LINKS = 100  # one Redis's links per process unless the URL says max_connections
 LISTEN_S = 1.0  # how long the notification reader blocks per read
+# ... with shards on several masters: redis-py reads their subscriptions in turn, each for a
+# slice of the wait, so a message waits for its master's turn: up to this long
+SHARDED_LISTEN_S = 0.05
 RECONNECT_S = (0.1, 2.0)  # notification reader's backoff after losing Redis, first and most
 
 
-def split_url(url: str) -> tuple[str, str]:
-    """(the URL for redis-py, our key prefix): ``prefix`` is ours, not a redis-py option."""
+def split_url(url: str) -> tuple[str, str, int | None]:
+    """(the URL for redis-py, our key prefix, the shards asked for): ``prefix`` and ``shards``
+    are ours, not redis-py options."""
     parts = urlsplit(url)
-    prefix, kept = "idem:", []
+    prefix, shards, kept = "idem:", None, []
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
         if name == "prefix":
             prefix = value
+        elif name == "shards":
+            if not value.isdigit() or not 1 <= int(value) <= MAX_SHARDS:
+                raise ValueError(f"the Redis URL's shards must be a number from 1 to {MAX_SHARDS}, got {value!r}")
+            shards = int(value)
         else:
             kept.append((name, value))
-    return urlunsplit(parts._replace(query=urlencode(kept))), prefix
+    return urlunsplit(parts._replace(query=urlencode(kept))), prefix, shards
+
+
+def _glob(text: str) -> str:
+    """``text`` matched literally in a SCAN pattern."""
+    return re.sub(r"([*?\[\]\\{}])", r"\\\1", text)
+
+
+async def _closed(conn: Any) -> bool:
+    """Whether an idle link was closed by the server (or holds a stray reply: unusable too)."""
+    try:
+        return await conn.can_read()
+    except (RedisError, OSError):
+        return True
 
 
 def _unavailable(what: str, exc: RedisError | OSError) -> StoreUnavailable:
@@ -84,18 +109,17 @@ class RedisConnection:
     """One client, its scripts and the notification reader; see the module docstring."""
 
     def __init__(self, url: str, timeout: float, wait_replicas: int = 0):
-        self.url, self.prefix = split_url(url)
+        self.url, self.root, self._shards_asked = split_url(url)
         self.cluster = is_cluster(url)
         if self.cluster:
             seeds(url)  # ValueError for a malformed list: a configuration error, before any connection
-            self.prefix = hash_tagged(self.prefix)
+        elif self._shards_asked not in (None, 1):
+            raise ValueError("shards is for Redis Cluster: one Redis keeps a deployment in one shard")
         self.timeout = timeout
         self.wait_replicas = wait_replicas
-        # a key that routes a script that names none, and the cluster slot of every key
-        self.anchor = self.prefix + "generation"
-        self._slot = slot_of(self.anchor)
+        # one shard until open() reads the deployment's layout (a cluster's may have more)
+        self.layout = Layout([hash_tagged(self.root) if self.cluster else self.root])
         self._stale_map = False  # the cluster's slot map may be out of date: refresh it first
-        self.channel = self.prefix + "changed"
         self.durability = "unknown until the store is opened"
         self.waiters = Waiters(POLL_S)
         self.lost = Bell()  # an attempt marked lost, by any process on this prefix
@@ -110,8 +134,18 @@ class RedisConnection:
     def __repr__(self) -> str:
         return f"RedisConnection({mask_url(self.url)!r}, prefix={self.prefix!r})"
 
+    @property
+    def prefix(self) -> str:
+        """Shard 0's: what belongs to no run or entry (the generation, secrets, the layout)."""
+        return self.layout.first.prefix
+
+    @property
+    def anchor(self) -> str:
+        return self.layout.first.anchor
+
     def key(self, *parts: str) -> str:
-        return self.prefix + ":".join(parts)
+        """A key of shard 0."""
+        return self.layout.first.key(*parts)
 
     async def open(self, migrate: bool = True) -> None:
         """Connect, read the durability, subscribe. Redis keeps no schema: ``migrate`` changes nothing."""
@@ -145,6 +179,8 @@ class RedisConnection:
                     self.durability = (durability_of(appendonly, appendfsync)
                                        + replication_of(self.cluster, self.wait_replicas))
                     replicas = await self._replicas(client) if self.wait_replicas else 0
+                    if self.cluster:
+                        self.layout = Layout(await self._laid_out(client, migrate))
                     pubsub = await self._subscribe(client)
         except (StoreUnavailable, StoreMisconfigured):
             await client.aclose()
@@ -159,8 +195,30 @@ class RedisConnection:
             log.warning("redis_wait_replicas = %d, but the master has %d replica(s): new keys are refused (503) "
                         "until it has enough", self.wait_replicas, replicas)
 
+    async def _laid_out(self, client: Any, migrate: bool) -> list[str]:
+        """The shards' prefixes of the deployment on a cluster (:mod:`.shards`): as stored, or
+        chosen now and stored (unless ``migrate`` is off: ``idemproxy check`` writes nothing)."""
+        first = hash_tagged(self.root)
+        marker = first + "layout:shards"
+        stored = await client.get(marker)
+        if stored is None:
+            earlier = await client.exists(*(first + name for name in (
+                "generation", "runs", "steps-expiry", "quarantined", "layout:quarantined")))
+            chosen = [first] if earlier else cluster_tags(self.root, self._shards_asked or DEFAULT_SHARDS)
+            if not migrate:
+                return chosen
+            await client.set(marker, orjson.dumps(chosen), nx=True)
+            stored = await client.get(marker)  # another replica's, if it was first
+        prefixes = orjson.loads(stored)
+        if self._shards_asked is not None and self._shards_asked != len(prefixes):
+            raise StoreMisconfigured(
+                f"the deployment under prefix {self.root!r} is laid out in {len(prefixes)} shard(s), and a "
+                f"deployment's shards never change: remove shards={self._shards_asked} from the URL, "
+                "or give it another prefix")
+        return prefixes
+
     def _master(self, client: Any) -> dict[str, Any]:
-        """Where a server command goes: on a cluster, to the master of the deployment's slot."""
+        """Where a server command goes: on a cluster, to the master of shard 0's slot."""
         return {"target_nodes": client.get_node_from_key(self.anchor)} if self.cluster else {}
 
     async def _replicas(self, client: Any) -> int:
@@ -231,14 +289,28 @@ class RedisConnection:
             raise result
         return result
 
-    async def scan(self, cursor: int, pattern: str) -> tuple[int, list[bytes]]:
-        """One SCAN step over the keys matching ``pattern``; on a cluster, over the master of
-        the deployment's slot, which holds every key of it."""
-        if self.cluster:
-            cursors, names = await self.do(self.client.scan(cursor, match=pattern, count=1000,
-                                                            **self._master(self.client)))
-            return next(iter(cursors.values())), names  # the cluster client answers {node: cursor}
-        return await self.do(self.client.scan(cursor, match=pattern, count=1000))
+    async def scan(self, start: str) -> AsyncIterator[list[tuple[Shard, str]]]:
+        """The deployment's keys whose name after their shard's prefix starts with ``start``,
+        a thousand keys' worth of SCAN at a time (it never blocks the server): each as its
+        shard and that rest of its name. On a cluster, SCAN goes to every master."""
+        if self.layout.sharded:  # one pattern for every shard's tag: {root}, {root#i.j}
+            pattern = _glob("{" + self.root) + "*\\}" + _glob(start) + "*"
+        else:
+            pattern = _glob(self.prefix + start) + "*"
+        client = self.client
+        nodes = client.get_primaries() if self.cluster else [None]
+        for node in nodes:
+            cursor = None
+            while cursor != 0:
+                if node is None:
+                    cursor, names = await self.do(client.scan(cursor or 0, match=pattern, count=1000))
+                else:
+                    cursors, names = await self.do(client.scan(cursor or 0, match=pattern, count=1000,
+                                                               target_nodes=node))
+                    cursor = next(iter(cursors.values()))  # the cluster client answers {node: cursor}
+                found = [owned for name in names if (owned := self.layout.owning(name)) and owned[1].startswith(start)]
+                if found:
+                    yield found
 
     def evalsha(self, name: str, keys: list[str], args: list[Any]) -> tuple[Any, ...]:
         """The script ``name`` as a command, for :meth:`pipeline`."""
@@ -271,13 +343,45 @@ class RedisConnection:
         return [_unavailable("redis", r) if isinstance(r, RedisError) else r for r in results]
 
     async def _send(self, commands: list[tuple[Any, ...]], wrote: Callable[[int, Any], bool] | None) -> list[Any]:
-        """Write the commands at once on one link, read every reply, then WAIT if they wrote.
+        """The commands (scripts, by their first key) on one link to each master they go to, at
+        once. If one link fails, the whole pipeline fails, as on one Redis: its callers learn
+        nothing of the rest, and the store gives back the claims it made (Batches)."""
+        if not self.cluster:
+            return await self._send_on(None, commands, wrote)
+        nodes: dict[str, tuple[int, list[int]]] = {}
+        for i, command in enumerate(commands):
+            slot = slot_of(text(command[3]))  # EVALSHA sha numkeys key...
+            node = self.client.nodes_manager.get_node_from_slot(slot)
+            nodes.setdefault(node.name, (slot, []))[1].append(i)
+        if len(nodes) == 1:
+            (slot, _), = nodes.values()
+            return await self._send_on(slot, commands, wrote)
+        groups = list(nodes.values())
+
+        def on_one_node(slot: int, picked: list[int]) -> Awaitable[list[Any]]:
+            def wrote_here(j: int, result: Any) -> bool:
+                return wrote is not None and wrote(picked[j], result)
+            return self._send_on(slot, [commands[i] for i in picked], wrote_here)
+        answers = await asyncio.gather(*(on_one_node(slot, picked) for slot, picked in groups),
+                                       return_exceptions=True)
+        results: list[Any] = [None] * len(commands)
+        for (_, picked), answered in zip(groups, answers):
+            if isinstance(answered, BaseException):
+                raise answered
+            for i, answer in zip(picked, answered):
+                results[i] = answer
+        return results
+
+    async def _send_on(self, slot: int | None, commands: list[tuple[Any, ...]],
+                       wrote: Callable[[int, Any], bool] | None) -> list[Any]:
+        """Write the commands at once on one link (to the master of ``slot`` on a cluster),
+        read every reply, then WAIT if they wrote.
 
         Packed by hiredis in C: redis-py packs in Python, argument by argument, which was a
         third of a record's store cost (a claim has twenty arguments). Not retried: a
         command whose reply was lost may have run (the pool checks a link before lending it).
         """
-        conn, node = await self._borrow()
+        conn, node = await self._borrow(slot)
         intact = False
         try:
             await conn.send_packed_command(b"".join(map(hiredis.pack_command, commands)), check_health=False)
@@ -306,10 +410,10 @@ class RedisConnection:
             elif self._client is not None:
                 await self._client.connection_pool.release(conn)
 
-    async def _borrow(self) -> tuple[Any, Any]:
+    async def _borrow(self, slot: int | None) -> tuple[Any, Any]:
         """A link for one pipeline, and the cluster node it is of (None on one Redis)."""
-        if self.cluster:
-            return await self._borrow_from_master()
+        if slot is not None:
+            return await self._borrow_from_master(slot)
         pool = self.client.connection_pool
         # The link of the last pipeline, kept out of the pool (batches go one at a time):
         # the pool's lock and its accounting cost each pipeline as much CPU as the rest of a
@@ -324,20 +428,25 @@ class RedisConnection:
             raise
         return conn, None
 
-    async def _borrow_from_master(self) -> tuple[Any, Any]:
-        """A link to the master of the deployment's slot. A link that cannot connect has sent
-        nothing, so after a failover the slot map is refreshed and the new master tried, once."""
+    async def _borrow_from_master(self, slot: int) -> tuple[Any, Any]:
+        """A link to the master of ``slot``. A link that cannot connect has sent nothing, so
+        after a failover the slot map is refreshed and the new master tried, once.
+
+        An idle link the server closed meanwhile (its node died, or restarted) is opened
+        again first, as the one-Redis pool checks a link it lends: sent on, its commands'
+        fate would be unknown, and its callers answered 503 although nothing ran."""
         client = self.client
         for attempt in (1, 2):
             if self._stale_map:
                 await client.nodes_manager.initialize()
                 self._stale_map = False
-            node = client.nodes_manager.get_node_from_slot(self._slot)
+            node = client.nodes_manager.get_node_from_slot(slot)
             conn = node.acquire_connection()
-            if conn.is_connected:
-                return conn, node
             try:
-                await conn.connect()
+                if conn.is_connected and await _closed(conn):
+                    await conn.disconnect()
+                if not conn.is_connected:
+                    await conn.connect()
                 return conn, node
             except (RedisError, OSError):
                 node.release(conn)
@@ -349,10 +458,12 @@ class RedisConnection:
     # -- notifications --------------------------------------------------------------------
 
     async def _subscribe(self, client: Any):
-        """The notification channel's subscription: sharded on a cluster, at the slot's master."""
+        """The notification channels' subscription: on a cluster, each shard's sharded channel
+        at its master."""
         pubsub = client.pubsub(ignore_subscribe_messages=True)
         try:
-            await (pubsub.ssubscribe if self.cluster else pubsub.subscribe)(self.channel)
+            channels = [shard.channel for shard in self.layout.shards]
+            await (pubsub.ssubscribe if self.cluster else pubsub.subscribe)(*channels)
         except BaseException:
             await pubsub.aclose()
             raise
@@ -373,7 +484,8 @@ class RedisConnection:
                     delay = RECONNECT_S[0]
                     while True:
                         if self.cluster:
-                            message = await pubsub.get_sharded_message(timeout=LISTEN_S)
+                            message = await pubsub.get_sharded_message(
+                                timeout=SHARDED_LISTEN_S if self.layout.sharded else LISTEN_S)
                         else:
                             message = await pubsub.get_message(timeout=LISTEN_S)
                         if message is not None and message["type"] in ("message", "smessage"):

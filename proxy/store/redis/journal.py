@@ -1,27 +1,38 @@
 """The Redis store's journal: claims, records, quarantines, streams in flight, purges.
 
-Every change is one Lua script (:mod:`.scripts`), so it is atomic. The calls of the
-request path (get, claim, complete) that arrive together go as one pipeline
+Every change to an entry is one Lua script (:mod:`.scripts`), so it is atomic. The calls of
+the request path (get, claim, complete) that arrive together go as one pipeline
 (:mod:`..batching`).
+
+An entry lives in the shard of its kid, a run's journal index in the run's (:mod:`.shards`).
+Where they are apart, a claim is two scripts: the claim, then the run's check of its epoch
+and the index, in that order, so a call goes upstream only if its attempt was still current
+after its key was claimed (else the claim is given back), as with one script. A release
+deletes the claim, then its index entry; a run's journal is deleted entries first, and the
+generation raised last (Journal.generation).
 """
 
 from __future__ import annotations
 
+import asyncio
 import heapq
-import re
 import time
 from typing import Any, Awaitable
 
 import orjson
 
 from ..batching import Batches, GiveBack
+from ..errors import StoreUnavailable
 from ..model import ANSWERED_BY_OPERATOR, Claim, ClaimResult, Entry, EntryState, Recorded
 from ..purging import paced
 from ..rules import counted, replayed_from
 from .connection import RedisConnection
 from .durability import ReplicasBehind
 from .journal_scripts import ENTRY_FIELDS, READ_FIELDS
+from .shards import Shard
 from .values import field, maybe, run_ref, text
+
+BATCH = 1000  # index entries per script, so no script holds the server for long
 
 
 def _flat(fields: dict[str, Any]) -> list[Any]:
@@ -71,9 +82,11 @@ class RedisJournal:
         self._pipelined = Batches("redis", self._send, db.timeout, self._unanswered)
         self._give_back = GiveBack(self.release)
         self._acknowledged: set[str] = set()  # the SHAs of the claim and the record scripts
+        self._entering = ""  # the SHA of enter_step
 
     async def opened(self, migrate: bool) -> None:
         self._acknowledged = {self._db.evalsha(name, [], [])[1] for name in ("claim", "complete")}
+        self._entering = self._db.evalsha("enter_step", [], [])[1]
         if migrate:
             await self.index_quarantined()
 
@@ -90,17 +103,23 @@ class RedisJournal:
         return self._db.pipeline([command for command, _ in calls], wrote)
 
     def _unanswered(self, call: tuple[tuple[Any, ...], Claim | None], outcome: object) -> None:
-        """A claim its caller gave up on (or whose pipeline failed) may be written: give it back."""
-        _, claim = call
-        if claim is not None and not (isinstance(outcome, list) and outcome[0] != b"won"):
+        """A claim its caller gave up on (or whose pipeline failed) may be written: give it back.
+        Its run's check (enter_step) comes after the claim won: whatever it says, it is written."""
+        command, claim = call
+        if claim is not None and (command[1] == self._entering
+                                  or not (isinstance(outcome, list) and outcome[0] != b"won")):
             self._give_back.add(claim.scope.kid, claim.owner, claim.lease_s)
 
     def _pipelined_script(self, name: str, keys: list[str], args: list[Any],
                           claim: Claim | None = None) -> Awaitable[Any]:
         return self._pipelined((self._db.evalsha(name, keys, args), claim))
 
+    def _of(self, name: str) -> Shard:
+        """The shard of a kid or a run's rk."""
+        return self._db.layout.of(name)
+
     async def get(self, kid: str) -> Entry | None:
-        values = await self._pipelined_script("read", [self._db.key("entry", kid)], [])
+        values = await self._pipelined_script("read", [self._of(kid).key("entry", kid)], [])
         if values[0] is None:
             return None
         entry = _entry(values)
@@ -112,32 +131,51 @@ class RedisJournal:
         # the store costs a little more through it than through the read script, but few do: a
         # restarted attempt's journal is loaded into memory once (ReplayCache), and an entry
         # read or recorded here is answered from memory after (AnswerCache).
-        scope, now, key = claim.scope, time.time(), self._db.key
+        scope, now = claim.scope, time.time()
         kid, rk = scope.kid, run_ref(claim.namespace, scope.run) if scope.run else ""
         entry = claim.entry(now)
         fields = {name: field(value) for name in ENTRY_FIELDS if (value := getattr(entry, name)) is not None}
         if rk:
             fields["rk"] = rk  # so release() finds the run's occurrence counters and journal
         fenced = scope.run is not None and claim.epoch is not None
+        epoch, expires_ms, member = claim.epoch if fenced else "", int(entry.expires_at * 1000), f"{kid} {rk}"
+        shard = self._of(kid)
+        run_shard = self._of(rk) if rk else shard
+        together = run_shard is shard  # the run's part in the claim's own script
+        key = shard.key
         try:
             reply = await self._pipelined_script(
                 "claim", [key("entry", kid), key("partial", kid), key("run", rk), key("steps", rk),
                           key("steps-expiry"), key("quarantined")],
-                [field(now), claim.epoch if fenced else "", claim.fingerprint, claim.owner, claim.on_expired,
-                 int(entry.expires_at * 1000), kid, f"{kid} {rk}" if rk else "", orjson.dumps(fields)],
+                [field(now), epoch if together else "", claim.fingerprint, claim.owner, claim.on_expired,
+                 expires_ms, kid, member if rk and together else "", orjson.dumps(fields)],
                 claim)
+            if rk and not together and reply[0] != b"taken":
+                reply = await self._pipelined_script(
+                    "enter_step", [run_shard.key("run", rk), run_shard.key("steps", rk), run_shard.key("steps-expiry")],
+                    [epoch, field(now), kid, member, expires_ms], claim)
+                if reply[0] == b"stale":  # superseded after all: nothing went upstream, the key is freed
+                    try:
+                        await self.release(kid, claim.owner)
+                    except StoreUnavailable:
+                        self._give_back.add(kid, claim.owner, claim.lease_s)
+            elif rk and not together and fenced:  # a replay: the epoch still decides, as in one script
+                current = await self._db.do(self._db.client.hget(run_shard.key("run", rk), "epoch"))
+                if current is not None and int(current) > claim.epoch:
+                    reply = [b"stale", current]
         except ReplicasBehind:  # won on the master alone: the caller is refused, so the key is freed
             self._give_back.add(kid, claim.owner, claim.lease_s)
             raise
         if reply[0] == b"stale":
             return ClaimResult(False, None, stale_epoch=int(reply[1]))
-        if reply[0] == b"won":
+        if reply[0] != b"taken":
             return ClaimResult(True, entry)
         return ClaimResult(False, _entry(reply[1]))
 
     async def next_occurrence(self, namespace: str, run: str, epoch: int | None, fingerprint: str,
                               retention_s: float, *, tenant: str) -> int:
-        key = self._db.key("occ", run_ref(namespace, run))
+        rk = run_ref(namespace, run)
+        key = self._of(rk).key("occ", rk)
         pipe = self._db.client.pipeline(transaction=True)
         # the counter outlives, by one retention, the last entry it numbered
         pipe.hincrby(key, f"{-1 if epoch is None else epoch}:{counted(tenant, fingerprint)}", 1)
@@ -148,42 +186,80 @@ class RedisJournal:
     async def replay_occurrence(self, namespace: str, run: str, epoch: int, fingerprint: str,
                                 retention_s: float, *, tenant: str) -> int | None:
         rk = run_ref(namespace, run)
-        return await self._pipelined_script("replay_occurrence", [self._db.key("run", rk), self._db.key("occ", rk)],
+        shard = self._of(rk)
+        return await self._pipelined_script("replay_occurrence", [shard.key("run", rk), shard.key("occ", rk)],
                                             [epoch, f"{epoch}:{counted(tenant, fingerprint)}",
                                              int(retention_s * 1000)])
 
+    async def _steps(self, namespace: str, run: str) -> list[str]:
+        """The kids of a run's journal, oldest first."""
+        rk = run_ref(namespace, run)
+        return [kid.decode() for kid in await self._db.do(self._db.client.zrange(self._of(rk).key("steps", rk), 0, -1))]
+
+    async def _read_each(self, kids: list[str], *fields: str) -> list[list[Any]]:
+        """Some fields of each entry (None for an entry gone), one pipeline to each master."""
+        if not kids:
+            return []
+        pipe = self._db.client.pipeline(transaction=False)
+        for kid in kids:
+            pipe.hmget(self._of(kid).key("entry", kid), fields)
+        return await self._db.do(pipe.execute())
+
     async def recorded(self, namespace: str, run: str, max_bytes: int) -> tuple[dict[str, Entry], bool]:
-        complete, rows = await self._db.script("recorded", [self._db.key("steps", run_ref(namespace, run))],
-                                               [self._db.prefix, field(time.time()), max_bytes])
-        entries = (_entry(values) for values in rows)
-        return {entry.kid: entry for entry in entries}, complete == 1
+        # the complete, unexpired entries, oldest first, while their bodies fit in max_bytes:
+        # their sizes first, then the entries that fit
+        kids, now = await self._steps(namespace, run), time.time()
+        pipe = self._db.client.pipeline(transaction=False)
+        for kid in kids:
+            key = self._of(kid).key("entry", kid)
+            pipe.hmget(key, ("state", "expires_at")).hstrlen(key, "body")
+        replies = await self._db.do(pipe.execute()) if kids else []
+        wanted, total, whole = [], 0, True
+        for kid, (state, expires_at), size in zip(kids, replies[::2], replies[1::2]):
+            if state == b"complete" and float(expires_at) > now:
+                total += size
+                if total > max_bytes:
+                    whole = False
+                    break
+                wanted.append(kid)
+        rows = await self._read_each(wanted, *READ_FIELDS)
+        entries = (_entry(values) for values in rows if values[0] is not None)
+        return {entry.kid: entry for entry in entries}, whole
 
     async def renew(self, kid: str, owner: str, lease_s: float) -> bool:
-        return await self._db.script("renew", [self._db.key("entry", kid)],
+        return await self._db.script("renew", [self._of(kid).key("entry", kid)],
                                      [owner, field(time.time() + lease_s)]) == 1
 
     async def complete(self, kid: str, owner: str, recorded: Recorded) -> bool:
+        shard = self._of(kid)
         try:
             return await self._pipelined_script(
-                "complete", [self._db.key("entry", kid), self._db.key("partial", kid)],
-                [owner, self._db.channel, kid, *_flat(_response_fields(recorded, time.time()))]) == 1
+                "complete", [shard.key("entry", kid), shard.key("partial", kid)],
+                [owner, shard.channel, kid, *_flat(_response_fields(recorded, time.time()))]) == 1
         finally:
             self._waiters.wake(kid)
 
     async def release(self, kid: str, owner: str) -> None:
-        key = self._db.key
+        shard = self._of(kid)
         try:
-            await self._db.script("release", [key("entry", kid), key("partial", kid), key("steps-expiry")],
-                                  [owner, self._db.channel, kid, self._db.prefix])
+            gone = await self._db.script("release", [shard.key("entry", kid), shard.key("partial", kid)],
+                                         [owner, shard.channel, kid])
         finally:
             self._waiters.wake(kid)
+        if gone and gone[0]:  # a run's step: out of its journal, its occurrence given back
+            rk, key, epoch, fingerprint, tenant, created_at, expires_at = (text(x) for x in gone)
+            run_shard = self._of(rk)
+            await self._db.script(
+                "unindex_step", [run_shard.key("steps", rk), run_shard.key("steps-expiry"), run_shard.key("occ", rk)],
+                [kid, f"{kid} {rk}", created_at, int(float(expires_at) * 1000), key, epoch, fingerprint, tenant])
 
     async def _set_state(self, kid: str, owner: str | None, state: str, detail: str,
                          evidence: dict | None = None) -> None:
-        key = self._db.key
+        shard = self._of(kid)
         try:
-            await self._db.script("set_state", [key("entry", kid), key("partial", kid), key("quarantined")],
-                                  [owner or "", state, detail, self._db.channel, kid,
+            await self._db.script("set_state", [shard.key("entry", kid), shard.key("partial", kid),
+                                                shard.key("quarantined")],
+                                  [owner or "", state, detail, shard.channel, kid,
                                    b"" if evidence is None else orjson.dumps(evidence)])
         finally:
             self._waiters.wake(kid)
@@ -199,91 +275,121 @@ class RedisJournal:
         if recorded is not None:
             answer = _flat({**_response_fields(recorded, time.time()), "streamed": 0, "timing": "[]",
                             "detail": ANSWERED_BY_OPERATOR})
+        shard = self._of(kid)
         try:
-            return await self._db.script("resolve", [self._db.key("entry", kid), self._db.key("steps-expiry"),
-                                                     self._db.key("quarantined")],
-                                         [self._db.channel, kid, self._db.prefix, *answer]) == 1
+            return await self._db.script("resolve", [shard.key("entry", kid), shard.key("quarantined")],
+                                         [shard.channel, kid, *answer]) == 1
         finally:
             self._waiters.wake(kid)
 
     async def append_partial(self, kid: str, owner: str, seq: int, data: bytes) -> None:
-        await self._db.script("append_partial", [self._db.key("entry", kid), self._db.key("partial", kid)],
-                              [owner, seq, data, self._db.channel, kid])
+        shard = self._of(kid)
+        await self._db.script("append_partial", [shard.key("entry", kid), shard.key("partial", kid)],
+                              [owner, seq, data, shard.channel, kid])
         self._waiters.wake(kid)
 
     async def read_partial(self, kid: str, after_seq: int) -> list[tuple[int, bytes]]:
-        flat = await self._db.script("read_partial", [self._db.key("partial", kid)], [after_seq])
+        flat = await self._db.script("read_partial", [self._of(kid).key("partial", kid)], [after_seq])
         return list(zip(flat[::2], flat[1::2]))
 
     async def wait(self, kid: str, timeout: float) -> None:
         await self._waiters.wait(kid, timeout)
 
     async def count_replays(self, counts: dict[str, int]) -> None:
-        if counts:
-            await self._db.script("count_replays", [self._db.key("entry", kid) for kid in counts],
-                                  [self._db.prefix, field(time.time()), *counts.values()])
+        # each tallied under its run's epoch now: the runs first, read from their shards
+        kids = list(counts)
+        rks = [text(rk) for rk, in await self._read_each(kids, "rk")]
+        runs = sorted({rk for rk in rks if rk})
+        pipe = self._db.client.pipeline(transaction=False)
+        for rk in runs:
+            pipe.hget(self._of(rk).key("run", rk), "epoch")
+        epochs = dict(zip(runs, await self._db.do(pipe.execute()) if runs else []))
+        by_shard: dict[Shard, list[int]] = {}
+        for i, kid in enumerate(kids):
+            by_shard.setdefault(self._of(kid), []).append(i)
+        now = field(time.time())
+        await asyncio.gather(*(self._db.script(
+            "count_replays", [shard.key("entry", kids[i]) for i in picked],
+            [now, *(x for i in picked for x in (counts[kids[i]], text(epochs.get(rks[i] or "")) or ""))])
+            for shard, picked in by_shard.items()))
 
-    async def purge(self, now: float, batch: int = 1000) -> int:
+    async def purge(self, now: float, batch: int = BATCH) -> int:
         """Forget the index entries of expired journal entries (Redis expires the entries)."""
-        async def step() -> tuple[int, bool]:  # in batches, so no script holds the server for long
-            seen, gone = await self._db.script("purge", [self._db.key("steps-expiry")],
-                                               [int(now * 1000), batch, self._db.prefix])
-            return gone, seen == batch and gone > 0
-        purged = await paced(step)
+        purged = sum(await asyncio.gather(*(self._purge_shard(shard, now, batch)
+                                            for shard in self._db.layout.shards)))
         # quarantined entries expired, or taken over after they expired (count_quarantined)
-        await self._db.do(self._db.client.zremrangebyscore(self._db.key("quarantined"), "-inf", int(now * 1000)))
+        pipe = self._db.client.pipeline(transaction=False)
+        for shard in self._db.layout.shards:
+            pipe.zremrangebyscore(shard.key("quarantined"), "-inf", int(now * 1000))
+        await self._db.do(pipe.execute())
         return purged
 
+    async def _purge_shard(self, shard: Shard, now: float, batch: int) -> int:
+        """One shard's steps-expiry: the members due, their entries' PTTL read where they live,
+        then the index entries of those gone dropped (PURGE_STEPS)."""
+        client, now_ms = self._db.client, int(now * 1000)
+
+        async def step() -> tuple[int, bool]:
+            members = [m.decode() for m in await self._db.do(client.zrangebyscore(
+                shard.key("steps-expiry"), "-inf", now_ms, start=0, num=batch))]
+            if not members:
+                return 0, False
+            pipe = client.pipeline(transaction=False)
+            for member in members:
+                kid = member.partition(" ")[0]
+                pipe.pttl(self._of(kid).key("entry", kid))
+            ttls = await self._db.do(pipe.execute())
+            gone = await self._db.script("purge_steps", [shard.key("steps-expiry")],
+                                         [now_ms, shard.prefix, *(x for pair in zip(members, ttls) for x in pair)])
+            return gone, len(members) == batch and gone > 0
+        return await paced(step)
+
     async def entries(self, namespace: str, run: str) -> list[Entry]:
-        client = self._db.client
-        kids = await self._db.do(client.zrange(self._db.key("steps", run_ref(namespace, run)), 0, -1))
-        pipe = client.pipeline(transaction=False)
-        for kid in kids:
-            pipe.hmget(self._db.key("entry", kid.decode()), LISTED_FIELDS)
-        rows = await self._db.do(pipe.execute()) if kids else []
+        rows = await self._read_each(await self._steps(namespace, run), *LISTED_FIELDS)
         return [_listed(row) for row in rows if row[0] is not None]
 
     async def search(self, *, state: str | None = None, key: str | None = None, tenant: str | None = None,
                      run: str | None = None, limit: int = 100) -> list[Entry]:
         """Scans the entries (SCAN, in steps of a thousand keys: it never blocks the server)."""
-        client, now = self._db.client, time.time()
+        now = time.time()
         wanted = {name: value for name, value in
                   (("state", state), ("key", key), ("tenant", tenant), ("run", run)) if value is not None}
-        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self._db.prefix) + "entry:*"
         newest: list[tuple[float, str, Entry]] = []  # a heap of the `limit` newest found so far
-        cursor = 0
-        while True:
-            cursor, names = await self._db.scan(cursor, pattern)
-            pipe = client.pipeline(transaction=False)
-            for name in names:
-                pipe.hmget(name, LISTED_FIELDS)
-            for row in await self._db.do(pipe.execute()) if names else []:
+        async for found in self._db.scan("entry:"):
+            for row in await self._read_each([name[len("entry:"):] for _, name in found], *LISTED_FIELDS):
                 if row[0] is None:
                     continue
                 entry = _listed(row)
                 if entry.expires_at > now and all(getattr(entry, f) == v for f, v in wanted.items()):
                     item = (entry.created_at, entry.kid, entry)
                     (heapq.heappush if len(newest) < limit else heapq.heappushpop)(newest, item)
-            if cursor == 0:
-                return [entry for _, _, entry in sorted(newest, reverse=True)]
+        return [entry for _, _, entry in sorted(newest, reverse=True)]
 
     async def kids(self, prefix: str, limit: int) -> list[str]:
-        client, start = self._db.client, len(self._db.key("entry", "").encode())
-        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self._db.key("entry", prefix)) + "*"
         found: set[str] = set()
-        cursor = 0
-        while True:
-            cursor, names = await self._db.scan(cursor, pattern)
-            found.update(name[start:].decode() for name in names)
-            if cursor == 0 or len(found) >= limit:
-                return sorted(found)[:limit]
+        async for names in self._db.scan("entry:" + prefix):
+            found.update(name[len("entry:"):] for _, name in names)
+            if len(found) >= limit:
+                break
+        return sorted(found)[:limit]
 
     async def delete_run(self, namespace: str, run: str) -> int:
         rk = run_ref(namespace, run)
-        return await self._db.script("delete_journal", [self._db.key("steps", rk), self._db.key("occ", rk),
-                                                        self._db.key("steps-expiry"), self._db.key("generation"),
-                                                        self._db.key("quarantined")],
-                                     [self._db.prefix, rk])
+        run_shard, kids = self._of(rk), await self._steps(namespace, run)
+        deleted = 0
+        for start in range(0, max(len(kids), 1), BATCH):  # the entries, then their index, then the generation
+            some = kids[start:start + BATCH]
+            by_shard: dict[Shard, list[str]] = {}
+            for kid in some:
+                by_shard.setdefault(self._of(kid), []).append(kid)
+            deleted += sum(await asyncio.gather(*(self._db.script(
+                "delete_entries", [shard.key("quarantined"),
+                                   *(k for kid in mine for k in (shard.key("entry", kid), shard.key("partial", kid)))],
+                mine) for shard, mine in by_shard.items())))
+            await self._db.script("delete_steps", [run_shard.key("steps", rk), run_shard.key("occ", rk),
+                                                   run_shard.key("steps-expiry")], [rk, *some])
+        await self._db.do(self._db.client.incr(self._db.key("generation")))  # last: see Journal.generation
+        return deleted
 
     async def index_quarantined(self) -> None:
         """Index the quarantined entries made before the ``quarantined`` zset was kept (once per
@@ -291,26 +397,24 @@ class RedisJournal:
         client, marker = self._db.client, self._db.key("layout", "quarantined")
         if await self._db.do(client.exists(marker)):
             return
-        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self._db.prefix) + "entry:*"
-        start, cursor = len(self._db.key("entry", "").encode()), 0
-        while True:
-            cursor, names = await self._db.scan(cursor, pattern)
-            pipe = client.pipeline(transaction=False)
-            for name in names:
-                pipe.hmget(name, ("state", "expires_at"))
-            rows = await self._db.do(pipe.execute()) if names else []
-            found = {name[start:].decode(): int(float(expires) * 1000)
-                     for name, (state, expires) in zip(names, rows) if state == b"unknown" and expires}
+        async for names in self._db.scan("entry:"):
+            kids = [name[len("entry:"):] for _, name in names]
+            rows = await self._read_each(kids, "state", "expires_at")
+            found = [(kid, int(float(expires) * 1000)) for kid, (state, expires) in zip(kids, rows)
+                     if state == b"unknown" and expires]
             if found:
-                await self._db.do(client.zadd(self._db.key("quarantined"), found))
-            if cursor == 0:
-                break
+                pipe = client.pipeline(transaction=False)
+                for kid, expires_ms in found:
+                    pipe.zadd(self._of(kid).key("quarantined"), {kid: expires_ms})
+                await self._db.do(pipe.execute())
         await self._db.do(client.set(marker, b"1"))
 
     async def count_quarantined(self) -> int:
         # by their expiry (ms): one quarantined past its retention is not counted, before the purge
-        return await self._db.do(self._db.client.zcount(self._db.key("quarantined"), f"({int(time.time() * 1000)}",
-                                                        "+inf"))
+        pipe = self._db.client.pipeline(transaction=False)
+        for shard in self._db.layout.shards:
+            pipe.zcount(shard.key("quarantined"), f"({int(time.time() * 1000)}", "+inf")
+        return sum(await self._db.do(pipe.execute()))
 
     async def generation(self) -> int:
         return int(await self._db.do(self._db.client.get(self._db.key("generation"))) or 0)
@@ -320,6 +424,7 @@ class RedisJournal:
             return {}
         pipe = self._db.client.pipeline(transaction=False)
         for namespace, run in runs:
-            pipe.zcard(self._db.key("steps", run_ref(namespace, run)))
+            rk = run_ref(namespace, run)
+            pipe.zcard(self._of(rk).key("steps", rk))
         counts = await self._db.do(pipe.execute())
         return {ref: n for ref, n in zip(runs, counts) if n}

@@ -1,5 +1,10 @@
 """The Redis store's Lua scripts for the journal: a claim, a record, a replay's read, a
 decision, a purge, each atomic. Conventions: see :mod:`.scripts`.
+
+Each script touches one shard (:mod:`.shards`): an entry's, or a run's. A claim of a run's
+entry whose run is in the same shard is one script (CLAIM with its run's keys); else CLAIM
+and then ENTER_STEP in the run's shard. Releases, a run's journal and purges always go in
+two steps, entry side and run side (:mod:`.journal`).
 """
 
 ENTRY_FIELDS = ("kid", "tenant", "run", "epoch", "upstream", "key", "fingerprint", "state", "owner",
@@ -11,8 +16,9 @@ READ_FIELDS = (*ENTRY_FIELDS, "status", "headers", "body", "streamed", "timing",
 CLAIM = """
 -- KEYS: entry, partial, run, steps, steps-expiry, quarantined. Returns {'won'}, {'stale', epoch} or
 -- {'taken', the entry's READ_FIELDS}
--- ARGV: now, epoch ('' = unfenced), fingerprint, owner, on_expired, expires_ms, kid, index member,
---       the new entry's fields (a JSON object of strings: one argument packs faster than forty)
+-- ARGV: now, epoch ('' = unfenced), fingerprint, owner, on_expired, expires_ms, kid, index member
+--       ('' = not indexed here), the new entry's fields (a JSON object of strings: one argument
+--       packs faster than forty). With both '' the run's keys are not touched (its shard is another).
 if ARGV[2] ~= '' then  -- a superseded attempt must not claim (checked here, atomically)
   local epoch = redis.call('HGET', KEYS[3], 'epoch')
   if epoch and tonumber(epoch) > tonumber(ARGV[2]) then return {'stale', epoch} end
@@ -48,28 +54,25 @@ end
 return {'won'}
 """
 
+ENTER_STEP = """
+-- KEYS: run, steps, steps-expiry; ARGV: epoch ('' = unfenced), now, kid, index member, expires_ms.
+-- After a claim won in the entry's shard: {'stale', epoch} if the run has moved past the epoch
+-- (the caller releases the claim), else the step is indexed in its run's journal: {'entered'}
+if ARGV[1] ~= '' then
+  local epoch = redis.call('HGET', KEYS[1], 'epoch')
+  if epoch and tonumber(epoch) > tonumber(ARGV[1]) then return {'stale', epoch} end
+end
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
+redis.call('ZADD', KEYS[3], ARGV[5], ARGV[4])
+return {'entered'}
+"""
+
 # KEYS: entry. The entry's READ_FIELDS: a script, because a command naming the 23 fields
 # costs the proxy more to pack than the whole read costs the server.
 READ = """return redis.call('HMGET', KEYS[1], READ_FIELDS)"""
 
-RECORDED = """
--- KEYS: steps; ARGV: prefix, now, max_bytes. Returns {all (1 or 0), {READ_FIELDS of each
--- complete, unexpired entry, oldest first, while their bodies fit in max_bytes}}
-local out, total = {}, 0
-for _, kid in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
-  local key = ARGV[1] .. 'entry:' .. kid
-  local e = redis.call('HMGET', key, 'state', 'expires_at')
-  if e[1] == 'complete' and tonumber(e[2]) > tonumber(ARGV[2]) then
-    total = total + redis.call('HSTRLEN', key, 'body')
-    if total > tonumber(ARGV[3]) then return {0, out} end
-    out[#out + 1] = redis.call('HMGET', key, READ_FIELDS)
-  end
-end
-return {1, out}
-"""
-
-CLAIM, READ, RECORDED = (script.replace("READ_FIELDS", ", ".join(f"'{name}'" for name in READ_FIELDS))
-                         for script in (CLAIM, READ, RECORDED))
+CLAIM, READ = (script.replace("READ_FIELDS", ", ".join(f"'{name}'" for name in READ_FIELDS))
+               for script in (CLAIM, READ))
 
 REPLAY_OCCURRENCE = """
 -- KEYS: run, occ; ARGV: epoch, "{epoch}:{fingerprint}", retention (ms). Returns the
@@ -104,24 +107,38 @@ return done
 """
 
 RELEASE = """
--- KEYS: entry, partial, steps-expiry; ARGV: owner, channel, kid, prefix
-local e = redis.call('HMGET', KEYS[1], 'owner', 'rk', 'key', 'epoch', 'fingerprint', 'tenant')
+-- KEYS: entry, partial; ARGV: owner, channel, kid. Deletes the claim if the owner holds it;
+-- returns false, or what UNINDEX_STEP needs of it: rk (or false), key, epoch, fingerprint,
+-- tenant, created_at, expires_at
+local e = redis.call('HMGET', KEYS[1], 'owner', 'rk', 'key', 'epoch', 'fingerprint', 'tenant', 'created_at',
+                     'expires_at')
+local gone = false
 if e[1] == ARGV[1] then
   redis.call('DEL', KEYS[1], KEYS[2])
-  if e[2] then
-    redis.call('ZREM', ARGV[4] .. 'steps:' .. e[2], ARGV[3])
-    redis.call('ZREM', KEYS[3], ARGV[3] .. ' ' .. e[2])
-    local n = string.match(e[3], '^derived:.*:(%d+)$')
-    if n then  -- give the occurrence number back, so the caller's retry maps onto this slot
-      -- counted per tenant: the field is "{epoch}:" .. rules.counted(tenant, fingerprint)
-      local occ, field = ARGV[4] .. 'occ:' .. e[2], (e[4] or '-1') .. ':' .. e[6] .. ' ' .. e[5]
-      if tonumber(redis.call('HGET', occ, field)) == tonumber(n) + 1 then
-        redis.call('HINCRBY', occ, field, -1)
-      end
-    end
-  end
+  gone = {e[2] or false, e[3], e[4] or '-1', e[5], e[6], e[7], e[8]}
 end
 redis.call('PUBLISH', ARGV[2], ARGV[3])
+return gone
+"""
+
+UNINDEX_STEP = """
+-- KEYS: steps, steps-expiry, occ; ARGV: kid, index member, created_at, expires_ms, key, epoch,
+-- fingerprint, tenant. After RELEASE deleted a run's claim: the step leaves its run's journal,
+-- unless a claim since (the same step again) indexed it anew, with its own times.
+if tonumber(redis.call('ZSCORE', KEYS[1], ARGV[1])) == tonumber(ARGV[3]) then
+  redis.call('ZREM', KEYS[1], ARGV[1])
+end
+if tonumber(redis.call('ZSCORE', KEYS[2], ARGV[2])) == tonumber(ARGV[4]) then
+  redis.call('ZREM', KEYS[2], ARGV[2])
+end
+local n = string.match(ARGV[5], '^derived:.*:(%d+)$')
+if n then  -- give the occurrence number back, so the caller's retry maps onto this slot
+  -- counted per tenant: the field is "{epoch}:" .. rules.counted(tenant, fingerprint)
+  local field = ARGV[6] .. ':' .. ARGV[8] .. ' ' .. ARGV[7]
+  if tonumber(redis.call('HGET', KEYS[3], field)) == tonumber(n) + 1 then
+    redis.call('HINCRBY', KEYS[3], field, -1)
+  end
+end
 """
 
 SET_STATE = """
@@ -141,15 +158,14 @@ redis.call('PUBLISH', ARGV[4], ARGV[5])
 """
 
 RESOLVE = """
--- KEYS: entry, steps-expiry, quarantined; ARGV: channel, kid, prefix, then the answer's
--- fields (none = retry)
+-- KEYS: entry, quarantined; ARGV: channel, kid, then the answer's fields (none = retry)
 if redis.call('HGET', KEYS[1], 'state') ~= 'unknown' then return 0 end
-if #ARGV == 3 then  -- retry: kept, findable; the next claim takes it over and goes upstream
+if #ARGV == 2 then  -- retry: kept, findable; the next claim takes it over and goes upstream
   redis.call('HSET', KEYS[1], 'state', 'retried')
 else
-  redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+  redis.call('HSET', KEYS[1], unpack(ARGV, 3))
 end
-redis.call('ZREM', KEYS[3], ARGV[2])
+redis.call('ZREM', KEYS[2], ARGV[2])
 redis.call('PUBLISH', ARGV[1], ARGV[2])
 return 1
 """
@@ -182,19 +198,17 @@ return out
 """
 
 COUNT_REPLAYS = """
--- KEYS: entries; ARGV: prefix, now, then how many replays each (an expired entry is not
--- brought back). Each is tallied under the current epoch of the entry's run, in its
--- 'replayed' field: {"epoch": [replays, first seen]}.
+-- KEYS: entries of one shard; ARGV: now, then for each how many replays and the current epoch
+-- of its run ('' = none; read from the run's shard first). An expired entry is not brought
+-- back. Each is tallied under that epoch in its 'replayed' field: {"epoch": [replays, first seen]}.
 for i, key in ipairs(KEYS) do
   if redis.call('EXISTS', key) == 1 then
-    local n = tonumber(ARGV[i + 2])
+    local n, epoch = tonumber(ARGV[2 * i]), ARGV[2 * i + 1]
     redis.call('HINCRBY', key, 'replays', n)
-    local rk = redis.call('HGET', key, 'rk')
-    local epoch = rk and redis.call('HGET', ARGV[1] .. 'run:' .. rk, 'epoch')
-    if epoch then
+    if epoch ~= '' then
       local raw = redis.call('HGET', key, 'replayed')
       local tally = raw and cjson.decode(raw) or {}
-      local seen = tally[epoch] or {0, tonumber(ARGV[2])}
+      local seen = tally[epoch] or {0, tonumber(ARGV[1])}
       tally[epoch] = {seen[1] + n, seen[2]}
       redis.call('HSET', key, 'replayed', cjson.encode(tally))
     end
@@ -202,44 +216,54 @@ for i, key in ipairs(KEYS) do
 end
 """
 
-PURGE = """
--- KEYS: steps-expiry; ARGV: now_ms, batch, prefix. Entries expire by themselves; this
--- drops what still points at them. Returns {index entries looked at, entries gone}.
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
+PURGE_STEPS = """
+-- KEYS: steps-expiry; ARGV: now_ms, prefix, then index member and the entry's PTTL, ... (read
+-- from the entries' shards just before). Entries expire by themselves, and their streams in
+-- flight with them (APPEND_PARTIAL); this drops what still points at them. Returns how many
+-- entries were gone.
 local gone = 0
-for _, member in ipairs(due) do
+for i = 3, #ARGV, 2 do
+  local member, ttl = ARGV[i], tonumber(ARGV[i + 1])
   local kid, rk = string.match(member, '^(%x+) (.*)$')
-  local ttl = redis.call('PTTL', ARGV[3] .. 'entry:' .. kid)
+  local due = tonumber(redis.call('ZSCORE', KEYS[1], member))
   if ttl > 0 then  -- alive after all (clocks apart): index it at its real expiry
     redis.call('ZADD', KEYS[1], tonumber(ARGV[1]) + ttl, member)
-  else
-    redis.call('ZREM', ARGV[3] .. 'steps:' .. rk, kid)
+  elseif due and due <= tonumber(ARGV[1]) then  -- not claimed again since it was read
+    redis.call('ZREM', ARGV[2] .. 'steps:' .. rk, kid)
     redis.call('ZREM', KEYS[1], member)
-    redis.call('DEL', ARGV[3] .. 'partial:' .. kid)
     gone = gone + 1
   end
 end
-return {#due, gone}
+return gone
 """
 
-DELETE_JOURNAL = """
--- KEYS: steps, occ, steps-expiry, generation, quarantined; ARGV: prefix, rk
+DELETE_ENTRIES = """
+-- KEYS: quarantined, then each entry and its stream in flight, of one shard; ARGV: their kids.
+-- Returns how many entries there were.
 local deleted = 0
-for _, kid in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
-  deleted = deleted + redis.call('DEL', ARGV[1] .. 'entry:' .. kid)
-  redis.call('ZREM', KEYS[5], kid)
-  redis.call('DEL', ARGV[1] .. 'partial:' .. kid)
-  redis.call('ZREM', KEYS[3], kid .. ' ' .. ARGV[2])
+for i = 1, #ARGV do
+  deleted = deleted + redis.call('DEL', KEYS[2 * i])
+  redis.call('DEL', KEYS[2 * i + 1])
+  redis.call('ZREM', KEYS[1], ARGV[i])
 end
-redis.call('DEL', KEYS[1], KEYS[2])
-redis.call('INCR', KEYS[4])  -- in the same script: see Journal.generation
 return deleted
+"""
+
+DELETE_STEPS = """
+-- KEYS: steps, occ, steps-expiry; ARGV: rk, then the kids DELETE_ENTRIES deleted. A run's
+-- journal index, after its entries are gone (a step claimed meanwhile stays listed).
+for i = 2, #ARGV do
+  redis.call('ZREM', KEYS[1], ARGV[i])
+  redis.call('ZREM', KEYS[3], ARGV[i] .. ' ' .. ARGV[1])
+end
+redis.call('DEL', KEYS[2])
 """
 
 
 JOURNAL_SCRIPTS = {
-    "read": READ, "recorded": RECORDED, "replay_occurrence": REPLAY_OCCURRENCE,
-    "claim": CLAIM, "renew": RENEW, "complete": COMPLETE, "release": RELEASE, "set_state": SET_STATE,
-    "resolve": RESOLVE, "append_partial": APPEND_PARTIAL, "read_partial": READ_PARTIAL,
-    "count_replays": COUNT_REPLAYS, "purge": PURGE, "delete_journal": DELETE_JOURNAL,
+    "read": READ, "replay_occurrence": REPLAY_OCCURRENCE, "claim": CLAIM, "enter_step": ENTER_STEP,
+    "renew": RENEW, "complete": COMPLETE, "release": RELEASE, "unindex_step": UNINDEX_STEP,
+    "set_state": SET_STATE, "resolve": RESOLVE, "append_partial": APPEND_PARTIAL, "read_partial": READ_PARTIAL,
+    "count_replays": COUNT_REPLAYS, "purge_steps": PURGE_STEPS, "delete_entries": DELETE_ENTRIES,
+    "delete_steps": DELETE_STEPS,
 }

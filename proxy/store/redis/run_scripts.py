@@ -121,10 +121,18 @@ end
 """
 
 CLAIM_SILENT_RUNS = RUN_HELPERS + """
--- ARGV[2]: '' (no one run), ARGV[3]: now, ARGV[4]: limit, ARGV[5]: claimed until. The runs due
--- by now, soonest due first, each claimed until ARGV[5] (which moves it in runs-deadline
--- there: no caller finds it due before); their rks.
-local found = redis.call('ZRANGEBYSCORE', p .. 'runs-deadline', '-inf', ARGV[3], 'LIMIT', 0, ARGV[4])
+-- ARGV[2]: '' (no one run), ARGV[3]: now, ARGV[4]: limit, ARGV[5]: claimed until, ARGV[6..]: the
+-- rks to claim (none: the soonest due). The runs due by now, soonest due first, each claimed
+-- until ARGV[5] (which moves it in runs-deadline there: no caller finds it due before); their rks.
+local found = {}
+if #ARGV > 5 then  -- those still due: another supervisor may have claimed one since it was read
+  for i = 6, #ARGV do
+    local at = redis.call('ZSCORE', p .. 'runs-deadline', ARGV[i])
+    if at and tonumber(at) <= tonumber(ARGV[3]) then found[#found + 1] = ARGV[i] end
+  end
+else
+  found = redis.call('ZRANGEBYSCORE', p .. 'runs-deadline', '-inf', ARGV[3], 'LIMIT', 0, ARGV[4])
+end
 for _, ref in ipairs(found) do
   redis.call('HSET', p .. 'run:' .. ref, 'claimed_until', ARGV[5])
   redis.call('ZADD', p .. 'runs-deadline', due(p, ref), ref)

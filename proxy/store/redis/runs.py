@@ -2,11 +2,16 @@
 
 A run is a hash with its history and restart times in lists beside it; every change is
 one Lua script (:mod:`.run_scripts`) that also keeps the indexes (by state, by deadline, by
-name) in step. Reads are pipelines.
+name) in step. Reads are pipelines. The indexes are kept in each shard for its own runs
+(:mod:`.shards`), so what reads them (listings, the supervisor's due runs, purges) asks
+every shard and merges.
 """
 
 from __future__ import annotations
 
+import asyncio
+import heapq
+import itertools
 import re
 from typing import Any, Awaitable
 
@@ -16,6 +21,7 @@ from ..batching import Batches
 from ..model import RUN_STATES, Run, RunState
 from ..rules import HISTORY_LIMIT, SILENT_LIMIT, check_settable
 from .connection import RedisConnection
+from .shards import Shard
 from .values import field, maybe, run_ref, text
 
 
@@ -65,17 +71,34 @@ class RedisRuns:
         # need confirm a heartbeat (a failover that loses one costs a restart at worst)
         self._heartbeats = Batches("redis heartbeat", db.pipeline, db.timeout)
 
+    def _of(self, rk: str) -> Shard:
+        return self._db.layout.of(rk)
+
     def _script(self, name: str, rk: str, *args: Any) -> Awaitable[Any]:
-        """A run's script: its ARGV start with the prefix and the run's rk."""
-        return self._db.script(name, [], [self._db.prefix, rk, *args])
+        """A run's script, in its shard: its ARGV start with the shard's prefix and the run's rk."""
+        shard = self._of(rk)
+        return self._db.script(name, [shard.anchor], [shard.prefix, rk, *args])
+
+    def _each_shard(self, name: str, *args: Any) -> Awaitable[list[Any]]:
+        """A script that reads or changes a shard's indexes (no one run: rk ''), in every shard."""
+        return asyncio.gather(*(self._db.script(name, [shard.anchor], [shard.prefix, "", *args])
+                                for shard in self._db.layout.shards))
+
+    async def _per_shard(self, ask: Any) -> list[Any]:
+        """``ask(pipe, shard)`` for every shard, in one pipeline: its replies, shard by shard."""
+        pipe = self._db.client.pipeline(transaction=False)
+        for shard in self._db.layout.shards:
+            ask(pipe, shard)
+        return await self._db.do(pipe.execute())
 
     async def _runs(self, rks: list[str]) -> list[Run]:
         if not rks:
             return []
         pipe = self._db.client.pipeline(transaction=False)
         for rk in rks:
-            pipe.hgetall(self._db.key("run", rk)).lrange(self._db.key("history", rk), 0, -1)
-            pipe.lrange(self._db.key("restarts", rk), 0, -1)
+            key = self._of(rk).key
+            pipe.hgetall(key("run", rk)).lrange(key("history", rk), 0, -1)
+            pipe.lrange(key("restarts", rk), 0, -1)
         replies = await self._db.do(pipe.execute())
         return [_run(h, history, times)
                 for h, history, times in zip(replies[::3], replies[1::3], replies[2::3]) if h]
@@ -91,39 +114,44 @@ class RedisRuns:
     async def find(self, namespace: str | None, run_id: str) -> list[Run]:
         if namespace is not None:
             return await self._runs([run_ref(namespace, run_id)])
-        rks = await self._db.do(self._db.client.smembers(self._db.key("runs-named", run_id)))
-        return await self._runs(sorted(rk.decode() for rk in rks))
+        named = await self._per_shard(lambda pipe, shard: pipe.smembers(shard.key("runs-named", run_id)))
+        return await self._runs(sorted(rk.decode() for rks in named for rk in rks))
 
     async def list(self, state: str | None = None, limit: int = 1000) -> list[Run]:
-        index = self._db.key("runs", state) if state else self._db.key("runs")
-        rks = await self._db.do(self._db.client.zrevrange(index, 0, limit - 1))
-        return await self._runs([rk.decode() for rk in rks])
+        # each shard's newest, merged: the newest of all
+        index = ("runs", state) if state else ("runs",)
+        found = await self._per_shard(lambda pipe, shard: pipe.zrevrange(shard.key(*index), 0, limit - 1,
+                                                                          withscores=True))
+        newest = heapq.nlargest(limit, itertools.chain.from_iterable(found), key=lambda pair: (pair[1], pair[0]))
+        return await self._runs([rk.decode() for rk, _ in newest])
 
     async def count(self) -> dict[str, int]:
-        pipe = self._db.client.pipeline(transaction=False)
-        for state in RUN_STATES:
-            pipe.zcard(self._db.key("runs", state))
-        counts = await self._db.do(pipe.execute())
-        return {state: n for state, n in zip(RUN_STATES, counts) if n}
+        def ask(pipe: Any, shard: Shard) -> None:
+            for state in RUN_STATES:
+                pipe.zcard(shard.key("runs", state))
+        counts = await self._per_shard(ask)
+        totals = {state: sum(counts[i::len(RUN_STATES)]) for i, state in enumerate(RUN_STATES)}
+        return {state: n for state, n in totals.items() if n}
 
     async def live(self, namespace: str, limit: int) -> int:
         # the live runs' indexes, filtered by the namespace's part of each member (run_ref)
         pattern = re.sub(r"([*?\[\]\\])", r"\\\1", run_ref(namespace, "")) + "*"
         found = 0
-        for state in (RunState.RUNNING, RunState.RESTARTING):
-            cursor = 0
-            while found < limit:
-                cursor, members = await self._db.do(self._db.client.zscan(
-                    self._db.key("runs", state), cursor, match=pattern, count=1000))
-                found += len(members)
-                if cursor == 0:
-                    break
+        for shard in self._db.layout.shards:
+            for state in (RunState.RUNNING, RunState.RESTARTING):
+                cursor = 0
+                while found < limit:
+                    cursor, members = await self._db.do(self._db.client.zscan(
+                        shard.key("runs", state), cursor, match=pattern, count=1000))
+                    found += len(members)
+                    if cursor == 0:
+                        break
         return min(found, limit)
 
     async def observe_epoch(self, namespace: str, run_id: str, epoch: int | None, defaults: Run,
                             now: float, ended: dict[str, Any] | None = None) -> int:
         rk = run_ref(namespace, run_id)
-        current = await self._db.do(self._db.client.hget(self._db.key("run", rk), "epoch"))
+        current = await self._db.do(self._db.client.hget(self._of(rk).key("run", rk), "epoch"))
         if current is not None and (epoch is None or epoch <= int(current)):
             return int(current)  # the common case: a known run at its current epoch, no write
         new = Run(namespace, run_id, RunState.RUNNING, epoch or 0, 0, now, now, defaults.timeout_s,
@@ -132,15 +160,20 @@ class RedisRuns:
                                       orjson.dumps(_new_run_fields(new)), _ending(ended)))
 
     async def touch(self, beats: dict[tuple[str, str, int | None], float]) -> None:
-        if beats:  # ARGV: the prefix, then rk, at, epoch ('' = unfenced), rk, at, epoch, ...
-            triples = (x for (namespace, run, epoch), at in beats.items()
-                       for x in (run_ref(namespace, run), field(at), "" if epoch is None else epoch))
-            await self._db.script("touch", [], [self._db.prefix, *triples])
+        # ARGV: the shard's prefix, then rk, at, epoch ('' = unfenced), rk, at, epoch, ...: one script a shard
+        by_shard: dict[Shard, list[Any]] = {}
+        for (namespace, run, epoch), at in beats.items():
+            rk = run_ref(namespace, run)
+            by_shard.setdefault(self._of(rk), []).extend((rk, field(at), "" if epoch is None else epoch))
+        await asyncio.gather(*(self._db.script("touch", [shard.anchor], [shard.prefix, *triples])
+                               for shard, triples in by_shard.items()))
 
     async def heartbeat(self, namespace: str, run_id: str, now: float,
                         epoch: int | None = None) -> Run | None:
-        reply = await self._heartbeats(self._db.evalsha("heartbeat", [self._db.anchor], [
-            self._db.prefix, run_ref(namespace, run_id), field(now), "" if epoch is None else epoch]))
+        rk = run_ref(namespace, run_id)
+        shard = self._of(rk)
+        reply = await self._heartbeats(self._db.evalsha("heartbeat", [shard.anchor], [
+            shard.prefix, rk, field(now), "" if epoch is None else epoch]))
         return _run(*reply) if reply else None
 
     async def end(self, namespace: str, run_id: str, state: str, now: float,
@@ -165,11 +198,22 @@ class RedisRuns:
     async def silent(self, now: float, limit: int = SILENT_LIMIT, claim_s: float = 0.0) -> list[Run]:
         # runs-deadline scores each live run by when it is due (run_scripts.py, due): the runs
         # due come first, and the exact condition is checked on those only
-        if claim_s:
+        # (with shards: each shard's soonest due, the soonest `limit` of those, then claimed)
+        if claim_s and not self._db.layout.sharded:
             rks = await self._script("claim_silent_runs", "", field(now), limit, field(now + claim_s))
         else:
-            rks = await self._db.do(self._db.client.zrangebyscore(
-                self._db.key("runs-deadline"), "-inf", field(now), start=0, num=limit))
+            found = await self._per_shard(lambda pipe, shard: pipe.zrangebyscore(
+                shard.key("runs-deadline"), "-inf", field(now), start=0, num=limit, withscores=True))
+            rks = [rk for rk, _ in heapq.nsmallest(limit, itertools.chain.from_iterable(found),
+                                                   key=lambda pair: (pair[1], pair[0]))]
+            if claim_s:
+                by_shard: dict[Shard, list[bytes]] = {}
+                for rk in rks:
+                    by_shard.setdefault(self._of(rk.decode()), []).append(rk)
+                claimed = await asyncio.gather(*(self._db.script(
+                    "claim_silent_runs", [shard.anchor], [shard.prefix, "", field(now), limit, field(now + claim_s), *mine])
+                    for shard, mine in by_shard.items()))
+                rks = [rk for mine in claimed for rk in mine]
         runs = await self._runs([rk.decode() for rk in rks])
         return [r for r in runs if r.state in (RunState.RUNNING, RunState.RESTARTING)
                 and ((r.lost and r.hook) or (r.last_seen + r.timeout_s < now and r.started_at + r.grace_s < now))
@@ -178,9 +222,9 @@ class RedisRuns:
     async def purge(self, before: float, batch: int = 1000) -> int:
         total = 0
         while True:  # in batches, so no script holds the server for long
-            n = await self._script("purge_runs", "", field(before), batch)
-            total += n
-            if n < batch:
+            purged = await self._each_shard("purge_runs", field(before), batch)
+            total += sum(purged)
+            if max(purged) < batch:
                 return total
 
     async def attach(self, namespace: str, run_id: str, epoch: int) -> Run | None:
@@ -189,9 +233,9 @@ class RedisRuns:
 
     async def lose(self, namespace: str, run_id: str, epoch: int, now: float, event: dict[str, Any],
                    attachment: int | None = None) -> bool:
-        return bool(await self._script("lose_attempt", run_ref(namespace, run_id), epoch,
-                                       orjson.dumps({"at": now, **event}),
-                                       "" if attachment is None else attachment, self._db.channel))
+        rk = run_ref(namespace, run_id)
+        return bool(await self._script("lose_attempt", rk, epoch, orjson.dumps({"at": now, **event}),
+                                       "" if attachment is None else attachment, self._of(rk).channel))
 
     async def wait_lost(self, timeout: float) -> bool:
         return await self._db.lost.wait(timeout)

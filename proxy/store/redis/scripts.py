@@ -1,9 +1,9 @@
 """The Lua scripts of the Redis store: each change to the journal or a run, atomically.
 
-Key layout and conventions: see the package docstring. Scripts get the key prefix as an
-argument where they reach keys they learn from the data (a run's journal, its index
-entries): on Redis Cluster every key shares the prefix's hash tag, so they are all in the
-slot of the keys the script names (:mod:`.cluster`). Absent hash fields stand
+Key layout and conventions: see the package docstring. Scripts get their shard's prefix as
+an argument where they reach keys they learn from the data (a run's indexes, its history):
+every key a script touches is of one shard (:mod:`.shards`), so on Redis Cluster they are all
+in the slot of the key the script names. Absent hash fields stand
 for None. Times are UNIX seconds as decimal strings; expiries are milliseconds. Constants
 shared with the other stores (run states, the history's length) are written into the
 script text from :mod:`..model` and :mod:`..rules`, so they are defined once.

@@ -115,8 +115,9 @@ def idemproxy(name: str, command: str, config: Path, port: int | None = None) ->
 class StoreServer:
     """A private PostgreSQL or Redis (``appendfsync always``: every acknowledged write is on
     disk), killed with SIGKILL like a crashed host and started again on its data; or a Redis
-    Cluster (``redis-cluster``), whose fault is its master of the campaign's slot killed, its
-    replica promoted, and the killed node started again as that one's replica. ``settings``
+    Cluster (``redis-cluster``), whose fault is one of its masters killed (each in turn: the
+    campaign's shards are on all of them), its replica promoted, and the killed node started
+    again as that one's replica. ``settings``
     are the ``[store]`` options the proxies need for it."""
 
     def __init__(self, backend: str):
@@ -138,6 +139,7 @@ class StoreServer:
             raise ValueError(f"the campaign kills a store server: postgres, redis or redis-cluster, not {backend}")
         self.up = False
         self._dead_master: int | None = None
+        self._kills = 0
 
     def start(self) -> None:
         if self._dead_master is None:
@@ -151,7 +153,9 @@ class StoreServer:
     def kill(self) -> None:
         self.up = False
         if self.backend == "redis-cluster":
-            self._dead_master = self.server.master_of("{campaign:}")  # the prefix is every key's hash tag
+            masters = self.server.masters()
+            self._dead_master = masters[self._kills % len(masters)]
+            self._kills += 1
             self.server.kill(self._dead_master)
             return
         if self.backend == "redis":
