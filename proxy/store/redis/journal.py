@@ -5,11 +5,13 @@ the request path (get, claim, complete) that arrive together go as one pipeline
 (:mod:`..batching`).
 
 An entry lives in the shard of its kid, a run's journal index in the run's (:mod:`.shards`).
-Where they are apart, a claim is two scripts: the claim, then the run's check of its epoch
-and the index, in that order, so a call goes upstream only if its attempt was still current
-after its key was claimed (else the claim is given back), as with one script. A release
-deletes the claim, then its index entry; a run's journal is deleted entries first, and the
-generation raised last (Journal.generation).
+Where they are apart, a claim is two scripts: the claim, then the run's check of the epoch
+with the step's index (ENTER_STEP), in that order, so a call goes upstream only if its attempt
+was still current after its key was claimed, as with one script (a claim the check finds
+superseded is given back at once). Sent together they would save a round trip, but every
+replay would then pay a second command: measured, that cost more than the round trip. A
+release deletes the claim, then its index entry; a run's journal is deleted entries first,
+and the generation raised last (Journal.generation).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import time
-from typing import Any, Awaitable
+from typing import Any, Awaitable, Callable
 
 import orjson
 
@@ -82,11 +84,9 @@ class RedisJournal:
         self._pipelined = Batches("redis", self._send, db.timeout, self._unanswered)
         self._give_back = GiveBack(self.release)
         self._acknowledged: set[str] = set()  # the SHAs of the claim and the record scripts
-        self._entering = ""  # the SHA of enter_step
 
     async def opened(self, migrate: bool) -> None:
         self._acknowledged = {self._db.evalsha(name, [], [])[1] for name in ("claim", "complete")}
-        self._entering = self._db.evalsha("enter_step", [], [])[1]
         if migrate:
             await self.index_quarantined()
 
@@ -103,11 +103,9 @@ class RedisJournal:
         return self._db.pipeline([command for command, _ in calls], wrote)
 
     def _unanswered(self, call: tuple[tuple[Any, ...], Claim | None], outcome: object) -> None:
-        """A claim its caller gave up on (or whose pipeline failed) may be written: give it back.
-        Its run's check (enter_step) comes after the claim won: whatever it says, it is written."""
-        command, claim = call
-        if claim is not None and (command[1] == self._entering
-                                  or not (isinstance(outcome, list) and outcome[0] != b"won")):
+        """A claim its caller gave up on (or whose pipeline failed) may be written: give it back."""
+        _, claim = call
+        if claim is not None and not (isinstance(outcome, list) and outcome[0] != b"won"):
             self._give_back.add(claim.scope.kid, claim.owner, claim.lease_s)
 
     def _pipelined_script(self, name: str, keys: list[str], args: list[Any],
@@ -143,34 +141,57 @@ class RedisJournal:
         run_shard = self._of(rk) if rk else shard
         together = run_shard is shard  # the run's part in the claim's own script
         key = shard.key
-        try:
-            reply = await self._pipelined_script(
-                "claim", [key("entry", kid), key("partial", kid), key("run", rk), key("steps", rk),
-                          key("steps-expiry"), key("quarantined")],
-                [field(now), epoch if together else "", claim.fingerprint, claim.owner, claim.on_expired,
-                 expires_ms, kid, member if rk and together else "", orjson.dumps(fields)],
-                claim)
-            if rk and not together and reply[0] != b"taken":
-                reply = await self._pipelined_script(
-                    "enter_step", [run_shard.key("run", rk), run_shard.key("steps", rk), run_shard.key("steps-expiry")],
-                    [epoch, field(now), kid, member, expires_ms], claim)
-                if reply[0] == b"stale":  # superseded after all: nothing went upstream, the key is freed
-                    try:
-                        await self.release(kid, claim.owner)
-                    except StoreUnavailable:
-                        self._give_back.add(kid, claim.owner, claim.lease_s)
-            elif rk and not together and fenced:  # a replay: the epoch still decides, as in one script
-                current = await self._db.do(self._db.client.hget(run_shard.key("run", rk), "epoch"))
-                if current is not None and int(current) > claim.epoch:
-                    reply = [b"stale", current]
-        except ReplicasBehind:  # won on the master alone: the caller is refused, so the key is freed
-            self._give_back.add(kid, claim.owner, claim.lease_s)
-            raise
+        claimed = self._pipelined_script(
+            "claim", [key("entry", kid), key("partial", kid), key("run", rk), key("steps", rk),
+                      key("steps-expiry"), key("quarantined")],
+            [field(now), epoch if together else "", claim.fingerprint, claim.owner, claim.on_expired,
+             expires_ms, kid, member if rk and together else "", orjson.dumps(fields)],
+            claim)
+        if together or not rk:
+            try:
+                reply = await claimed
+            except ReplicasBehind:  # won on the master alone: the caller is refused, so the key is freed
+                self._give_back.add(kid, claim.owner, claim.lease_s)
+                raise
+        else:
+            reply = await self._claim_apart(claim, claimed, lambda: self._pipelined_script(
+                "enter_step", [run_shard.key("run", rk), run_shard.key("steps", rk), run_shard.key("steps-expiry")],
+                [epoch, field(now), kid, member, expires_ms]))
         if reply[0] == b"stale":
             return ClaimResult(False, None, stale_epoch=int(reply[1]))
         if reply[0] != b"taken":
             return ClaimResult(True, entry)
         return ClaimResult(False, _entry(reply[1]))
+
+    async def _claim_apart(self, claim: Claim, claimed: Awaitable[Any],
+                           enter: Callable[[], Awaitable[Any]]) -> Any:
+        """The claim, then its run's check (``enter``, ENTER_STEP) if it won, or if it found the
+        key taken and is fenced (a superseded attempt gets no replay either, as with one script;
+        and a step a crash left out of its run's journal is indexed again): the claim's reply,
+        or the run's 'stale'. A claim won but not to be used (superseded, or unchecked) is freed."""
+        kid, owner = claim.scope.kid, claim.owner
+        try:
+            reply = await claimed
+        except ReplicasBehind:  # won on the master alone: the caller is refused, so the key is freed
+            self._give_back.add(kid, owner, claim.lease_s)
+            raise
+        won = reply[0] == b"won"
+        if not won and claim.epoch is None:
+            return reply
+        try:
+            check = await enter()
+        except BaseException:
+            if won:
+                self._give_back.add(kid, owner, claim.lease_s)
+            raise
+        if check[0] != b"stale":
+            return reply
+        if won:  # superseded: nothing goes upstream, and the key is free again at once
+            try:
+                await self.release(kid, owner)
+            except StoreUnavailable:
+                self._give_back.add(kid, owner, claim.lease_s)
+        return check
 
     async def next_occurrence(self, namespace: str, run: str, epoch: int | None, fingerprint: str,
                               retention_s: float, *, tenant: str) -> int:

@@ -56,14 +56,17 @@ return {'won'}
 
 ENTER_STEP = """
 -- KEYS: run, steps, steps-expiry; ARGV: epoch ('' = unfenced), now, kid, index member, expires_ms.
--- After a claim won in the entry's shard: {'stale', epoch} if the run has moved past the epoch
--- (the caller releases the claim), else the step is indexed in its run's journal: {'entered'}
+-- After a claim in the entry's shard that won, or that found the key taken and is fenced:
+-- {'stale', epoch} if the run has moved past the epoch (the caller frees the claim if it won),
+-- else the step is in its run's journal: {'entered'}. NX: a step indexed already keeps its
+-- place (a replay; PURGE_STEPS finds the expiry of one claimed again), and one a crash left
+-- out is indexed by the next fenced claim of it.
 if ARGV[1] ~= '' then
   local epoch = redis.call('HGET', KEYS[1], 'epoch')
   if epoch and tonumber(epoch) > tonumber(ARGV[1]) then return {'stale', epoch} end
 end
-redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
-redis.call('ZADD', KEYS[3], ARGV[5], ARGV[4])
+redis.call('ZADD', KEYS[2], 'NX', ARGV[2], ARGV[3])
+redis.call('ZADD', KEYS[3], 'NX', ARGV[5], ARGV[4])
 return {'entered'}
 """
 
@@ -124,13 +127,11 @@ return gone
 UNINDEX_STEP = """
 -- KEYS: steps, steps-expiry, occ; ARGV: kid, index member, created_at, expires_ms, key, epoch,
 -- fingerprint, tenant. After RELEASE deleted a run's claim: the step leaves its run's journal,
--- unless a claim since (the same step again) indexed it anew, with its own times.
-if tonumber(redis.call('ZSCORE', KEYS[1], ARGV[1])) == tonumber(ARGV[3]) then
-  redis.call('ZREM', KEYS[1], ARGV[1])
-end
-if tonumber(redis.call('ZSCORE', KEYS[2], ARGV[2])) == tonumber(ARGV[4]) then
-  redis.call('ZREM', KEYS[2], ARGV[2])
-end
+-- unless a claim since (the same step again, in one script with its run) indexed it anew, later.
+local at = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if at and tonumber(at) <= tonumber(ARGV[3]) then redis.call('ZREM', KEYS[1], ARGV[1]) end
+local due = redis.call('ZSCORE', KEYS[2], ARGV[2])
+if due and tonumber(due) <= tonumber(ARGV[4]) then redis.call('ZREM', KEYS[2], ARGV[2]) end
 local n = string.match(ARGV[5], '^derived:.*:(%d+)$')
 if n then  -- give the occurrence number back, so the caller's retry maps onto this slot
   -- counted per tenant: the field is "{epoch}:" .. rules.counted(tenant, fingerprint)
