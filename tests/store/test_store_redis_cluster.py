@@ -147,6 +147,22 @@ async def test_a_superseded_attempt_claims_nothing_whether_its_entry_is_in_its_r
     assert [e.kid for e in await store.journal.entries(NS, "fenced")] == [sc.kid]
 
 
+async def test_a_step_a_crash_left_out_of_its_runs_journal_is_listed_by_the_next_claim_of_it(open_store):
+    """Between a claim and its run's check (two shards), a process may die: the entry is then in
+    no run's journal. An attempt's next claim of it (a replay) checks the run and lists it again."""
+    store = await open_store()
+    await store.runs.upsert(new_run("fenced"))
+    sc = _apart(store.connection.layout, together=False)
+    assert (await store.journal.claim(claim_of(sc, epoch=0))).won
+    assert await store.journal.complete(sc.kid, "owner-1", REPLY)
+    run_shard = store.connection.layout.of(run_ref(NS, "fenced"))
+    await store.connection.do(store.connection.client.delete(run_shard.key("steps", run_ref(NS, "fenced"))))
+    assert await store.journal.entries(NS, "fenced") == []  # as a crash between the two scripts leaves it
+    replayed = await store.journal.claim(claim_of(sc, owner="again", epoch=0))
+    assert not replayed.won and replayed.entry.response.body == REPLY.body
+    assert [e.kid for e in await store.journal.entries(NS, "fenced")] == [sc.kid]
+
+
 async def test_the_supervisor_claims_no_more_runs_than_it_asks_for_across_shards(open_store):
     store = await open_store()
     past = time.time() - 1000
