@@ -15,14 +15,15 @@ writes into ``--out``: ``summary.json`` (the verdict, the figures, the seed), ``
 (per minute: calls, p50, p99, max, faults), ``memory.csv`` (every sample), ``faults.csv``
 (every fault injected) and the plots ``latency.png`` and ``memory.png``. The processes'
 logs and the agents' event files stay in a temporary folder, removed at the end unless
-``--keep``. Needs the test and bench extras (``pip install -e '.[test,bench]'``) and the
-PostgreSQL or Redis server binaries.
+``--keep``. Needs the test and bench extras and the client (``pip install -e '.[test,bench]'
+-e clients/python``) and the PostgreSQL or Redis server binaries.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import logging
 import random
@@ -91,6 +92,8 @@ async def soak(plan: Plan, folder: Path) -> tuple[dict, list[figures.Sample]]:
 
 def main() -> int:
     args = arguments()
+    if importlib.util.find_spec("idemproxy_client") is None:  # else every agent dies at start, for the hour
+        sys.exit("the agents need the Python client: pip install -e clients/python")
     seed = args.seed or random.SystemRandom().randrange(1, 10**6)
     plan = Plan(args.store, seed, args.minutes * 60, agents=args.agents, steps=args.steps,
                 fault_every_s=args.fault_every)
