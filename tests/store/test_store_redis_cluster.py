@@ -105,7 +105,8 @@ async def test_a_deployments_shards_are_chosen_once(cluster, tmp_path):
 
     root = f"t{uuid.uuid4().hex[:10]}:"
     earlier = redis.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
-    earlier.set("{" + root + "}generation", 3)  # as an earlier version leaves it: one slot, no layout
+    earlier.set("{" + root + "}generation", 3)  # as an earlier version's serve leaves it: one slot, no layout
+    earlier.set("{" + root + "}layout:quarantined", 1)
     earlier.close()
     store = make_store(StoreSettings(url=f"{cluster.url}/?prefix={root}"))
     await store.open()
@@ -161,6 +162,87 @@ async def test_a_step_a_crash_left_out_of_its_runs_journal_is_listed_by_the_next
     replayed = await store.journal.claim(claim_of(sc, owner="again", epoch=0))
     assert not replayed.won and replayed.entry.response.body == REPLY.body
     assert [e.kid for e in await store.journal.entries(NS, "fenced")] == [sc.kid]
+
+
+class Held:
+    """Holds the store's next call of one script until ``go()``: another caller's claim runs
+    between the two steps of a change that crosses shards (no mock: the script runs, later)."""
+
+    def __init__(self, connection, name: str):
+        self.reached, self._go = asyncio.Event(), asyncio.Event()
+        original = connection.script
+
+        def script(called, keys, args):
+            if called != name or self._go.is_set():
+                return original(called, keys, args)
+
+            async def later():
+                self.reached.set()
+                await self._go.wait()
+                return await original(called, keys, args)
+            return later()
+        connection.script = script
+
+    def go(self) -> None:
+        self._go.set()
+
+
+async def _release(store, sc):
+    await store.journal.release(sc.kid, "owner-1")
+
+
+async def _purge(store, sc):
+    await asyncio.sleep(1.3)  # the first claim's entry (a second's retention) has expired
+    await store.journal.purge(time.time())
+
+
+async def _delete(store, sc):
+    assert await store.journal.delete_run(NS, "fenced") == 1
+
+
+@pytest.mark.parametrize("change, held, retention_s", [(_release, "unindex_step", 3600.0),
+                                                       (_purge, "purge_steps", 1.0),
+                                                       (_delete, "delete_steps", 3600.0)],
+                         ids=["release", "purge", "delete-run"])
+async def test_a_claim_between_the_two_steps_of_a_change_stays_in_its_runs_journal(
+        open_store, change, held, retention_s):
+    """A release, a purge and a run's deletion change the entry's shard, then the run's index.
+    A claim of the same step in between (another replica's) keeps its place in the run's
+    journal, and a deletion of the run after it deletes it."""
+    store, other = await open_store(), await open_store()
+    await store.runs.upsert(new_run("fenced"))
+    sc = _apart(store.connection.layout, together=False)
+    assert (await store.journal.claim(claim_of(sc, epoch=0, retention_s=retention_s))).won
+    if change is not _release:
+        assert await store.journal.complete(sc.kid, "owner-1", REPLY)
+    pause = Held(store.connection, held)
+    changing = asyncio.create_task(change(store, sc))
+    await asyncio.wait_for(pause.reached.wait(), 10)
+    again = await other.journal.claim(claim_of(sc, owner="other", epoch=0))
+    assert again.won and await other.journal.complete(sc.kid, "other", REPLY)
+    pause.go()
+    await changing
+    assert [e.kid for e in await other.journal.entries(NS, "fenced")] == [sc.kid]
+    assert list((await other.journal.recorded(NS, "fenced", 10 ** 6))[0]) == [sc.kid]
+    assert await other.journal.delete_run(NS, "fenced") == 1
+    assert await other.journal.get(sc.kid) is None
+
+
+async def test_a_superseded_attempt_leaves_an_entry_an_operator_retried_as_it_was(open_store):
+    """A claim that would take over an entry (here one an operator retried) checks its run's
+    epoch first when they lie in different shards: a superseded attempt changes nothing."""
+    store = await open_store()
+    await store.runs.upsert(new_run("fenced"))
+    sc = _apart(store.connection.layout, together=False)
+    assert (await store.journal.claim(claim_of(sc, epoch=0))).won
+    await store.journal.quarantine(sc.kid, "owner-1", "the proxy stopped mid-call", {"why": "evidence"})
+    assert await store.journal.resolve(sc.kid, None)  # retry
+    assert await store.runs.new_attempt(NS, "fenced", 0, time.time(), "restart", True)
+    stale = await store.journal.claim(claim_of(sc, owner="stale", epoch=0))
+    assert (stale.won, stale.stale_epoch) == (False, 1)
+    entry = await store.journal.get(sc.kid)
+    assert (entry.state, entry.detail, entry.evidence) == ("retried", "the proxy stopped mid-call", {"why": "evidence"})
+    assert (await store.journal.claim(claim_of(sc, owner="current", epoch=1))).won  # the current one takes it over
 
 
 async def test_the_supervisor_claims_no_more_runs_than_it_asks_for_across_shards(open_store):

@@ -202,8 +202,10 @@ class RedisConnection:
         marker = first + "layout:shards"
         stored = await client.get(marker)
         if stored is None:
-            earlier = await client.exists(*(first + name for name in (
-                "generation", "runs", "steps-expiry", "quarantined", "layout:quarantined")))
+            # every earlier build's serve set this marker at its first open (index_quarantined);
+            # nothing else can tell: a command that opens without migrating may have written
+            # the generation of a deployment laid out as chosen below
+            earlier = await client.exists(first + "layout:quarantined")
             chosen = [first] if earlier else cluster_tags(self.root, self._shards_asked or DEFAULT_SHARDS)
             if not migrate:
                 return chosen
@@ -348,11 +350,18 @@ class RedisConnection:
         nothing of the rest, and the store gives back the claims it made (Batches)."""
         if not self.cluster:
             return await self._send_on(None, commands, wrote)
+        if self._stale_map:
+            await self.client.nodes_manager.initialize()
+            self._stale_map = False
         nodes: dict[str, tuple[int, list[int]]] = {}
-        for i, command in enumerate(commands):
-            slot = slot_of(text(command[3]))  # EVALSHA sha numkeys key...
-            node = self.client.nodes_manager.get_node_from_slot(slot)
-            nodes.setdefault(node.name, (slot, []))[1].append(i)
+        try:
+            for i, command in enumerate(commands):
+                slot = slot_of(text(command[3]))  # EVALSHA sha numkeys key...
+                node = self.client.nodes_manager.get_node_from_slot(slot)
+                nodes.setdefault(node.name, (slot, []))[1].append(i)
+        except RedisClusterException:  # a slot no master serves in the map we have: a failover
+            self._stale_map = True
+            raise
         if len(nodes) == 1:
             (slot, _), = nodes.values()
             return await self._send_on(slot, commands, wrote)

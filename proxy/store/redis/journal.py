@@ -141,45 +141,59 @@ class RedisJournal:
         run_shard = self._of(rk) if rk else shard
         together = run_shard is shard  # the run's part in the claim's own script
         key = shard.key
-        claimed = self._pipelined_script(
-            "claim", [key("entry", kid), key("partial", kid), key("run", rk), key("steps", rk),
-                      key("steps-expiry"), key("quarantined")],
-            [field(now), epoch if together else "", claim.fingerprint, claim.owner, claim.on_expired,
-             expires_ms, kid, member if rk and together else "", orjson.dumps(fields)],
-            claim)
+
+        def claimed(ask: bool = False) -> Awaitable[Any]:
+            return self._pipelined_script(
+                "claim", [key("entry", kid), key("partial", kid), key("run", rk), key("steps", rk),
+                          key("steps-expiry"), key("quarantined")],
+                [field(now), epoch if together else "", claim.fingerprint, claim.owner, claim.on_expired,
+                 expires_ms, kid, member if rk and together else "", orjson.dumps(fields), int(ask)],
+                claim)
+
+        def enter(won: bool) -> Awaitable[Any]:
+            return self._pipelined_script(
+                "enter_step", [run_shard.key("run", rk), run_shard.key("steps", rk), run_shard.key("steps-expiry")],
+                [epoch, field(now), kid, member, expires_ms, int(won)])
         if together or not rk:
             try:
-                reply = await claimed
+                reply = await claimed()
             except ReplicasBehind:  # won on the master alone: the caller is refused, so the key is freed
                 self._give_back.add(kid, claim.owner, claim.lease_s)
                 raise
         else:
-            reply = await self._claim_apart(claim, claimed, lambda: self._pipelined_script(
-                "enter_step", [run_shard.key("run", rk), run_shard.key("steps", rk), run_shard.key("steps-expiry")],
-                [epoch, field(now), kid, member, expires_ms]))
+            reply = await self._claim_apart(claim, claimed, enter)
         if reply[0] == b"stale":
             return ClaimResult(False, None, stale_epoch=int(reply[1]))
         if reply[0] != b"taken":
             return ClaimResult(True, entry)
         return ClaimResult(False, _entry(reply[1]))
 
-    async def _claim_apart(self, claim: Claim, claimed: Awaitable[Any],
-                           enter: Callable[[], Awaitable[Any]]) -> Any:
+    async def _claim_apart(self, claim: Claim, claimed: Callable[[bool], Awaitable[Any]],
+                           enter: Callable[[bool], Awaitable[Any]]) -> Any:
         """The claim, then its run's check (``enter``, ENTER_STEP) if it won, or if it found the
         key taken and is fenced (a superseded attempt gets no replay either, as with one script;
         and a step a crash left out of its run's journal is indexed again): the claim's reply,
-        or the run's 'stale'. A claim won but not to be used (superseded, or unchecked) is freed."""
-        kid, owner = claim.scope.kid, claim.owner
+        or the run's 'stale'. A claim won but not to be used (superseded, or unchecked) is freed.
+
+        A fenced claim that would change an entry already there (take over one an operator
+        retried or whose lease ran out, or quarantine it) asks first: the run is checked before
+        it, so a superseded attempt changes nothing, as with one script."""
+        kid, owner, fenced = claim.scope.kid, claim.owner, claim.epoch is not None
         try:
-            reply = await claimed
+            reply = await claimed(fenced)
+            if reply[0] == b"takeover":
+                check = await enter(False)
+                if check[0] == b"stale":
+                    return check
+                reply = await claimed(False)
         except ReplicasBehind:  # won on the master alone: the caller is refused, so the key is freed
             self._give_back.add(kid, owner, claim.lease_s)
             raise
         won = reply[0] == b"won"
-        if not won and claim.epoch is None:
+        if not won and not fenced:
             return reply
         try:
-            check = await enter()
+            check = await enter(won)
         except BaseException:
             if won:
                 self._give_back.add(kid, owner, claim.lease_s)
@@ -214,8 +228,13 @@ class RedisJournal:
 
     async def _steps(self, namespace: str, run: str) -> list[str]:
         """The kids of a run's journal, oldest first."""
+        return [kid for kid, _ in await self._scored_steps(namespace, run)]
+
+    async def _scored_steps(self, namespace: str, run: str) -> list[tuple[str, float]]:
+        """The kids of a run's journal, oldest first, with when each was claimed."""
         rk = run_ref(namespace, run)
-        return [kid.decode() for kid in await self._db.do(self._db.client.zrange(self._of(rk).key("steps", rk), 0, -1))]
+        steps = await self._db.do(self._db.client.zrange(self._of(rk).key("steps", rk), 0, -1, withscores=True))
+        return [(kid.decode(), at) for kid, at in steps]
 
     async def _read_each(self, kids: list[str], *fields: str) -> list[list[Any]]:
         """Some fields of each entry (None for an entry gone), one pipeline to each master."""
@@ -396,20 +415,23 @@ class RedisJournal:
 
     async def delete_run(self, namespace: str, run: str) -> int:
         rk = run_ref(namespace, run)
-        run_shard, kids = self._of(rk), await self._steps(namespace, run)
+        run_shard, steps = self._of(rk), await self._scored_steps(namespace, run)
         deleted = 0
-        for start in range(0, max(len(kids), 1), BATCH):  # the entries, then their index, then the generation
-            some = kids[start:start + BATCH]
-            by_shard: dict[Shard, list[str]] = {}
-            for kid in some:
-                by_shard.setdefault(self._of(kid), []).append(kid)
-            deleted += sum(await asyncio.gather(*(self._db.script(
-                "delete_entries", [shard.key("quarantined"),
-                                   *(k for kid in mine for k in (shard.key("entry", kid), shard.key("partial", kid)))],
-                mine) for shard, mine in by_shard.items())))
-            await self._db.script("delete_steps", [run_shard.key("steps", rk), run_shard.key("occ", rk),
-                                                   run_shard.key("steps-expiry")], [rk, *some])
-        await self._db.do(self._db.client.incr(self._db.key("generation")))  # last: see Journal.generation
+        try:  # the entries, then their index; the generation last, even after a failure (Journal.generation)
+            for start in range(0, max(len(steps), 1), BATCH):
+                some = steps[start:start + BATCH]
+                by_shard: dict[Shard, list[str]] = {}
+                for kid, _ in some:
+                    by_shard.setdefault(self._of(kid), []).append(kid)
+                deleted += sum(await asyncio.gather(*(self._db.script(
+                    "delete_entries", [shard.key("quarantined"), *(
+                        k for kid in mine for k in (shard.key("entry", kid), shard.key("partial", kid)))],
+                    mine) for shard, mine in by_shard.items())))
+                await self._db.script("delete_steps", [run_shard.key("steps", rk), run_shard.key("occ", rk),
+                                                       run_shard.key("steps-expiry")],
+                                      [rk, *(x for kid, at in some for x in (kid, field(at)))])
+        finally:
+            await self._db.do(self._db.client.incr(self._db.key("generation")))
         return deleted
 
     async def index_quarantined(self) -> None:

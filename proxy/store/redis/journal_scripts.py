@@ -18,7 +18,9 @@ CLAIM = """
 -- {'taken', the entry's READ_FIELDS}
 -- ARGV: now, epoch ('' = unfenced), fingerprint, owner, on_expired, expires_ms, kid, index member
 --       ('' = not indexed here), the new entry's fields (a JSON object of strings: one argument
---       packs faster than forty). With both '' the run's keys are not touched (its shard is another).
+--       packs faster than forty). With both '' the run's keys are not touched (its shard is another);
+--       ARGV[10] = '1' then asks first: {'takeover'}, changing nothing, where the claim would change an
+--       entry that is there (take it over, or quarantine it), so the run's epoch is checked before.
 if ARGV[2] ~= '' then  -- a superseded attempt must not claim (checked here, atomically)
   local epoch = redis.call('HGET', KEYS[3], 'epoch')
   if epoch and tonumber(epoch) > tonumber(ARGV[2]) then return {'stale', epoch} end
@@ -31,6 +33,7 @@ if e[1] and e[1] ~= 'retried' then  -- an entry an operator retried is taken ove
     -- whole, with any response: the caller may replay it at once
     return {'taken', redis.call('HMGET', KEYS[1], READ_FIELDS)}
   end
+  if ARGV[10] == '1' then return {'takeover'} end
   if ARGV[5] == 'quarantine' then  -- its proxy died mid-call: the outcome is unknown
     redis.call('HSET', KEYS[1], 'state', 'unknown', 'detail', 'the proxy holding the claim stopped mid-call')
     redis.call('HDEL', KEYS[1], 'owner')
@@ -39,6 +42,7 @@ if e[1] and e[1] ~= 'retried' then  -- an entry an operator retried is taken ove
     return {'taken', redis.call('HMGET', KEYS[1], READ_FIELDS)}
   end
 end
+if e[1] and ARGV[10] == '1' then return {'takeover'} end
 redis.call('DEL', KEYS[1], KEYS[2])
 local fields = {}
 for name, value in pairs(cjson.decode(ARGV[9])) do
@@ -55,18 +59,23 @@ return {'won'}
 """
 
 ENTER_STEP = """
--- KEYS: run, steps, steps-expiry; ARGV: epoch ('' = unfenced), now, kid, index member, expires_ms.
--- After a claim in the entry's shard that won, or that found the key taken and is fenced:
--- {'stale', epoch} if the run has moved past the epoch (the caller frees the claim if it won),
--- else the step is in its run's journal: {'entered'}. NX: a step indexed already keeps its
--- place (a replay; PURGE_STEPS finds the expiry of one claimed again), and one a crash left
--- out is indexed by the next fenced claim of it.
+-- KEYS: run, steps, steps-expiry; ARGV: epoch ('' = unfenced), now, kid, index member, expires_ms,
+-- won ('1': the claim wrote the entry; '': it found it there). After a claim in the entry's
+-- shard: {'stale', epoch} if the run has moved past the epoch (the caller frees a claim that
+-- won), else the step is in its run's journal: {'entered'}. A claim that won indexes its step
+-- at its own times, as CLAIM does (UNINDEX_STEP and PURGE_STEPS then leave it be); a replay
+-- (NX) keeps the times there, and lists again a step a crash left out.
 if ARGV[1] ~= '' then
   local epoch = redis.call('HGET', KEYS[1], 'epoch')
   if epoch and tonumber(epoch) > tonumber(ARGV[1]) then return {'stale', epoch} end
 end
-redis.call('ZADD', KEYS[2], 'NX', ARGV[2], ARGV[3])
-redis.call('ZADD', KEYS[3], 'NX', ARGV[5], ARGV[4])
+if ARGV[6] == '1' then
+  redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
+  redis.call('ZADD', KEYS[3], ARGV[5], ARGV[4])
+else
+  redis.call('ZADD', KEYS[2], 'NX', ARGV[2], ARGV[3])
+  redis.call('ZADD', KEYS[3], 'NX', ARGV[5], ARGV[4])
+end
 return {'entered'}
 """
 
@@ -251,11 +260,14 @@ return deleted
 """
 
 DELETE_STEPS = """
--- KEYS: steps, occ, steps-expiry; ARGV: rk, then the kids DELETE_ENTRIES deleted. A run's
--- journal index, after its entries are gone (a step claimed meanwhile stays listed).
-for i = 2, #ARGV do
-  redis.call('ZREM', KEYS[1], ARGV[i])
-  redis.call('ZREM', KEYS[3], ARGV[i] .. ' ' .. ARGV[1])
+-- KEYS: steps, occ, steps-expiry; ARGV: rk, then each kid DELETE_ENTRIES deleted and its score in
+-- steps when read. A run's journal index, after its entries are gone: a step claimed again
+-- meanwhile (indexed anew, at another score) stays listed.
+for i = 2, #ARGV, 2 do
+  if tonumber(redis.call('ZSCORE', KEYS[1], ARGV[i])) == tonumber(ARGV[i + 1]) then
+    redis.call('ZREM', KEYS[1], ARGV[i])
+    redis.call('ZREM', KEYS[3], ARGV[i] .. ' ' .. ARGV[1])
+  end
 end
 redis.call('DEL', KEYS[2])
 """

@@ -213,7 +213,8 @@ class RedisRuns:
                 claimed = await asyncio.gather(*(self._db.script(
                     "claim_silent_runs", [shard.anchor], [shard.prefix, "", field(now), limit, field(now + claim_s), *mine])
                     for shard, mine in by_shard.items()))
-                rks = [rk for mine in claimed for rk in mine]
+                won = {rk for mine in claimed for rk in mine}
+                rks = [rk for rk in rks if rk in won]  # still soonest due first
         runs = await self._runs([rk.decode() for rk in rks])
         return [r for r in runs if r.state in (RunState.RUNNING, RunState.RESTARTING)
                 and ((r.lost and r.hook) or (r.last_seen + r.timeout_s < now and r.started_at + r.grace_s < now))
